@@ -1,0 +1,163 @@
+"""Every Redis key name rlmq reads or writes, in one place.
+
+Two families live here:
+
+* rlmq's own keys, all under the prefix ``rlmq:``. Keys of one rollout carry the
+  hash tag ``{<rollout_id>}`` so a Lua script touching several of them stays in one
+  Redis Cluster slot. Every rollout key gets a TTL that the producer refreshes while
+  the rollout lives (``Settings.rollout_key_ttl``), so an abandoned rollout leaves
+  nothing behind.
+* RQ's keys (``rq:...``), which rlmq's producer and worker write directly on the hot
+  path so that ``rq info`` and rq-dashboard stay truthful. ``tests/unit/test_keys.py``
+  checks them against RQ's own key builders, so an RQ release that renames them fails
+  loudly instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "rlmq"
+RQ_PREFIX = "rq"
+
+_SLUG = re.compile(r"[^A-Za-z0-9._-]+")
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def namespace(*parts: str) -> str:
+    """Join ``parts`` under the ``rlmq:`` prefix: ``namespace("a", "b") == "rlmq:a:b"``."""
+    return ":".join((PREFIX, *parts))
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    """Return ``rollout_id`` if it is 1-64 characters of ``[A-Za-z0-9_-]``.
+
+    Raises:
+        ValueError: otherwise (rollout ids become part of RQ job ids, which RQ restricts).
+    """
+    if not _ROLLOUT_ID.fullmatch(rollout_id):
+        raise ValueError(f"invalid rollout id {rollout_id!r}: use 1-64 characters of [A-Za-z0-9_-]")
+    return rollout_id
+
+
+def queue_name_for_model(model: str) -> str:
+    """The RQ queue name that serves sub-LLM calls for ``model``.
+
+    Producer (``rlmq run --sub-model m``) and worker (``rlmq worker --model m``) both
+    derive it here, so they meet without configuration: ``"Qwen/Qwen3-8B"`` becomes
+    ``"rlmq.sub.Qwen_Qwen3-8B"``.
+    """
+    slug = _SLUG.sub("_", model).strip("_") or "default"
+    return f"{PREFIX}.sub.{slug}"
+
+
+class RolloutKeys:
+    """Key names of one rollout (all share the hash tag ``{rollout_id}``).
+
+    Args:
+        rollout_id: the rollout's id, ``[A-Za-z0-9_-]{1,64}``.
+    """
+
+    __slots__ = ("rollout_id", "tag")
+
+    def __init__(self, rollout_id: str) -> None:
+        self.rollout_id = check_rollout_id(rollout_id)
+        self.tag = "{" + rollout_id + "}"
+
+    @property
+    def budget(self) -> str:
+        """Hash: the rollout's budget ledger (``limit``, ``charged``, ``grants``, ...)."""
+        return namespace(self.tag, "budget")
+
+    @property
+    def reservations(self) -> str:
+        """Hash: reservation id -> ``open:<grant>`` or ``settled:<used>``."""
+        return namespace(self.tag, "resv")
+
+    @property
+    def info(self) -> str:
+        """Hash: what ``rlmq status`` shows of a live rollout (model, queue, started)."""
+        return namespace(self.tag, "info")
+
+    def reply(self, batch_id: str) -> str:
+        """List: the reply channel of one ``llm_batch`` call; workers RPUSH results here."""
+        return namespace(self.tag, "reply", batch_id)
+
+    def all_static(self) -> list[str]:
+        """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
+        return [self.budget, self.reservations, self.info]
+
+
+LIVE_ROLLOUTS = namespace("rollouts")
+"""Sorted set: rollout id -> expiry timestamp (seconds); what ``rlmq status`` lists."""
+
+
+def worker_stats(worker_name: str) -> str:
+    """Hash: rlmq's per-worker live figures (in-flight sub-calls, totals)."""
+    return namespace("worker", worker_name)
+
+
+# ---------------------------------------------------------------------------
+# RQ's keys (RQ 2.x / 3.x layout)
+
+
+def rq_queue(queue: str) -> str:
+    """List of job ids waiting on ``queue`` (``Queue.key``)."""
+    return f"{RQ_PREFIX}:queue:{queue}"
+
+
+RQ_QUEUES = f"{RQ_PREFIX}:queues"
+"""Set of all queue keys (``Queue.redis_queues_keys``)."""
+
+RQ_WORKERS = f"{RQ_PREFIX}:workers"
+"""Set of all worker keys (``Worker.redis_workers_keys``)."""
+
+
+def rq_job(job_id: str) -> str:
+    """Hash of one job (``Job.key``)."""
+    return f"{RQ_PREFIX}:job:{job_id}"
+
+
+def rq_results(job_id: str) -> str:
+    """Stream of one job's results (``Result.get_key``)."""
+    return f"{RQ_PREFIX}:results:{job_id}"
+
+
+def rq_started(queue: str) -> str:
+    """Sorted set ``job_id:execution_id`` -> heartbeat expiry (``StartedJobRegistry.key``)."""
+    return f"{RQ_PREFIX}:wip:{queue}"
+
+
+def rq_finished(queue: str) -> str:
+    """Sorted set job id -> expiry (``FinishedJobRegistry.key``)."""
+    return f"{RQ_PREFIX}:finished:{queue}"
+
+
+def rq_failed(queue: str) -> str:
+    """Sorted set job id -> expiry (``FailedJobRegistry.key``)."""
+    return f"{RQ_PREFIX}:failed:{queue}"
+
+
+def rq_worker(worker_name: str) -> str:
+    """Hash of one worker (``Worker.key``)."""
+    return f"{RQ_PREFIX}:worker:{worker_name}"
+
+
+def rq_workers_of_queue(queue: str) -> str:
+    """Set of the worker keys serving ``queue``."""
+    return f"{RQ_PREFIX}:workers:{queue}"
+
+
+def rq_worker_executions(worker_name: str) -> str:
+    """Set of ``job_id:execution_id`` a worker runs now (``Execution.worker_executions_key``)."""
+    return f"{RQ_PREFIX}:worker:{worker_name}:executions"
+
+
+def rq_execution(job_id: str, execution_id: str) -> str:
+    """Hash of one execution of a job (``Execution.key``)."""
+    return f"{RQ_PREFIX}:execution:{job_id}:{execution_id}"
+
+
+def rq_job_executions(job_id: str) -> str:
+    """Sorted set of a job's executions (``ExecutionRegistry.key``)."""
+    return f"{RQ_PREFIX}:executions:{job_id}"
