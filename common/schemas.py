@@ -46,6 +46,8 @@ class SubLLMRequest(_Strict):
     deadline: float
     """Unix time after which the producer no longer waits for this result."""
     temperature: float | None = None
+    include_messages: bool = False
+    """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
 
 
 class SubLLMResult(_Strict):

@@ -107,9 +107,9 @@ def load_settings(**overrides: Any) -> Settings:
     Raises:
         ConfigError: a value is invalid.
     """
-    from pydantic import ValidationError
-
     import os
+
+    from pydantic import ValidationError
 
     values = {k: v for k, v in overrides.items() if v is not None}
     if "redis_url" not in values and "RLMQ_REDIS_URL" not in os.environ and os.environ.get("REDIS_URL"):

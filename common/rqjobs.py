@@ -1,0 +1,107 @@
+"""RQ's job record, written and read directly on rlmq's hot path.
+
+The producer enqueues sub-LLM jobs by writing exactly the hash RQ's own
+``Queue.enqueue`` writes (JSON serializer, never pickle), so ``rq info``, rq-dashboard
+and a stock ``rq worker`` all see ordinary RQ jobs; ``tests/unit/test_rqjobs.py`` reads
+them back through RQ's ``Job.fetch`` to prove it. Doing it here instead of through
+``Queue.enqueue_many`` saves most of RQ's per-job Python and Redis work (see bench/).
+
+rlmq adds three fields RQ ignores: ``rlmq_reply`` (the batch's reply list),
+``rlmq_meta`` (JSON: rollout id, batch id, index, for error results written by the
+reaper) and ``rlmq_attempts`` (incremented when an abandoned job is re-queued).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from datetime import datetime, timezone
+from typing import Any
+
+# The job function, by import path: the producer never imports the workers package.
+SUB_LLM_FUNC = "workers.job.run_sub_llm"
+
+
+def utcformat(dt: datetime) -> str:
+    """RQ's timestamp format: ``2026-11-22T06:20:01.546671Z`` (UTC)."""
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def utcnow_str() -> str:
+    """Now in RQ's timestamp format."""
+    return utcformat(datetime.now(timezone.utc))
+
+
+def encode_job_data(func: str, args: list[Any]) -> bytes:
+    """RQ's ``data`` field with the JSON serializer: zlib of ``[func, null, args, {}]``."""
+    return zlib.compress(json.dumps([func, None, args, {}], separators=(",", ":")).encode(), 1)
+
+
+def decode_job_data(raw: bytes) -> tuple[str, list[Any], dict[str, Any]]:
+    """Inverse of :func:`encode_job_data`; returns ``(func, args, kwargs)``.
+
+    Raises:
+        ValueError: the data is not a JSON-serialized RQ job (pickled jobs are refused).
+    """
+    try:
+        text = zlib.decompress(raw)
+    except zlib.error:
+        text = raw
+    try:
+        func, _instance, args, kwargs = json.loads(text)
+    except (ValueError, TypeError) as exc:
+        raise ValueError("job data is not JSON (rlmq never runs pickled jobs)") from exc
+    if not isinstance(func, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise ValueError("job data has an unexpected shape")
+    return func, args, kwargs
+
+
+def job_hash(
+    *,
+    queue: str,
+    args: list[Any],
+    description: str,
+    timeout: int,
+    result_ttl: int,
+    failure_ttl: int,
+    ttl: int,
+    reply_key: str,
+    meta: dict[str, Any],
+    now: str | None = None,
+    func: str = SUB_LLM_FUNC,
+) -> dict[str, bytes | str | int]:
+    """The hash of a freshly queued job, field for field as ``Queue.enqueue`` writes it.
+
+    Args:
+        queue: RQ queue name (``origin``).
+        args: positional arguments of the job function (JSON-able).
+        description: what rq-dashboard shows; keep it short (never the prompt).
+        timeout: RQ job timeout, seconds.
+        result_ttl / failure_ttl: seconds RQ keeps the finished / failed job.
+        ttl: seconds the job may wait in the queue before it expires unstarted.
+        reply_key: the batch's reply list.
+        meta: rollout id, batch id, index (for results the reaper writes).
+    """
+    stamp = now or utcnow_str()
+    return {
+        "status": "queued",
+        "created_at": stamp,
+        "data": encode_job_data(func, args),
+        "success_callback_name": "",
+        "failure_callback_name": "",
+        "stopped_callback_name": "",
+        "started_at": "",
+        "ended_at": "",
+        "last_heartbeat": "",
+        "worker_name": "",
+        "group_id": "",
+        "origin": queue,
+        "description": description,
+        "enqueued_at": stamp,
+        "timeout": timeout,
+        "result_ttl": result_ttl,
+        "failure_ttl": failure_ttl,
+        "ttl": ttl,
+        "rlmq_reply": reply_key,
+        "rlmq_meta": json.dumps(meta, separators=(",", ":")),
+    }

@@ -1,0 +1,217 @@
+"""The ``rlmq`` command line: ``demo``, ``run``, ``worker``, ``mock-llm``.
+
+``rlmq worker`` lives in the ``workers`` package, which the producer never imports
+statically (it enqueues by import path): the sub-command is resolved by module name
+at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import sys
+import tempfile
+from collections import Counter
+from typing import Any
+
+from common.errors import RlmqError
+from common.schemas import DatasetRow, read_dataset
+from common.settings import Settings, load_settings
+
+
+def _rollout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", help="write result rows (JSONL) here")
+    p.add_argument("--concurrency", type=int, help="rollouts at once (default 4)")
+    p.add_argument("--max-turns", type=int, help="root-model turns per rollout (default 50)")
+    p.add_argument("--sub-llm-max-turns", type=int, help="turns of one sub-LLM's tool loop (default 5)")
+    p.add_argument("--sub-llm-max-completion-tokens", type=int, help="sub-LLM completion-token budget per rollout")
+    p.add_argument("--sub-llm-per-call-max-tokens", type=int, help="cap on one sub-LLM call's completion tokens")
+    p.add_argument("--root-max-completion-tokens", type=int, help="root model's completion-token limit per rollout")
+    p.add_argument("--max-sub-llm-parallelism", type=int, help="sub-calls of one rollout in flight (default 64)")
+    p.add_argument("--sub-call-timeout", type=float, help="deadline of one sub-call, seconds (default 300)")
+    p.add_argument("--code-execution-timeout", type=float, help="seconds a REPL cell may run (default 120)")
+    p.add_argument("--max-output-length", type=int, help="characters of cell output shown (default 8192)")
+    p.add_argument("--root-prompt-verbosity", choices=["light", "medium", "heavy"])
+    p.add_argument("--sub-prompt-verbosity", choices=["light", "medium", "heavy"])
+    p.add_argument("--workers", type=int, default=2, help="local workers started when no Redis is given (default 2)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlmq",
+        description="Recursive Language Model rollouts whose sub-LLM calls run on a Redis-backed RQ worker fleet.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="everything embedded: Redis, workers, the scripted model, real text")
+    demo.add_argument("--rollouts", type=int, default=8, help="number of rollouts (default 8)")
+    demo.add_argument("--min-chars", type=int, default=100_000, help="context characters per rollout")
+    _rollout_flags(demo)
+
+    run = sub.add_parser("run", help="rollouts of a JSONL dataset against an OpenAI-compatible server")
+    run.add_argument("dataset", help="JSONL rows: id, question, context, answer?, info?")
+    run.add_argument("--base-url", required=True, help="root model's OpenAI-compatible base URL")
+    run.add_argument("--model", required=True, help="root model name")
+    run.add_argument("--sub-model", help="sub-LLM model name (default: --model)")
+    run.add_argument("--sub-base-url", help="model server of locally started workers (default: --base-url)")
+    run.add_argument("--redis-url", help="Redis URL; none: an embedded Redis and local workers")
+    run.add_argument("--queue", help="RQ queue of the sub-LLM calls (default: named from the sub-model)")
+    run.add_argument("--api-key", help="API key of the model server (default: OPENAI_API_KEY)")
+    _rollout_flags(run)
+
+    worker = sub.add_parser("worker", help="one worker process serving one model")
+    importlib.import_module("workers.cli").add_arguments(worker)
+
+    mock = sub.add_parser("mock-llm", help="the scripted OpenAI-compatible model (a test double)")
+    mock.add_argument("--host", default="127.0.0.1")
+    mock.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+    mock.add_argument("--latency", type=float, default=0.0, help="seconds per call")
+    mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
+    return parser
+
+
+def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
+    names = [
+        "concurrency", "max_turns", "sub_llm_max_turns", "sub_llm_max_completion_tokens",
+        "sub_llm_per_call_max_tokens", "root_max_completion_tokens", "max_sub_llm_parallelism",
+        "sub_call_timeout", "code_execution_timeout", "max_output_length", "root_prompt_verbosity",
+        "sub_prompt_verbosity",
+    ]  # fmt: skip
+    values = {n: getattr(args, n, None) for n in names}
+    values.update(extra)
+    return load_settings(**values)
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """Accuracy, stop reasons and mean metrics of result rows, as text."""
+    n = len(rows)
+    graded = [r for r in rows if r["correct"] is not None]
+    right = sum(1 for r in graded if r["correct"])
+    lines = [f"rollouts: {n}"]
+    if graded:
+        lines.append(f"accuracy: {right}/{len(graded)} = {right / len(graded):.1%}")
+    stops = Counter(r["stop_reason"] for r in rows)
+    lines.append("stop reasons: " + ", ".join(f"{k}={v}" for k, v in sorted(stops.items())))
+    errors = [r for r in rows if r.get("error")]
+    for r in errors[:5]:
+        lines.append(f"  error in {r['id']}: {r['error']}")
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r["metrics"] if k not in keys]
+    if keys:
+        lines.append("metrics (mean over rollouts):")
+        for k in keys:
+            vals = [r["metrics"][k] for r in rows if k in r["metrics"]]
+            lines.append(f"  {k:<36} {sum(vals) / len(vals):>14.4f}")
+    return "\n".join(lines)
+
+
+async def evaluate(
+    settings: Settings, rows: list[DatasetRow], *, model: str, output: str | None, quiet: bool
+) -> list[dict[str, Any]]:
+    """Run the rollouts of ``rows`` and write result rows to ``output`` as they finish."""
+    from tqdm import tqdm
+
+    from producer.env import RLMEnv, RolloutResult
+
+    out = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
+    bar = tqdm(total=len(rows), desc="rollouts", unit="rollout", disable=quiet, file=sys.stderr)
+    done: list[dict[str, Any]] = []
+
+    def on_done(res: RolloutResult) -> None:
+        row = res.row.model_dump()
+        done.append(row)
+        if out:
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+        bar.update(1)
+        bar.set_postfix(correct=sum(1 for r in done if r["correct"]))
+
+    try:
+        async with RLMEnv(settings=settings) as env:
+            results = await env.evaluate(rows, model=model, concurrency=settings.concurrency, on_done=on_done)
+    finally:
+        bar.close()
+        if out:
+            out.close()
+    return [r.row.model_dump() for r in results]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from producer.demo import needle_rows
+    from producer.local import LocalFleet
+
+    settings0 = load_settings()
+    rows = [DatasetRow.model_validate(r) for r in needle_rows(args.rollouts, min_chars=args.min_chars)]
+    chars = sum(len(r.context) for r in rows if isinstance(r.context, str))
+    print(
+        f"rlmq demo: {len(rows)} needle-in-a-haystack rollouts over CPython's pydoc topics "
+        f"({chars:,} characters of context in all)"
+    )
+    log_dir = tempfile.mkdtemp(prefix="rlmq-demo-logs-")
+    with LocalFleet(redis_url=settings0.redis_url, model="scripted", workers=args.workers, log_dir=log_dir) as fleet:
+        print(f"redis {fleet.redis_url} | scripted model (test double) {fleet.base_url} | {args.workers} workers")
+        settings = _settings_from(args, redis_url=fleet.redis_url, base_url=fleet.base_url, model="scripted")
+        rows_out = asyncio.run(evaluate(settings, rows, model="scripted", output=args.output, quiet=args.quiet))
+    print(summarize(rows_out))
+    if args.output:
+        print(f"result rows written to {args.output}")
+    return 0 if all(not r.get("error") for r in rows_out) else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from producer.local import LocalFleet
+
+    rows = read_dataset(args.dataset)
+    sub_model = args.sub_model or args.model
+    base = load_settings()
+    redis_url = args.redis_url or base.redis_url
+    extra = dict(base_url=args.base_url, model=args.model, sub_model=sub_model, queue=args.queue, api_key=args.api_key)
+    extra = {k: v for k, v in extra.items() if v is not None}
+    if redis_url:
+        settings = _settings_from(args, redis_url=redis_url, **extra)
+        rows_out = asyncio.run(evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet))
+    else:
+        worker_args = ["--queue", args.queue] if args.queue else []
+        with LocalFleet(
+            model=sub_model, base_url=args.sub_base_url or args.base_url, workers=args.workers, worker_args=worker_args
+        ) as fleet:
+            settings = _settings_from(args, redis_url=fleet.redis_url, **extra)
+            rows_out = asyncio.run(evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet))
+    print(summarize(rows_out))
+    return 0
+
+
+def cmd_mock_llm(args: argparse.Namespace) -> int:
+    from producer.mock_llm import serve
+
+    serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlmq`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            return cmd_demo(args)
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "worker":
+            return int(importlib.import_module("workers.cli").run(args))
+        if args.command == "mock-llm":
+            return cmd_mock_llm(args)
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+    except RlmqError as exc:
+        print(f"rlmq: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

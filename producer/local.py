@@ -1,0 +1,191 @@
+"""A whole rlmq deployment on one machine: embedded Redis, worker processes, the scripted model.
+
+Used by ``rlmq demo``, by ``rlmq run`` when no ``REDIS_URL`` is given, by the end-to-end
+tests and by the benchmarks. Everything it starts runs in its own process group and is
+stopped on exit, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import TracebackType
+
+from common.errors import RlmqError
+from common.redis_server import EmbeddedRedis
+
+_PORT_LINE = re.compile(r"http://[\d.]+:(\d+)/v1")
+
+
+def rlmq_command(*args: str) -> list[str]:
+    """The argv that runs ``rlmq <args>`` with this interpreter."""
+    return [sys.executable, "-m", "producer", *args]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for rlmq child processes: this one's, minus settings that would leak in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLMQ_") and k != "REDIS_URL"}
+    env.update(extra or {})
+    return env
+
+
+class ProcessGroup:
+    """Child processes started in their own sessions, all stopped together.
+
+    Their stdout/stderr go to ``log_dir`` files when given, else are discarded.
+    """
+
+    def __init__(self, log_dir: str | None = None) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.log_dir = log_dir
+
+    def spawn(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        out: int | object = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env or child_env(),
+            start_new_session=True,  # type: ignore[arg-type]
+        )
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, timeout: float = 35.0) -> None:
+        """SIGTERM every child's group, wait up to ``timeout`` seconds, then SIGKILL."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs.clear()
+
+
+def start_mock_llm(group: ProcessGroup, *, latency: float = 0.0, spend_all: bool = False, timeout: float = 20.0) -> str:
+    """Start ``rlmq mock-llm --port 0`` and return its base URL (``http://127.0.0.1:P/v1``).
+
+    Raises:
+        RlmqError: the server did not report its port within ``timeout`` seconds.
+    """
+    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency))
+    if spend_all:
+        argv.append("--spend-all")
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True
+    )
+    group.procs.append(proc)
+    assert proc.stdout is not None
+    found: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            m = _PORT_LINE.search(raw.decode(errors="replace"))
+            if m and not found:
+                found.append(m.group(1))
+        # keep draining so the child never blocks on a full pipe
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not found:
+        if proc.poll() is not None:
+            raise RlmqError(f"scripted model exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RlmqError("scripted model did not report its port in time")
+        reader.join(0.02)
+    return f"http://127.0.0.1:{found[0]}/v1"
+
+
+class LocalFleet:
+    """Embedded Redis (unless ``redis_url`` is given), ``workers`` worker processes, and
+    optionally the scripted model.
+
+    Args:
+        redis_url: use this Redis instead of starting one.
+        model: the sub-model the workers serve (their queue is derived from it).
+        base_url: the model server the workers call; ``None`` starts the scripted model.
+        workers: number of ``rlmq worker`` processes.
+        worker_concurrency: in-flight sub-calls per worker.
+        worker_args: extra ``rlmq worker`` flags.
+        log_dir: where child logs go (``None``: discarded).
+    """
+
+    def __init__(
+        self,
+        *,
+        redis_url: str | None = None,
+        model: str = "scripted",
+        base_url: str | None = None,
+        workers: int = 2,
+        worker_concurrency: int = 256,
+        worker_args: list[str] | None = None,
+        mock_latency: float = 0.0,
+        mock_spend_all: bool = False,
+        log_dir: str | None = None,
+    ) -> None:
+        self.redis_url = redis_url
+        self.model = model
+        self.base_url = base_url
+        self.n_workers = workers
+        self.worker_concurrency = worker_concurrency
+        self.worker_args = worker_args or []
+        self.mock_latency = mock_latency
+        self.mock_spend_all = mock_spend_all
+        self.group = ProcessGroup(log_dir)
+        self._redis: EmbeddedRedis | None = None
+
+    def start(self) -> LocalFleet:
+        try:
+            if self.redis_url is None:
+                self._redis = EmbeddedRedis().start()
+                self.redis_url = self._redis.url
+            if self.base_url is None:
+                self.base_url = start_mock_llm(self.group, latency=self.mock_latency, spend_all=self.mock_spend_all)
+            for i in range(self.n_workers):
+                self.start_worker(f"worker-{i}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+        """Start one more ``rlmq worker`` process against this fleet's Redis and model."""
+        argv = rlmq_command(
+            "worker", "--base-url", str(self.base_url), "--model", self.model, "--redis-url", str(self.redis_url),
+            "--concurrency", str(self.worker_concurrency), *self.worker_args, *(extra or []),
+        )  # fmt: skip
+        return self.group.spawn(argv, name)
+
+    def stop(self) -> None:
+        self.group.stop()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+
+    def __enter__(self) -> LocalFleet:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

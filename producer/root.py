@@ -1,0 +1,74 @@
+"""The root model's chat calls: ``openai.AsyncOpenAI`` with rlmq's one retry layer.
+
+rlmq has one retry layer for model calls: ``tenacity``, configured here for the root
+model and in :mod:`workers.model` for sub-LLMs, with the same policy (429 / 408 / 409 /
+5xx / connection errors / timeouts, exponential backoff with jitter, ``Retry-After``
+honoured). The openai client's own retries are therefore set to zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from common.errors import ModelError
+
+RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, (openai.APIConnectionError, openai.APITimeoutError)):
+        return True
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in RETRYABLE_STATUS or exc.status_code >= 500
+    return False
+
+
+class RootModel:
+    """Chat completions for the root model.
+
+    Args:
+        base_url: OpenAI-compatible base URL (``http://host:port/v1``).
+        api_key: the server's key (``EMPTY`` for local servers).
+        retries: retries after the first attempt.
+        timeout: seconds per HTTP attempt.
+        client: an ``AsyncOpenAI``-like object (a seam for tests); built from the above if ``None``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str = "EMPTY",
+        *,
+        retries: int = 3,
+        timeout: float = 600.0,
+        client: Any | None = None,
+    ) -> None:
+        self.client = client or openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
+        self.retries = retries
+
+    async def chat(self, **kwargs: Any) -> Any:
+        """``chat.completions.create(**kwargs)`` with retries.
+
+        Raises:
+            ModelError: the call still failed after the retries.
+        """
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_retryable),
+                stop=stop_after_attempt(self.retries + 1),
+                wait=wait_exponential_jitter(initial=0.5, max=20.0),
+                reraise=True,
+            ):
+                with attempt:
+                    return await self.client.chat.completions.create(**kwargs)
+        except openai.APIStatusError as exc:
+            raise ModelError(f"root model answered {exc.status_code}: {exc.message}", exc.status_code) from exc
+        except openai.OpenAIError as exc:
+            raise ModelError(f"root model call failed: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -1,0 +1,49 @@
+"""Shared fixtures.
+
+Unit tests run on fakeredis. Integration and end-to-end tests need a real Redis: the one
+named by ``RLMQ_TEST_REDIS_URL``, else ``127.0.0.1:6379`` (database 13) when it answers,
+else an embedded ``redis-server`` started for the session, the same default ``rlmq demo``
+uses. When none can be had the tests fail loudly; they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from common.redis_server import EmbeddedRedis, redis_answers
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a real Redis server for this test session (its database is flushed per test)."""
+    url = os.environ.get("RLMQ_TEST_REDIS_URL")
+    if url:
+        if not redis_answers(url):
+            pytest.fail(f"RLMQ_TEST_REDIS_URL={url} does not answer")
+        yield url
+        return
+    local = "redis://127.0.0.1:6379/13"
+    if redis_answers(local):
+        yield local
+        return
+    server = EmbeddedRedis().start()  # raises EmbeddedRedisError: the test fails, never skips
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def real_redis(redis_url: str) -> Iterator[redis.Redis]:
+    """A sync client on the session's real Redis, with its database flushed before and after."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()

@@ -1,0 +1,122 @@
+"""The producer's queue path on fakeredis: jobs RQ can read, ordered results, deadlines, duplicates."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import fakeredis
+import pytest
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from common import keys as K
+from common.rqjobs import SUB_LLM_FUNC, decode_job_data
+from common.schemas import SubLLMResult, load_request
+from producer.dispatch import BatchSpec, Dispatcher
+
+
+@pytest.fixture
+def server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+def spec(**kw: object) -> BatchSpec:
+    base: dict[str, object] = dict(rollout_id="r1", batch_id="b1", model="m", queue="rlmq.sub.m", timeout=5.0, parallelism=64)
+    base.update(kw)
+    return BatchSpec(**base)  # type: ignore[arg-type]
+
+
+async def test_enqueued_jobs_are_ordinary_rq_jobs(server: fakeredis.FakeServer) -> None:
+    r = fakeredis.aioredis.FakeRedis(server=server)
+    await Dispatcher(r).enqueue(spec(), ["p0", "p1", "p2"], [0, 1, 2])
+    sync = fakeredis.FakeRedis(server=server)
+    q = Queue("rlmq.sub.m", connection=sync, serializer=JSONSerializer)
+    assert q.count == 3
+    assert q.job_ids == ["r1-b1-0", "r1-b1-1", "r1-b1-2"]
+    assert q.key.encode() in sync.smembers("rq:queues")
+    job = Job.fetch("r1-b1-1", connection=sync, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.QUEUED
+    assert job.func_name == SUB_LLM_FUNC
+    assert job.description == "sub-LLM rollout=r1 batch=b1 index=1 model=m"
+    req = load_request(job.args[0])
+    assert (req.prompt, req.index, req.rollout_id) == ("p1", 1, "r1")
+    assert job.origin == "rlmq.sub.m" and job.enqueued_at is not None
+    assert 0 < sync.ttl(job.key) <= 6  # an unstarted job expires with its deadline
+    func, args, _ = decode_job_data(sync.hget(job.key, "data"))
+    assert func == SUB_LLM_FUNC and args[0]["prompt"] == "p1"
+
+
+def fake_result(i: int, content: str, batch: str = "b1") -> str:
+    return SubLLMResult(rollout_id="r1", batch_id=batch, index=i, job_id=f"r1-{batch}-{i}", status="ok", content=content).model_dump_json()
+
+
+async def answer_jobs(r: fakeredis.aioredis.FakeRedis, queue: str, *, reverse: bool = False, dup: bool = False,
+                      skip: set[int] = frozenset(), stop_after: int | None = None) -> None:  # type: ignore[assignment]
+    """A stand-in worker: pops job ids and pushes results (optionally out of order / duplicated)."""
+    answered = 0
+    while stop_after is None or answered < stop_after:
+        jid = await r.blpop([K.rq_queue(queue)], timeout=1)
+        if jid is None:
+            return
+        batch_ids = [jid[1].decode()]
+        more = await r.lpop(K.rq_queue(queue), 100)
+        batch_ids += [m.decode() for m in more or []]
+        if reverse:
+            batch_ids.reverse()
+        for job_id in batch_ids:
+            reply = (await r.hget(K.rq_job(job_id), "rlmq_reply")).decode()
+            i = int(job_id.rsplit("-", 1)[1])
+            if i in skip:
+                continue
+            await r.rpush(reply, fake_result(i, f"answer {i}"))
+            if dup:
+                await r.rpush(reply, fake_result(i, f"DUPLICATE {i}"))
+            await r.rpush(reply, fake_result(0, "stranger", batch="b9"))
+            answered += 1
+
+
+async def test_results_come_back_in_order_and_duplicates_are_dropped(server: fakeredis.FakeServer) -> None:
+    r = fakeredis.aioredis.FakeRedis(server=server)
+    worker = asyncio.create_task(answer_jobs(r, "rlmq.sub.m", reverse=True, dup=True, stop_after=20))
+    results = await Dispatcher(r).run_batch(spec(), [f"p{i}" for i in range(20)])
+    await worker
+    assert [x.content for x in results] == [f"answer {i}" for i in range(20)]
+    assert await r.exists(K.RolloutKeys("r1").reply("b1")) == 0
+
+
+async def test_parallelism_bounds_jobs_in_the_queue(server: fakeredis.FakeServer) -> None:
+    r = fakeredis.aioredis.FakeRedis(server=server)
+    seen_depths: list[int] = []
+
+    async def worker() -> None:
+        for _ in range(10):
+            seen_depths.append(await r.llen(K.rq_queue("rlmq.sub.m")))
+            got = await r.blpop([K.rq_queue("rlmq.sub.m")], timeout=2)
+            assert got is not None
+            jid = got[1].decode()
+            reply = (await r.hget(K.rq_job(jid), "rlmq_reply")).decode()
+            await r.rpush(reply, fake_result(int(jid.rsplit("-", 1)[1]), "ok"))
+
+    task = asyncio.create_task(worker())
+    results = await Dispatcher(r).run_batch(spec(parallelism=3), [f"p{i}" for i in range(10)])
+    await task
+    assert all(x.content == "ok" for x in results)
+    assert max(seen_depths) <= 3
+
+
+async def test_missing_results_become_deadline_errors(server: fakeredis.FakeServer) -> None:
+    r = fakeredis.aioredis.FakeRedis(server=server)
+    worker = asyncio.create_task(answer_jobs(r, "rlmq.sub.m", skip={1}, stop_after=2))
+    t0 = time.monotonic()
+    results = await Dispatcher(r).run_batch(spec(timeout=0.5), ["a", "b", "c"])
+    await worker
+    assert time.monotonic() - t0 < 3
+    assert [x.status for x in results] == ["ok", "error", "ok"]
+    assert results[1].error_kind == "deadline" and "deadline" in results[1].content
+
+
+async def test_empty_batch() -> None:
+    r = fakeredis.aioredis.FakeRedis()
+    assert await Dispatcher(r).run_batch(spec(), []) == []

@@ -1,0 +1,74 @@
+"""The RQ job function of a sub-LLM call, for stock RQ workers.
+
+rlmq's producer enqueues every sub-LLM call as an ordinary RQ job whose function is
+``workers.job.run_sub_llm`` (by import path) with one JSON argument, a
+:class:`~common.schemas.SubLLMRequest`. rlmq's own worker (:mod:`workers.worker`) runs
+these jobs hundreds at a time without calling this function. A stock
+``rq worker --serializer rq.serializers.JSONSerializer`` can run them too, one at a
+time, through this function (the benchmark's baseline); it reads its model server from
+``RLMQ_BASE_URL`` / ``RLMQ_API_KEY`` and pushes the result to the batch's reply list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from redis.asyncio import Redis
+from rq import get_current_job
+
+from common import keys as K
+from common.ledger import BudgetLedger
+from common.schemas import load_request
+from common.settings import load_settings
+from workers.model import ChatClient
+from workers.subllm import SubLLMContext
+from workers.subllm import run_sub_llm as _run
+from workers.tools import ToolRegistry
+
+
+def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
+    """Run one sub-LLM call under a stock RQ worker and deliver its result.
+
+    Args:
+        payload: a :class:`~common.schemas.SubLLMRequest` as a dict.
+
+    Returns:
+        A small summary (status, completion tokens, turns, seconds) stored as RQ's result.
+
+    Raises:
+        PayloadError: the payload is invalid.
+        RuntimeError: not running inside an RQ job.
+    """
+    request = load_request(payload)
+    job = get_current_job()
+    if job is None:
+        raise RuntimeError("run_sub_llm must run as an RQ job")
+    reply_raw = job.connection.hget(K.rq_job(job.id), "rlmq_reply")
+    reply_key = reply_raw.decode() if isinstance(reply_raw, bytes) else str(reply_raw)
+    settings = load_settings()
+    started = time.time()
+
+    async def go() -> dict[str, Any]:
+        kwargs = job.connection.connection_pool.connection_kwargs
+        redis = Redis(**{k: v for k, v in kwargs.items() if k in ("host", "port", "db", "password", "username")})
+        client = ChatClient(str(settings.base_url), settings.api_key.get_secret_value(), retries=settings.model_retries)
+        try:
+            ctx = SubLLMContext(
+                client=client,
+                ledger=BudgetLedger(redis, ttl=settings.rollout_key_ttl),
+                tools=ToolRegistry.from_paths(settings.allowed_sub_tools),
+                worker_name=f"rq:{job.worker_name or ''}",
+            )
+            result = await _run(request, ctx, job_id=job.id, started_at=started)
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.rpush(reply_key, result.model_dump_json())
+                pipe.expire(reply_key, settings.rollout_key_ttl)
+                await pipe.execute()
+            return {"status": result.status, "completion_tokens": result.completion_tokens, "turns": result.turns}
+        finally:
+            await client.close()
+            await redis.aclose()
+
+    return asyncio.run(go())

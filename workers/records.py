@@ -1,0 +1,373 @@
+"""RQ's records of jobs, kept truthful by rlmq's asyncio worker in batched Lua scripts.
+
+A stock RQ worker spends about 57 Redis commands and a few milliseconds of Python per
+job on bookkeeping, one job at a time. rlmq's worker holds hundreds of jobs in flight,
+so it writes the same records (job hash status and timestamps, the started registry
+with ``job_id:execution_id`` members and heartbeat-expiry scores, execution hashes, the
+worker's executions set, finished / failed registries, the job's result stream) for a
+whole batch of jobs in one script call. What is *not* written: RQ's per-job
+``rq:executions:<job>`` index (only RQ's own horse reads it) and dependents/callbacks
+(rlmq's jobs have none). ``tests/integration/test_records.py`` reads everything back
+through RQ's own classes.
+
+Every script takes all its keys through ``KEYS[]``; each has a header comment stating
+its contract.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from common import keys as K
+from common.rqjobs import utcnow_str
+
+# Contract: move candidate jobs from the queue into the started state, atomically.
+# KEYS[1] queue list, KEYS[2] started registry (zset), KEYS[3] worker executions set,
+# then per candidate i (i = 1..n): KEYS[3+2i-1] job hash, KEYS[3+2i] execution hash.
+# ARGV[1] worker name, ARGV[2] now as RQ timestamp text, ARGV[3] now (unix s),
+# ARGV[4] heartbeat ttl (s), then per candidate: ARGV[3+2i] job id, ARGV[4+2i] execution id.
+# A candidate no longer in the queue (another worker took it) is skipped; one whose hash
+# has expired (its producer gave up) is dropped from the queue and skipped.
+# Returns, per job taken: {job id, execution id, data, attempts, reply key, enqueued_at}.
+START_LUA = """
+local out = {}
+local ttl = tonumber(ARGV[4])
+local expires = tonumber(ARGV[3]) + ttl
+local n = (#KEYS - 3) / 2
+for i = 1, n do
+  local jkey = KEYS[3 + 2 * i - 1]
+  local ekey = KEYS[3 + 2 * i]
+  local jid = ARGV[3 + 2 * i]
+  local eid = ARGV[4 + 2 * i]
+  if redis.call('LREM', KEYS[1], 1, jid) == 1 then
+    local f = redis.call('HMGET', jkey, 'data', 'rlmq_attempts', 'rlmq_reply', 'enqueued_at', 'status')
+    if f[1] and f[5] == 'queued' then
+      local member = jid .. ':' .. eid
+      redis.call('HSET', jkey, 'status', 'started', 'worker_name', ARGV[1], 'started_at', ARGV[2],
+                 'last_heartbeat', ARGV[2])
+      redis.call('PERSIST', jkey)
+      redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', ARGV[3], 'last_heartbeat', ARGV[3],
+                 'worker_name', ARGV[1])
+      redis.call('EXPIRE', ekey, ttl + 60)
+      redis.call('ZADD', KEYS[2], expires, member)
+      redis.call('SADD', KEYS[3], member)
+      out[#out + 1] = {jid, eid, f[1], f[2] or '0', f[3] or '', f[4] or ''}
+    end
+  end
+end
+return out
+"""
+
+# Contract: record the end of executions and deliver their results, exactly once.
+# KEYS[1] started registry, KEYS[2] worker executions set, KEYS[3] finished registry,
+# KEYS[4] failed registry, KEYS[5] worker hash,
+# then per job i: KEYS[5+4i-3] job hash, KEYS[5+4i-2] execution hash,
+# KEYS[5+4i-1] result stream, KEYS[5+4i] reply list.
+# ARGV[1] now text, ARGV[2] now (unix s), ARGV[3] result ttl, ARGV[4] failure ttl,
+# ARGV[5] reply ttl, ARGV[6] worker name,
+# then per job i: ARGV[6+5i-4] job id, ARGV[6+5i-3] execution id, ARGV[6+5i-2] '1' ok / '0' failed,
+# ARGV[6+5i-1] SubLLMResult JSON (pushed to the reply list), ARGV[6+5i] RQ result payload
+# (base64 return value when ok, base64 zlib exc string when failed).
+# Only an execution still in the started registry is recorded and delivered: one the reaper
+# re-queued meanwhile is a late duplicate and is dropped. Returns the number delivered.
+FINISH_LUA = """
+local delivered = 0
+local ok_n, failed_n = 0, 0
+local n = (#KEYS - 5) / 4
+local now = tonumber(ARGV[2])
+local rttl, fttl, replyttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+for i = 1, n do
+  local jkey, ekey, skey, rkey = KEYS[5 + 4 * i - 3], KEYS[5 + 4 * i - 2], KEYS[5 + 4 * i - 1], KEYS[5 + 4 * i]
+  local jid, eid, ok = ARGV[6 + 5 * i - 4], ARGV[6 + 5 * i - 3], ARGV[6 + 5 * i - 2]
+  local member = jid .. ':' .. eid
+  if redis.call('ZREM', KEYS[1], member) == 1 then
+    redis.call('RPUSH', rkey, ARGV[6 + 5 * i - 1])
+    redis.call('EXPIRE', rkey, replyttl)
+    redis.call('SREM', KEYS[2], member)
+    redis.call('DEL', ekey)
+    if ok == '1' then
+      redis.call('HSET', jkey, 'status', 'finished', 'ended_at', ARGV[1])
+      redis.call('EXPIRE', jkey, rttl)
+      redis.call('ZADD', KEYS[3], now + rttl, jid)
+      redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', ARGV[6],
+                 'return_value', ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
+      redis.call('EXPIRE', skey, rttl)
+      ok_n = ok_n + 1
+    else
+      redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
+      redis.call('EXPIRE', jkey, fttl)
+      redis.call('ZADD', KEYS[4], now + fttl, jid)
+      redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', ARGV[6],
+                 'exc_string', ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
+      redis.call('EXPIRE', skey, fttl)
+      failed_n = failed_n + 1
+    end
+    delivered = delivered + 1
+  end
+end
+if ok_n > 0 then redis.call('HINCRBY', KEYS[5], 'successful_job_count', ok_n) end
+if failed_n > 0 then redis.call('HINCRBY', KEYS[5], 'failed_job_count', failed_n) end
+return delivered
+"""
+
+# Contract: take back executions whose worker stopped heartbeating (or that a worker hands
+# back on shutdown), re-queueing or failing each one, atomically per execution.
+# KEYS[1] started registry, KEYS[2] queue list, KEYS[3] failed registry,
+# then per execution i: KEYS[3+5i-4] job hash, KEYS[3+5i-3] execution hash,
+# KEYS[3+5i-2] result stream, KEYS[3+5i-1] reply list, KEYS[3+5i] the worker executions set.
+# ARGV[1] now text, ARGV[2] cutoff score (only members scored below it; '+inf' to hand back),
+# ARGV[3] failure ttl, ARGV[4] reply ttl, ARGV[5] max attempts, ARGV[6] now (unix s),
+# then per execution i: ARGV[6+3i-2] member 'job:exec', ARGV[6+3i-1] job id,
+# ARGV[6+3i] SubLLMResult JSON of the error to deliver when attempts are used up.
+# Returns {requeued, failed}.
+REAP_LUA = """
+local requeued, failed = 0, 0
+local n = (#KEYS - 3) / 5
+local cutoff = ARGV[2]
+local maxa = tonumber(ARGV[5])
+for i = 1, n do
+  local jkey, ekey, skey, rkey, wkey = KEYS[3+5*i-4], KEYS[3+5*i-3], KEYS[3+5*i-2], KEYS[3+5*i-1], KEYS[3+5*i]
+  local member, jid = ARGV[6 + 3 * i - 2], ARGV[6 + 3 * i - 1]
+  local score = redis.call('ZSCORE', KEYS[1], member)
+  if score and (cutoff == '+inf' or tonumber(score) < tonumber(cutoff)) then
+    redis.call('ZREM', KEYS[1], member)
+    redis.call('DEL', ekey)
+    redis.call('SREM', wkey, member)
+    if redis.call('HGET', jkey, 'status') == 'started' then
+      local attempts = redis.call('HINCRBY', jkey, 'rlmq_attempts', 1)
+      if attempts < maxa then
+        redis.call('HSET', jkey, 'status', 'queued', 'worker_name', '', 'started_at', '')
+        redis.call('LPUSH', KEYS[2], jid)
+        requeued = requeued + 1
+      else
+        local fttl = tonumber(ARGV[3])
+        redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
+        redis.call('EXPIRE', jkey, fttl)
+        redis.call('ZADD', KEYS[3], tonumber(ARGV[6]) + fttl, jid)
+        redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', '',
+                   'exc_string', '', 'execution_ended_at', ARGV[6])
+        redis.call('EXPIRE', skey, fttl)
+        redis.call('RPUSH', rkey, ARGV[6 + 3 * i])
+        redis.call('EXPIRE', rkey, tonumber(ARGV[4]))
+        failed = failed + 1
+      end
+    end
+  end
+end
+return {requeued, failed}
+"""
+
+
+def rq_return_value(value: Any) -> str:
+    """RQ's result-stream encoding of a return value with the JSON serializer."""
+    return base64.b64encode(json.dumps(value, separators=(",", ":")).encode()).decode()
+
+
+def rq_exc_string(text: str) -> str:
+    """RQ's result-stream encoding of an exception string."""
+    return base64.b64encode(zlib.compress(text.encode())).decode()
+
+
+@dataclass
+class StartedJob:
+    """A job this worker now runs. Times in Unix seconds."""
+
+    job_id: str
+    execution_id: str
+    data: bytes
+    attempt: int
+    reply_key: str
+
+    @property
+    def member(self) -> str:
+        return f"{self.job_id}:{self.execution_id}"
+
+
+@dataclass
+class FinishedJob:
+    """What :meth:`Records.finish` needs of one job."""
+
+    job: StartedJob
+    ok: bool
+    result_json: str
+    rq_payload: str
+    """:func:`rq_return_value` of a summary when ok, :func:`rq_exc_string` otherwise."""
+
+
+class Records:
+    """RQ-compatible bookkeeping of one worker on one queue, batched.
+
+    Args:
+        redis: asyncio client, ``decode_responses=False``.
+        queue: RQ queue name.
+        worker_name: RQ worker name (its ``rq:worker:<name>`` hash is written by RQ's
+            own ``Worker.register_birth``).
+        heartbeat_ttl: seconds a started job stays owned without a heartbeat.
+        result_ttl / failure_ttl / reply_ttl: seconds finished jobs, failed jobs and
+            reply lists are kept.
+        max_attempts: executions a job may get before the reaper fails it.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        queue: str,
+        worker_name: str,
+        *,
+        heartbeat_ttl: int = 10,
+        result_ttl: int = 600,
+        failure_ttl: int = 86400,
+        reply_ttl: int = 3600,
+        max_attempts: int = 2,
+    ) -> None:
+        self.redis = redis
+        self.queue = queue
+        self.worker_name = worker_name
+        self.heartbeat_ttl = heartbeat_ttl
+        self.result_ttl = result_ttl
+        self.failure_ttl = failure_ttl
+        self.reply_ttl = reply_ttl
+        self.max_attempts = max_attempts
+        self.queue_key = K.rq_queue(queue)
+        self.started_key = K.rq_started(queue)
+        self.worker_key = K.rq_worker(worker_name)
+        self.executions_key = K.rq_worker_executions(worker_name)
+        self._start = redis.register_script(START_LUA)
+        self._finish = redis.register_script(FINISH_LUA)
+        self._reap = redis.register_script(REAP_LUA)
+        self._exec_seq = 0
+        self._exec_prefix = f"{time.time_ns():x}"
+
+    def _next_execution_id(self) -> str:
+        self._exec_seq += 1
+        return f"{self._exec_prefix}{self._exec_seq:x}"
+
+    async def peek(self, n: int) -> list[bytes]:
+        """Up to ``n`` job ids at the head of the queue (not taken yet)."""
+        ids: list[bytes] = await self.redis.lrange(self.queue_key, 0, n - 1)
+        return ids
+
+    async def wait_for_jobs(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until the queue is non-empty, taking nothing.
+
+        ``BLMOVE q q LEFT LEFT`` returns the head element and leaves the list as it was.
+        """
+        got = await self.redis.blmove(self.queue_key, self.queue_key, timeout, "LEFT", "LEFT")
+        return got is not None
+
+    async def start(self, job_ids: list[bytes]) -> list[StartedJob]:
+        """Take the given queued jobs and mark them started by this worker (one round trip)."""
+        if not job_ids:
+            return []
+        keys: list[str] = [self.queue_key, self.started_key, self.executions_key]
+        argv: list[Any] = [self.worker_name, utcnow_str(), time.time(), self.heartbeat_ttl]
+        for raw in job_ids:
+            jid = raw.decode()
+            eid = self._next_execution_id()
+            keys += [K.rq_job(jid), K.rq_execution(jid, eid)]
+            argv += [jid, eid]
+        rows: list[list[bytes]] = await self._start(keys=keys, args=argv)
+        return [
+            StartedJob(
+                job_id=r[0].decode(),
+                execution_id=r[1].decode(),
+                data=r[2],
+                attempt=int(r[3] or 0) + 1,
+                reply_key=r[4].decode(),
+            )
+            for r in rows
+        ]
+
+    async def finish(self, done: list[FinishedJob]) -> int:
+        """Record the end of ``done`` and push their results to their reply lists.
+
+        Returns how many were delivered (the others were taken back by the reaper).
+        """
+        if not done:
+            return 0
+        keys: list[str] = [
+            self.started_key,
+            self.executions_key,
+            K.rq_finished(self.queue),
+            K.rq_failed(self.queue),
+            self.worker_key,
+        ]
+        argv: list[Any] = [
+            utcnow_str(), time.time(), self.result_ttl, self.failure_ttl, self.reply_ttl, self.worker_name,
+        ]  # fmt: skip
+        for d in done:
+            j = d.job
+            keys += [K.rq_job(j.job_id), K.rq_execution(j.job_id, j.execution_id), K.rq_results(j.job_id), j.reply_key]
+            argv += [j.job_id, j.execution_id, "1" if d.ok else "0", d.result_json, d.rq_payload]
+        return int(await self._finish(keys=keys, args=argv))
+
+    async def heartbeat(self, members: list[str], state: str) -> None:
+        """Extend this worker's ownership of ``members`` (``job:exec``) and its own liveness."""
+        expires = time.time() + self.heartbeat_ttl
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for i in range(0, len(members), 2000):
+                chunk = members[i : i + 2000]
+                pipe.zadd(self.started_key, dict.fromkeys(chunk, expires), xx=True)
+            pipe.hset(self.worker_key, mapping={"last_heartbeat": utcnow_str(), "state": state})
+            pipe.expire(self.worker_key, self.heartbeat_ttl + 60)
+            pipe.expire(self.executions_key, self.heartbeat_ttl + 60)
+            await pipe.execute()
+
+    async def expired_members(self, limit: int = 200) -> list[str]:
+        """Started-registry members whose heartbeat has lapsed (oldest first)."""
+        raw: list[bytes] = await self.redis.zrangebyscore(self.started_key, "-inf", time.time(), start=0, num=limit)
+        return [m.decode() for m in raw]
+
+    async def reap(self, members: list[str], *, hand_back: bool = False) -> tuple[int, int]:
+        """Re-queue (or fail, when out of attempts) the executions ``members``.
+
+        With ``hand_back`` the members are taken back whatever their heartbeat (graceful
+        shutdown); otherwise only those whose heartbeat has lapsed. A job failed here gets
+        an error :class:`~common.schemas.SubLLMResult` on its reply list.
+
+        Returns:
+            ``(requeued, failed)``.
+        """
+        if not members:
+            return (0, 0)
+        from common.schemas import SubLLMResult  # local: only this rare path needs it
+
+        job_ids = [m.rsplit(":", 1)[0] for m in members]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for jid in job_ids:
+                pipe.hmget(K.rq_job(jid), "rlmq_reply", "rlmq_meta", "worker_name")
+            infos: list[list[bytes | None]] = await pipe.execute()
+        keys: list[str] = [self.started_key, self.queue_key, K.rq_failed(self.queue)]
+        argv: list[Any] = [
+            utcnow_str(), "+inf" if hand_back else time.time(), self.failure_ttl, self.reply_ttl,
+            self.max_attempts, time.time(),
+        ]  # fmt: skip
+        for member, jid, info in zip(members, job_ids, infos, strict=True):
+            reply, meta_raw, worker = info
+            meta = json.loads(meta_raw) if meta_raw else {}
+            eid = member.rsplit(":", 1)[1]
+            err = SubLLMResult(
+                rollout_id=meta.get("rollout_id", "unknown"),
+                batch_id=meta.get("batch_id", "unknown"),
+                index=int(meta.get("index", 0)),
+                job_id=jid,
+                status="error",
+                error_kind="abandoned",
+                content="[error] sub-LLM call lost: its worker died and the retries are used up",
+                error="worker stopped heartbeating",
+            )
+            wname = worker.decode() if worker else self.worker_name
+            keys += [
+                K.rq_job(jid), K.rq_execution(jid, eid), K.rq_results(jid),
+                reply.decode() if reply else K.namespace("orphan-replies"), K.rq_worker_executions(wname),
+            ]  # fmt: skip
+            argv += [member, jid, err.model_dump_json()]
+        res = await self._reap(keys=keys, args=argv)
+        return int(res[0]), int(res[1])
