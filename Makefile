@@ -1,0 +1,29 @@
+# Gates: lint, types, tests. `make all` runs all three.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: all install lint types test bench demo
+
+all: lint types test
+
+$(PY):
+	python3 -m venv $(VENV)
+
+install: $(PY)
+	$(PY) -m pip install -q -e '.[dev]'
+
+lint:
+	$(PY) -m ruff check common producer workers tests bench
+	$(PY) -m ruff format --check common producer workers tests bench
+
+types:
+	$(PY) -m mypy
+
+test:
+	$(PY) -m pytest -q
+
+bench:
+	$(PY) -m bench.queue_path
+
+demo:
+	$(VENV)/bin/rlmq demo --output rows.jsonl

@@ -1,0 +1,143 @@
+"""The worker's batched Lua bookkeeping, read back through RQ's own classes on a real Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis
+from redis.asyncio import Redis
+from rq import Queue, Worker
+from rq.job import Job, JobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from common import keys as K
+from common.schemas import load_result
+from producer.dispatch import BatchSpec, Dispatcher
+from workers.records import FinishedJob, Records, rq_exc_string, rq_return_value
+
+pytestmark = pytest.mark.integration
+QUEUE = "rlmq.sub.records-test"
+
+
+@pytest.fixture
+async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+async def enqueue(aredis: Redis, n: int, timeout: float = 30.0) -> BatchSpec:
+    spec = BatchSpec(rollout_id="r1", batch_id="b1", model="m", queue=QUEUE, timeout=timeout, parallelism=100)
+    await Dispatcher(aredis).enqueue(spec, [f"p{i}" for i in range(n)], list(range(n)))
+    return spec
+
+
+def rq_view(sync: redis.Redis) -> tuple[Queue, StartedJobRegistry]:
+    q = Queue(QUEUE, connection=sync, serializer=JSONSerializer)
+    return q, StartedJobRegistry(queue=q)
+
+
+async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, aredis: Redis) -> None:
+    await enqueue(aredis, 3)
+    w = Worker([Queue(QUEUE, connection=real_redis)], name="w-test", connection=real_redis)
+    w.register_birth()
+    rec = Records(aredis, QUEUE, "w-test", heartbeat_ttl=10)
+    started = await rec.start(await rec.peek(10))
+    assert [s.job_id for s in started] == ["r1-b1-0", "r1-b1-1", "r1-b1-2"]
+    assert all(s.attempt == 1 and s.reply_key == K.RolloutKeys("r1").reply("b1") for s in started)
+    q, wip = rq_view(real_redis)
+    assert q.count == 0
+    assert sorted(wip.get_job_ids()) == ["r1-b1-0", "r1-b1-1", "r1-b1-2"]
+    job = Job.fetch("r1-b1-0", connection=real_redis, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.STARTED and job.worker_name == "w-test" and job.started_at
+    assert len(real_redis.smembers(K.rq_worker_executions("w-test"))) == 3
+
+    done = [
+        FinishedJob(started[0], True, '{"x":1}', rq_return_value({"status": "ok"})),
+        FinishedJob(started[1], False, '{"x":2}', rq_exc_string("model: 503")),
+    ]
+    assert await rec.finish(done) == 2
+    assert sorted(wip.get_job_ids()) == ["r1-b1-2"]
+    j0 = Job.fetch("r1-b1-0", connection=real_redis, serializer=JSONSerializer)
+    j1 = Job.fetch("r1-b1-1", connection=real_redis, serializer=JSONSerializer)
+    assert j0.get_status() == JobStatus.FINISHED and j0.ended_at is not None
+    assert j1.get_status() == JobStatus.FAILED
+    assert "r1-b1-0" in FinishedJobRegistry(queue=q).get_job_ids()
+    assert "r1-b1-1" in FailedJobRegistry(queue=q).get_job_ids()
+    r0 = j0.latest_result()
+    assert r0 is not None and r0.type == Result.Type.SUCCESSFUL and r0.return_value == {"status": "ok"}
+    r1 = j1.latest_result()
+    assert r1 is not None and r1.type == Result.Type.FAILED and r1.exc_string == "model: 503"
+    assert real_redis.lrange(K.RolloutKeys("r1").reply("b1"), 0, -1) == [b'{"x":1}', b'{"x":2}']
+    assert int(real_redis.hget(K.rq_worker("w-test"), "successful_job_count")) == 1
+    assert int(real_redis.hget(K.rq_worker("w-test"), "failed_job_count")) == 1
+    # finishing the same execution again delivers nothing
+    assert await rec.finish(done) == 0
+
+
+async def test_two_workers_never_take_the_same_job(real_redis: redis.Redis, aredis: Redis) -> None:
+    await enqueue(aredis, 50)
+    a, b = Records(aredis, QUEUE, "wa"), Records(aredis, QUEUE, "wb")
+    ids = await a.peek(50)
+    got_a = await a.start(ids)
+    got_b = await b.start(ids)  # same candidates: all already taken
+    assert len(got_a) == 50 and got_b == []
+
+
+async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis: redis.Redis, aredis: Redis) -> None:
+    await enqueue(aredis, 1)
+    dead = Records(aredis, QUEUE, "dead", heartbeat_ttl=1, max_attempts=2)
+    first = await dead.start(await dead.peek(1))
+    # the dead worker never heartbeats: make its lease lapse without waiting
+    real_redis.zadd(K.rq_started(QUEUE), {first[0].member: time.time() - 1})
+    reaper = Records(aredis, QUEUE, "alive", heartbeat_ttl=10, max_attempts=2)
+    expired = await reaper.expired_members()
+    assert expired == [first[0].member]
+    assert await reaper.reap(expired) == (1, 0)
+    q, wip = rq_view(real_redis)
+    assert q.job_ids == ["r1-b1-0"] and wip.get_job_ids() == []
+    assert Job.fetch("r1-b1-0", connection=real_redis).get_status() == JobStatus.QUEUED
+    # a late result from the dead worker is not delivered
+    assert await dead.finish([FinishedJob(first[0], True, '{"late":1}', rq_return_value(None))]) == 0
+    assert real_redis.llen(K.RolloutKeys("r1").reply("b1")) == 0
+    # second execution, also abandoned: out of attempts -> failed with an error result
+    second = await reaper.start(await reaper.peek(1))
+    assert second[0].attempt == 2
+    real_redis.zadd(K.rq_started(QUEUE), {second[0].member: time.time() - 1})
+    assert await reaper.reap(await reaper.expired_members()) == (0, 1)
+    job = Job.fetch("r1-b1-0", connection=real_redis)
+    assert job.get_status() == JobStatus.FAILED
+    res = load_result(real_redis.lpop(K.RolloutKeys("r1").reply("b1")))
+    assert res.status == "error" and res.error_kind == "abandoned" and res.index == 0
+
+
+async def test_hand_back_requeues_whatever_the_heartbeat(real_redis: redis.Redis, aredis: Redis) -> None:
+    await enqueue(aredis, 2)
+    rec = Records(aredis, QUEUE, "w", heartbeat_ttl=30, max_attempts=3)
+    started = await rec.start(await rec.peek(2))
+    assert await rec.reap([s.member for s in started], hand_back=True) == (2, 0)
+    q, wip = rq_view(real_redis)
+    assert sorted(q.job_ids) == ["r1-b1-0", "r1-b1-1"] and wip.get_job_ids() == []
+
+
+async def test_heartbeat_extends_only_own_members(real_redis: redis.Redis, aredis: Redis) -> None:
+    await enqueue(aredis, 1)
+    rec = Records(aredis, QUEUE, "w", heartbeat_ttl=5)
+    started = await rec.start(await rec.peek(1))
+    real_redis.zadd(K.rq_started(QUEUE), {started[0].member: time.time() - 1})
+    await rec.heartbeat([started[0].member, "ghost:1"], "busy")
+    assert real_redis.zscore(K.rq_started(QUEUE), started[0].member) > time.time()
+    assert real_redis.zscore(K.rq_started(QUEUE), "ghost:1") is None
+    assert real_redis.hget(K.rq_worker("w"), "state") == b"busy"
+
+
+async def test_expired_unstarted_job_is_dropped(real_redis: redis.Redis, aredis: Redis) -> None:
+    await enqueue(aredis, 1)
+    real_redis.delete(K.rq_job("r1-b1-0"))  # what its TTL does when the producer is gone
+    rec = Records(aredis, QUEUE, "w")
+    assert await rec.start(await rec.peek(5)) == []
+    assert real_redis.llen(K.rq_queue(QUEUE)) == 0
