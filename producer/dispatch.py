@@ -164,7 +164,7 @@ class Dispatcher:
                     deadlines[i] = t + spec.timeout
                 next_index = take[-1] + 1
             wait = max(0.01, min(deadlines.values()) - time.time()) if deadlines else 0.01
-            got = await self.redis.blpop([reply], timeout=min(wait, 5.0))
+            got = await self.redis.blpop([reply], timeout=min(wait, 2.0))
             if got is None:
                 continue
             raws = [got[1]]

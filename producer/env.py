@@ -29,6 +29,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from common import keys as K
+from common.connection import async_client
 from common.errors import ConfigError, RlmqError
 from common.ledger import BudgetLedger
 from common.schemas import DatasetRow, ResultRow, StopReason, SubLLMResult
@@ -164,7 +165,7 @@ class RLMEnv:
             if not s.base_url:
                 raise ConfigError("RLMEnv needs settings.base_url for the root model")
             self._root = RootModel(s.base_url, s.api_key.get_secret_value(), retries=s.model_retries)
-        self._redis = Redis.from_url(s.redis_url, decode_responses=False, max_connections=None)
+        self._redis = async_client(s.redis_url)
         await self._redis.ping()
         self.ledger = BudgetLedger(self._redis, ttl=s.rollout_key_ttl)
         self.dispatcher = Dispatcher(self._redis)

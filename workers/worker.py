@@ -35,11 +35,12 @@ import uuid
 from collections.abc import Callable
 
 import redis
-from redis.asyncio import Redis
 from rq import Queue
 from rq import Worker as RQWorker
 from rq.serializers import JSONSerializer
 
+from common import keys as K
+from common.connection import async_client, sync_client
 from common.errors import PayloadError
 from common.ledger import BudgetLedger
 from common.rqjobs import SUB_LLM_FUNC, decode_job_data
@@ -127,8 +128,8 @@ class SubLLMWorker:
                 back to the queue.
         """
         s = self.settings
-        self.redis = Redis.from_url(str(s.redis_url), decode_responses=False, health_check_interval=30)
-        self.blocking_redis = Redis.from_url(str(s.redis_url), decode_responses=False)
+        self.redis = async_client(str(s.redis_url))
+        self.blocking_redis = async_client(str(s.redis_url))
         self.records = Records(
             self.redis,
             self.queue,
@@ -176,12 +177,12 @@ class SubLLMWorker:
             log.info("worker %s stopped after %d sub-calls", self.name, self.processed)
 
     def _register_birth(self) -> RQWorker:
-        sync = redis.Redis.from_url(str(self.settings.redis_url))
+        sync = sync_client(str(self.settings.redis_url))
         q = Queue(self.queue, connection=sync, serializer=JSONSerializer)
         w = RQWorker([q], name=self.name, connection=sync, serializer=JSONSerializer)
         w.register_birth()
         sync.hset(w.key, mapping={"state": "idle", "rlmq_concurrency": self.concurrency})
-        sync.sadd(w.redis_queues_keys, q.key)
+        sync.sadd(K.RQ_QUEUES, q.key)
         return w
 
     def _register_death(self, w: RQWorker) -> None:
