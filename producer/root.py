@@ -59,7 +59,7 @@ class RootModel:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(_retryable),
                 stop=stop_after_attempt(self.retries + 1),
-                wait=wait_exponential_jitter(initial=0.5, max=20.0),
+                wait=wait_exponential_jitter(multiplier=0.5, max=20.0),
                 reraise=True,
             ):
                 with attempt:
