@@ -9,7 +9,7 @@ URLs (TLS) and passwords in the URL work as redis-py parses them.
 from __future__ import annotations
 
 import redis
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -20,18 +20,24 @@ SOCKET_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 5.0
 
 
-def async_client(url: str, *, max_connections: int | None = None) -> Redis:
-    """An asyncio client on ``url`` (bytes responses) with reconnect backoff."""
-    return Redis.from_url(
+def async_client(url: str, *, max_connections: int = 1024) -> Redis:
+    """An asyncio client on ``url`` (bytes responses) with reconnect backoff.
+
+    Its pool blocks (up to ``SOCKET_TIMEOUT`` seconds) when ``max_connections`` are in use
+    instead of failing, so hundreds of concurrent sub-calls share it safely.
+    """
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=SOCKET_TIMEOUT,
         decode_responses=False,
         socket_timeout=SOCKET_TIMEOUT,
         socket_connect_timeout=CONNECT_TIMEOUT,
         health_check_interval=30,
-        max_connections=max_connections,
         retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 5),
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
     )
+    return Redis.from_pool(pool)
 
 
 def sync_client(url: str) -> redis.Redis:

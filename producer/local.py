@@ -163,6 +163,7 @@ class LocalFleet:
                 self.base_url = start_mock_llm(self.group, latency=self.mock_latency, spend_all=self.mock_spend_all)
             for i in range(self.n_workers):
                 self.start_worker(f"worker-{i}")
+            self.wait_for_workers(self.n_workers)
         except BaseException:
             self.stop()
             raise
@@ -175,6 +176,30 @@ class LocalFleet:
             "--concurrency", str(self.worker_concurrency), *self.worker_args, *(extra or []),
         )  # fmt: skip
         return self.group.spawn(argv, name)
+
+    def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
+        """Block until ``n`` workers are registered on this fleet's queue.
+
+        Raises:
+            RlmqError: they did not register within ``timeout`` seconds (a worker died).
+        """
+        import redis
+
+        from common import keys as K
+
+        queue = K.queue_name_for_model(self.model)
+        client = redis.Redis.from_url(str(self.redis_url))
+        deadline = time.monotonic() + timeout
+        try:
+            while client.scard(K.rq_workers_of_queue(queue)) < n:
+                dead = [p for p in self.group.procs if p.poll() is not None]
+                if dead:
+                    raise RlmqError(f"a worker process exited with {dead[0].returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise RlmqError(f"{n} workers did not register on {queue} within {timeout:g} s")
+                time.sleep(0.02)  # polling a condition in another process, bounded by the deadline
+        finally:
+            client.close()
 
     def stop(self) -> None:
         self.group.stop()

@@ -1,0 +1,424 @@
+"""The model client of a worker: OpenAI-compatible chat completions over one aiohttp session.
+
+**This is rlmq's one retry layer for model calls.** Whatever else talks to a model server
+in rlmq (the producer's ``openai`` client for the root model) has its own retries set to
+zero, so a failing server sees at most ``retries + 1`` attempts per call, never a product
+of two retry layers.
+
+Why not ``openai.AsyncOpenAI``: a worker runs hundreds of sub-calls at once in one
+process, and on 2 cores ``AsyncOpenAI`` tops out at ~250 calls/s against a zero-latency
+server while a bare aiohttp session does ~3,000/s. So the hot path is aiohttp + ``json``,
+with no pydantic parsing of model responses.
+
+Retries (with ``tenacity``):
+
+* retried: HTTP 408, 409, 429 and 5xx; connection errors and resets; timeouts; bodies that
+  are not a chat completion (malformed JSON, no ``choices``);
+* not retried: every other 4xx (the request itself is wrong) and any other client error;
+* wait: exponential backoff with full jitter (``uniform(0, backoff_base * 2**(n-1))``, the
+  window capped at ``backoff_max``), except that a ``Retry-After`` header (seconds, or an
+  HTTP date) is honoured, capped at ``backoff_max``;
+* at most ``retries`` retries, and never a sleep past the call's ``deadline``: when the
+  next wait would cross it, the client gives up at once;
+* giving up raises :class:`common.errors.ModelError` with the last HTTP status (``None``
+  when no response came back) and a message saying what happened, e.g. ``"model server
+  answered 503 Service Unavailable after 4 attempts"``.
+
+``max_tokens``: the grant is sent as ``max_tokens`` only, not ``max_completion_tokens``.
+vLLM, SGLang, llama.cpp and OpenAI all honour ``max_tokens`` for chat models (OpenAI's
+reasoning models want ``max_completion_tokens``; vLLM and SGLang accept both), and sending
+both makes some servers reject the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import math
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base, wait_random_exponential
+
+from common.errors import ModelError
+
+__all__ = ["ChatClient", "ChatResponse", "estimate_tokens"]
+
+_RETRY_STATUSES = frozenset({408, 409, 429})
+_SNIPPET = 300
+
+
+@dataclass
+class ChatResponse:
+    """One chat completion, parsed without pydantic.
+
+    Attributes:
+        content: the assistant's text (``None`` when it only called tools).
+        tool_calls: OpenAI-shaped tool calls,
+            ``{"id", "type": "function", "function": {"name", "arguments"}}``.
+        finish_reason: ``"stop"``, ``"length"``, ``"tool_calls"``, ... as the server said.
+        prompt_tokens: prompt tokens (server's figure, or an estimate, see ``usage_reported``).
+        completion_tokens: completion tokens (server's figure, or ``ceil(chars / 4)`` of the
+            generated text and tool-call arguments when the server sent no ``usage``).
+        usage_reported: False when the body had no ``usage.completion_tokens``.
+        message: the assistant message exactly as returned.
+    """
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    usage_reported: bool
+    message: dict[str, Any]
+
+
+def estimate_tokens(chars: int) -> int:
+    """Estimate a token count from a character count: ``ceil(chars / 4)``."""
+    return math.ceil(chars / 4) if chars > 0 else 0
+
+
+class _Failure(Exception):
+    """One failed attempt (internal to the retry loop)."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None,
+        retryable: bool,
+        retry_after: float | None = None,
+        detail: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.retryable = retryable
+        self.retry_after = retry_after
+        self.detail = detail
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, _Failure) and exc.retryable
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    if math.isnan(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+class _Wait(wait_base):
+    """Full-jitter exponential backoff, but ``Retry-After`` (capped) when the server sent one."""
+
+    def __init__(self, base: float, cap: float) -> None:
+        self._cap = cap
+        self._backoff = wait_random_exponential(multiplier=base, max=cap)
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        if isinstance(exc, _Failure) and exc.retry_after is not None:
+            return min(exc.retry_after, self._cap)
+        return float(self._backoff(retry_state))
+
+
+class _StopAtDeadline(stop_base):
+    """Stop when the next sleep would end past ``deadline`` (Unix seconds)."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self.hit = False
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        if time.time() + retry_state.upcoming_sleep >= self._deadline:
+            self.hit = True
+            return True
+        return False
+
+
+def _status_text(status: int) -> str:
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
+
+
+def _snippet(body: bytes) -> str:
+    text = body[:_SNIPPET].decode("utf-8", "replace").strip()
+    return text + ("..." if len(body) > _SNIPPET else "")
+
+
+def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResponse:
+    """Parse a chat-completion body; raise a retryable ``_Failure`` when it is not one."""
+    try:
+        data = json.loads(body)
+        choice = data["choices"][0]
+        message = choice["message"]
+        if not isinstance(message, dict):
+            raise TypeError("message is not an object")
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise _Failure(
+            f"model server answered {_status_text(status)} with a body that is not a chat completion "
+            f"({type(exc).__name__}: {_snippet(body)!r})",
+            status,
+            retryable=True,
+        ) from None
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        content = json.dumps(content)
+    tool_calls = message.get("tool_calls") or []
+    if not isinstance(tool_calls, list):
+        tool_calls = []
+    usage = data.get("usage")
+    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(completion, int):
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return ChatResponse(
+            content=content,
+            tool_calls=tool_calls,
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=prompt if isinstance(prompt, int) else 0,
+            completion_tokens=completion,
+            usage_reported=True,
+            message=message,
+        )
+    chars = len(content or "")
+    for call in tool_calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            chars += len(str(fn.get("name") or "")) + len(str(fn.get("arguments") or ""))
+    prompt_chars = 0
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            prompt_chars += len(c)
+    return ChatResponse(
+        content=content,
+        tool_calls=tool_calls,
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=estimate_tokens(prompt_chars),
+        completion_tokens=estimate_tokens(chars),
+        usage_reported=False,
+        message=message,
+    )
+
+
+class ChatClient:
+    """OpenAI-compatible chat-completions client over one aiohttp session.
+
+    One instance serves every concurrent sub-call of a worker process; the session is
+    created lazily inside the running event loop on the first call.
+
+    Args:
+        base_url: the server's OpenAI base URL, e.g. ``http://127.0.0.1:8000/v1``; requests go
+            to ``{base_url}/chat/completions``.
+        api_key: sent as ``Authorization: Bearer <api_key>`` when set.
+        timeout: seconds one HTTP attempt may take (also capped by the call's deadline).
+        retries: retries after the first attempt (so at most ``retries + 1`` attempts).
+        max_connections: size of the connection pool (``aiohttp.TCPConnector(limit=...)``).
+        backoff_base: seconds; the first retry waits ``uniform(0, backoff_base)``, the window
+            doubling per retry.
+        backoff_max: seconds; cap of any single wait, ``Retry-After`` included.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 120.0,
+        retries: int = 3,
+        max_connections: int = 1024,
+        backoff_base: float = 0.25,
+        backoff_max: float = 10.0,
+    ) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/chat/completions"
+        self.timeout = timeout
+        self.retries = retries
+        self.max_connections = max_connections
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self.attempts = 0
+        """HTTP attempts made by this client (for metrics and tests)."""
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        session = self._session
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
+            session = self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+        return session
+
+    async def chat(
+        self,
+        *,
+        model: str,
+        messages: list[dict[str, Any]],
+        max_tokens: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        temperature: float | None = None,
+        user: str | None = None,
+        deadline: float | None = None,
+    ) -> ChatResponse:
+        """Run one chat completion, retrying transient failures.
+
+        Args:
+            model: the served model name.
+            messages: OpenAI chat messages.
+            max_tokens: completion-token cap sent as ``max_tokens`` (omitted when ``None``).
+            tools: OpenAI tool schemas (omitted when empty).
+            temperature: sampling temperature (omitted when ``None``).
+            user: the OpenAI ``user`` field (rlmq sends the rollout id).
+            deadline: Unix time (seconds) after which no attempt starts and no retry waits.
+
+        Returns:
+            The parsed response.
+
+        Raises:
+            ModelError: the server failed and the retry layer gave up (``status`` is the last
+                HTTP status, ``None`` when no response came back), or the deadline passed.
+        """
+        payload: dict[str, Any] = {"model": model, "messages": messages}
+        if max_tokens is not None:
+            payload["max_tokens"] = max_tokens
+        if tools:
+            payload["tools"] = tools
+        if temperature is not None:
+            payload["temperature"] = temperature
+        if user is not None:
+            payload["user"] = user
+        data = json.dumps(payload).encode()
+        # Fast path: the first attempt runs outside tenacity (whose bookkeeping costs tens
+        # of microseconds per call). When it fails retryably, tenacity takes over from there:
+        # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
+        # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
+        try:
+            return await self._attempt(data, messages, deadline)
+        except _Failure as exc:
+            if not exc.retryable or self.retries == 0:
+                raise self._give_up(exc, 1, False) from None
+            first: _Failure | None = exc
+        attempts = 0
+
+        async def attempt() -> ChatResponse:
+            nonlocal attempts, first
+            attempts += 1
+            if first is not None:
+                failure, first = first, None
+                raise failure
+            return await self._attempt(data, messages, deadline)
+
+        stop: Any = stop_after_attempt(self.retries + 1)
+        at_deadline: _StopAtDeadline | None = None
+        if deadline is not None:
+            at_deadline = _StopAtDeadline(deadline)
+            stop = stop | at_deadline
+        retrying = AsyncRetrying(
+            stop=stop,
+            wait=_Wait(self.backoff_base, self.backoff_max),
+            retry=retry_if_exception(_is_retryable),
+            reraise=True,
+        )
+        try:
+            return await retrying(attempt)
+        except _Failure as exc:
+            raise self._give_up(exc, attempts, at_deadline is not None and at_deadline.hit) from None
+
+    @staticmethod
+    def _give_up(exc: _Failure, attempts: int, deadline_hit: bool) -> ModelError:
+        message = exc.message
+        if exc.retryable:
+            message += f" after {attempts} attempt{'s' if attempts != 1 else ''}"
+            if deadline_hit:
+                message += " (gave up: the next retry would pass the call's deadline)"
+        if exc.detail:
+            message += f": {exc.detail}"
+        return ModelError(message, exc.status)
+
+    async def _attempt(self, data: bytes, messages: list[dict[str, Any]], deadline: float | None) -> ChatResponse:
+        self.attempts += 1
+        timeout = self._timeout
+        seconds = self.timeout
+        if deadline is not None:
+            left = deadline - time.time()
+            if left <= 0:
+                raise _Failure("the call's deadline passed before the model answered", None, retryable=False)
+            if left < seconds:
+                seconds = left
+                timeout = aiohttp.ClientTimeout(total=left)
+        session = self._get_session()
+        try:
+            async with session.post(self.url, data=data, timeout=timeout) as resp:
+                status = resp.status
+                body = await resp.read()
+                headers = resp.headers
+        except asyncio.TimeoutError:
+            raise _Failure(f"model call timed out after {seconds:.3g} s", None, retryable=True) from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise _Failure(
+                f"connection to the model server at {self.url} failed ({type(exc).__name__}: {exc})",
+                None,
+                retryable=True,
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise _Failure(
+                f"request to the model server at {self.url} failed ({type(exc).__name__}: {exc})",
+                None,
+                retryable=False,
+            ) from None
+        if 200 <= status < 300:
+            return _parse(body, status, messages)
+        retryable = status in _RETRY_STATUSES or status >= 500
+        retry_after = _parse_retry_after(headers.get("Retry-After")) if retryable else None
+        raise _Failure(
+            f"model server answered {_status_text(status)}",
+            status,
+            retryable=retryable,
+            retry_after=retry_after,
+            detail=_snippet(body),
+        )
+
+    async def close(self) -> None:
+        """Close the HTTP session (idempotent)."""
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> ChatClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

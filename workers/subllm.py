@@ -1,0 +1,314 @@
+"""One sub-LLM call on a worker: the budget, the model call and the sub-tool loop.
+
+This follows the sub-LLM tool loop of the reference ``RLMEnv`` (verifiers, March 2026:
+up to ``sub_llm_max_turns`` model turns, each of which may call sub-tools) but with
+rlmq's hard budget: before **every** model call the worker reserves
+``min(per-call cap, remaining)`` completion tokens in the rollout's Redis ledger and calls
+the model with ``max_tokens`` = that grant, then settles the reservation with what the
+server reported. There is no unbudgeted forced final-answer call: when the budget runs out
+mid-loop, the loop ends with the best answer it already has.
+
+Settling (see :mod:`common.ledger`):
+
+* a response with ``usage``: settle with ``usage.completion_tokens``;
+* a response without ``usage``: settle with the whole grant (the server may have
+  generated all of it; rlmq cannot count, so it charges the most it may have cost);
+* :class:`~common.errors.ModelError` with an HTTP error status (the server answered with
+  an error, so it generated nothing we will ever see): settle with 0;
+* ``ModelError`` without a status (connection broken, timeout) or with a 2xx status and a
+  malformed body: settle with the whole grant (tokens may have been generated);
+* cancellation or an unexpected exception: the reservation stays open, i.e. charged in
+  full, exactly as when the worker dies mid-call; it is never refunded.
+
+Reservation ids are ``f"{job_id}:{attempt}:{turn}"``: a retried job (a new ``attempt``)
+takes new reservations while the dead attempt's open ones stay charged; reserving the same
+id twice (a redelivered copy of the same attempt) returns the same grant and charges
+nothing more.
+
+:func:`run_sub_llm` never raises (except :class:`asyncio.CancelledError`): every failure
+becomes a :class:`~common.schemas.SubLLMResult` with ``status="error"`` and an
+``error_kind``: ``payload`` (a tool outside the allow-list), ``model`` (the retry layer
+gave up), ``deadline`` (past ``request.deadline``), ``budget_lost`` (the rollout's ledger
+is gone), ``duplicate`` (this attempt's reservation was already settled by another copy of
+the job), ``redis`` (Redis failed while reserving), ``internal`` (anything else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from common.errors import ModelError, PayloadError
+from common.ledger import BudgetLedger, Grant
+from common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
+from workers.model import ChatClient, ChatResponse
+from workers.tools import ToolRegistry
+
+__all__ = ["SubLLMContext", "run_sub_llm"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SubLLMContext:
+    """What the worker hands to every sub-call; one instance shared across all jobs.
+
+    Attributes:
+        client: the model client (one aiohttp session for the whole process).
+        ledger: the budget ledger; may be ``None`` only if no request is ``budgeted``.
+        tools: the worker's allow-listed sub-tools.
+        worker_name: written into each result's ``worker`` field.
+        include_messages: return the sub-LLM's conversation in ``SubLLMResult.messages``
+            (the producer's ``include_sub_llm_in_trajectory``).
+        tool_timeout: seconds one sub-tool call may run.
+    """
+
+    client: ChatClient
+    ledger: BudgetLedger | None
+    tools: ToolRegistry
+    worker_name: str
+    include_messages: bool = False
+    tool_timeout: float = 30.0
+
+
+class _Stop(Exception):
+    """Ends a sub-call with an error result (internal)."""
+
+    def __init__(self, kind: str, content: str, error: str | None = None) -> None:
+        super().__init__(content)
+        self.kind = kind
+        self.content = content
+        self.error = error or content
+
+
+class _Run:
+    """The state of one sub-call (counters go into the result)."""
+
+    def __init__(self, request: SubLLMRequest, ctx: SubLLMContext, job_id: str, attempt: int) -> None:
+        self.request = request
+        self.ctx = ctx
+        self.job_id = job_id
+        self.attempt = attempt
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.turns = 0
+        self.tool_calls = 0
+        self.grants = 0
+        self.granted_tokens = 0
+        self.released_tokens = 0
+        self.messages: list[dict[str, Any]] = []
+
+    async def run(self) -> tuple[SubCallStatus, str]:
+        request, ctx = self.request, self.ctx
+        if request.sub_tools:
+            ctx.tools.check_allowed(request.sub_tools)  # PayloadError before any model call
+            tools = ctx.tools.schemas(request.sub_tools)
+            offered = {t["function"]["name"] for t in tools}
+        else:
+            tools, offered = [], set()
+        if request.budgeted and ctx.ledger is None:
+            raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
+        if request.system_prompt:
+            self.messages.append({"role": "system", "content": request.system_prompt})
+        self.messages.append({"role": "user", "content": request.prompt})
+        last_text: str | None = None
+        for turn in range(1, request.max_turns + 1):
+            if time.time() >= request.deadline:
+                raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
+            grant: Grant | None = None
+            reservation = f"{self.job_id}:{self.attempt}:{turn}"
+            max_tokens = request.max_completion_tokens
+            if request.budgeted:
+                grant = await self._reserve(reservation)
+                if not grant.granted:
+                    spent = f"{grant.charged}/{grant.limit} completion tokens used"
+                    if turn == 1:
+                        return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
+                    if last_text:
+                        return "ok", last_text
+                    return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
+                max_tokens = grant.tokens
+            response = await self._call(turn, reservation, grant, max_tokens, tools)
+            if response.content:
+                last_text = response.content
+            assistant: dict[str, Any] = {"role": "assistant", "content": response.content}
+            if response.tool_calls:
+                assistant["tool_calls"] = response.tool_calls
+            self.messages.append(assistant)
+            if not response.tool_calls:
+                return "ok", response.content or ""
+            if turn == request.max_turns:
+                if last_text:
+                    return "ok", last_text
+                return "ok", f"[sub-LLM used all {request.max_turns} turn(s) calling tools and gave no final answer]"
+            await self._run_tools(response.tool_calls, offered, turn)
+        raise AssertionError("unreachable: the loop returns on its last turn")  # pragma: no cover
+
+    async def _reserve(self, reservation: str) -> Grant:
+        ledger = self.ctx.ledger
+        assert ledger is not None
+        try:
+            grant = await ledger.reserve(self.request.rollout_id, reservation, self.request.max_completion_tokens)
+        except RedisError as exc:
+            raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
+        if grant.code == 2:
+            raise _Stop("budget_lost", "[error] sub-LLM budget ledger of this rollout is gone (expired or lost)")
+        if grant.code == 3:
+            raise _Stop(
+                "duplicate",
+                "[error] sub-LLM call already ran: another copy of this job attempt settled its reservation",
+            )
+        if grant.granted:
+            self.grants += 1
+            self.granted_tokens += grant.tokens
+        return grant
+
+    async def _settle(self, reservation: str, used: int) -> None:
+        ledger = self.ctx.ledger
+        assert ledger is not None
+        try:
+            settlement = await ledger.settle(self.request.rollout_id, reservation, used)
+        except RedisError as exc:
+            # The reservation stays open, i.e. charged in full: safe for the budget.
+            log.warning("could not settle reservation %s (%s); it stays charged in full", reservation, exc)
+            return
+        if settlement.released > 0:
+            self.released_tokens += settlement.released
+
+    async def _call(
+        self,
+        turn: int,
+        reservation: str,
+        grant: Grant | None,
+        max_tokens: int | None,
+        tools: list[dict[str, Any]],
+    ) -> ChatResponse:
+        request = self.request
+        self.turns = turn
+        try:
+            response = await self.ctx.client.chat(
+                model=request.model,
+                messages=self.messages,
+                max_tokens=max_tokens,
+                tools=tools or None,
+                temperature=request.temperature,
+                user=request.rollout_id,
+                deadline=request.deadline,
+            )
+        except ModelError as exc:
+            if grant is not None:
+                answered_error = exc.status is not None and exc.status >= 400
+                await self._settle(reservation, 0 if answered_error else grant.tokens)
+            raise
+        self.prompt_tokens += response.prompt_tokens
+        self.completion_tokens += response.completion_tokens
+        if grant is not None:
+            await self._settle(reservation, response.completion_tokens if response.usage_reported else grant.tokens)
+        return response
+
+    async def _run_tools(self, tool_calls: list[dict[str, Any]], offered: set[str], turn: int) -> None:
+        self.tool_calls += len(tool_calls)
+        calls: list[tuple[str, str, str]] = []
+        for i, call in enumerate(tool_calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            name = str(fn.get("name") or "")
+            arguments = fn.get("arguments")
+            if not isinstance(arguments, str):
+                arguments = "" if arguments is None else json.dumps(arguments)
+            call_id = call.get("id") if isinstance(call, dict) else None
+            calls.append((str(call_id or f"call_{turn}_{i}"), name, arguments))
+        outputs = await asyncio.gather(*(self._tool(name, arguments, offered) for _, name, arguments in calls))
+        for (call_id, _, _), output in zip(calls, outputs, strict=True):
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+    async def _tool(self, name: str, arguments: str, offered: set[str]) -> str:
+        if name not in offered:
+            available = ", ".join(sorted(offered)) or "none"
+            return f"[tool error] unknown tool {name!r} (available: {available})"
+        return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
+
+
+async def run_sub_llm(
+    request: SubLLMRequest,
+    ctx: SubLLMContext,
+    *,
+    job_id: str,
+    attempt: int = 1,
+    started_at: float | None = None,
+) -> SubLLMResult:
+    """Run one sub-LLM call: budget reservations, model turns, sub-tools; return its result.
+
+    Follows the verifiers ``RLMEnv`` sub-LLM tool loop (``sub_llm_max_turns`` =
+    ``request.max_turns``) with rlmq's hard budget (see the module docstring): a reservation
+    before every model call, ``max_tokens`` = the grant, no unbudgeted final call.
+
+    Args:
+        request: the validated job payload.
+        ctx: the worker's shared client, ledger and tools.
+        job_id: the RQ job id; reservation ids are ``f"{job_id}:{attempt}:{turn}"``.
+        attempt: 1 for the first run of the job, 2 for its first retry, ...
+        started_at: Unix time (seconds) the worker took the job; ``queue_wait_seconds`` is
+            measured from ``request.enqueued_at`` to it (default: now).
+
+    Returns:
+        The result: ``status`` ``ok`` (``content`` is the answer), ``rejected`` (the budget
+        was spent; ``content`` says ``used/limit``) or ``error`` (``error_kind`` says which,
+        ``content`` is the message the root model sees). Token figures are summed over
+        turns; ``seconds`` is this call's wall time.
+
+    Raises:
+        asyncio.CancelledError: only when cancelled; any other failure is a result.
+    """
+    t0 = time.perf_counter()
+    taken = started_at if started_at is not None else time.time()
+    run = _Run(request, ctx, job_id, attempt)
+    error: str | None = None
+    error_kind: str | None = None
+    status: SubCallStatus
+    try:
+        status, content = await run.run()
+    except _Stop as stop:
+        status, content, error, error_kind = "error", stop.content, stop.error, stop.kind
+    except PayloadError as exc:
+        status, content, error, error_kind = "error", f"[error] {exc}", str(exc), "payload"
+    except ModelError as exc:
+        if time.time() >= request.deadline:
+            status, content, error_kind = "error", "[error] sub-LLM call missed its deadline", "deadline"
+        else:
+            status, content, error_kind = "error", f"[error] sub-LLM call failed: {exc}", "model"
+        error = str(exc)
+    except RedisError as exc:
+        status, content, error, error_kind = "error", f"[error] sub-LLM call failed: Redis: {exc}", str(exc), "redis"
+    except Exception as exc:
+        log.exception("sub-LLM job %s failed unexpectedly", job_id)
+        text = f"{type(exc).__name__}: {exc}"
+        status, content, error, error_kind = "error", f"[error] sub-LLM call failed: {text}", text, "internal"
+    return SubLLMResult(
+        rollout_id=request.rollout_id,
+        batch_id=request.batch_id,
+        index=request.index,
+        job_id=job_id,
+        status=status,
+        content=content,
+        error=error,
+        error_kind=error_kind,
+        prompt_tokens=run.prompt_tokens,
+        completion_tokens=run.completion_tokens,
+        turns=run.turns,
+        tool_calls=run.tool_calls,
+        grants=run.grants,
+        granted_tokens=run.granted_tokens,
+        released_tokens=run.released_tokens,
+        queue_wait_seconds=max(0.0, taken - request.enqueued_at),
+        seconds=time.perf_counter() - t0,
+        worker=ctx.worker_name,
+        attempt=attempt,
+        messages=list(run.messages) if (ctx.include_messages or request.include_messages) else None,
+    )
