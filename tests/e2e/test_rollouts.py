@@ -23,12 +23,11 @@ from producer.local import LocalFleet, child_env, rlmq_command
 from producer.mock_llm import root_code_directive
 
 pytestmark = pytest.mark.e2e
-MODEL = "e2e-scripted"
 
 
 def env_for(fleet: LocalFleet, **kw: Any) -> RLMEnv:
     overrides = {k: kw.pop(k) for k in list(kw) if k in ("sub_call_timeout",)}
-    settings = load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=MODEL, **overrides)
+    settings = load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model, **overrides)
     return RLMEnv(settings=settings, **kw)
 
 
@@ -40,7 +39,7 @@ def scripted(question: str, *codes: str) -> str:
 async def test_needle_rollouts_answer_correctly_with_metrics(fleet: LocalFleet) -> None:
     rows = [DatasetRow.model_validate(r) for r in needle_rows(3, min_chars=100_000, seed=7)]
     async with env_for(fleet) as env:
-        results = await env.evaluate(rows, model=MODEL, concurrency=3)
+        results = await env.evaluate(rows, model=fleet.model, concurrency=3)
     for res in results:
         row = res.row
         assert row.correct, (row.final_answer, row.answer, row.error)
@@ -53,7 +52,7 @@ async def test_needle_rollouts_answer_correctly_with_metrics(fleet: LocalFleet) 
         kinds = [e["type"] for e in res.trajectory]
         assert kinds == ["root", "llm_batch", "cell"]
     sync = redis.Redis.from_url(str(fleet.redis_url))
-    q = Queue(queue_name_for_model(MODEL), connection=sync)
+    q = Queue(queue_name_for_model(fleet.model), connection=sync)
     finished = FinishedJobRegistry(queue=q).get_job_ids()
     assert len(finished) >= sum(r.row.metrics["sub_llm_call_count"] for r in results)
     names = {w.name for w in Worker.all(queue=q)}
@@ -75,7 +74,7 @@ answer["ready"] = True
 async def test_results_come_back_in_prompt_order(fleet: LocalFleet) -> None:
     row = DatasetRow(id="order", question=scripted("Order test.", ORDER_CODE), context="unused")
     async with env_for(fleet, max_sub_llm_parallelism=16) as env:
-        res = await env.rollout(row, model=MODEL)
+        res = await env.rollout(row, model=fleet.model)
     assert res.row.stop_reason == "answer_ready", res.row.error
     assert res.row.final_answer == ",".join(f"c{i}" for i in range(40))
     cell = next(e for e in res.trajectory if e["type"] == "cell")
@@ -97,7 +96,7 @@ async def test_a_slow_sub_call_becomes_an_error_at_its_deadline(fleet: LocalFlee
     row = DatasetRow(id="deadline", question=scripted("Deadline test.", DEADLINE_CODE), context="x")
     t0 = time.monotonic()
     async with env_for(fleet, sub_call_timeout=2.0) as env:
-        res = await env.rollout(row, model=MODEL)
+        res = await env.rollout(row, model=fleet.model)
     took = time.monotonic() - t0
     assert res.row.stop_reason == "answer_ready", res.row.error
     first, second = str(res.row.final_answer).split(" | ")
@@ -118,7 +117,7 @@ answer["ready"] = True
 async def test_a_hung_cell_restarts_the_repl_and_the_rollout_goes_on(fleet: LocalFleet) -> None:
     row = DatasetRow(id="hang", question=scripted("Hang test.", HANG_CODE, AFTER_HANG_CODE), context="abcdef")
     async with env_for(fleet, code_execution_timeout=1.0) as env:
-        res = await env.rollout(row, model=MODEL)
+        res = await env.rollout(row, model=fleet.model)
     assert res.row.stop_reason == "answer_ready", res.row.error
     assert res.row.final_answer == "6"
     cells = [e for e in res.trajectory if e["type"] == "cell"]
@@ -130,10 +129,12 @@ async def test_a_hung_cell_restarts_the_repl_and_the_rollout_goes_on(fleet: Loca
 
 async def test_no_tool_call_and_max_turns_stop_reasons(fleet: LocalFleet) -> None:
     async with env_for(fleet, max_turns=2) as env:
-        plain = await env.rollout(DatasetRow(id="plain", question="Hi [[mock:no-tool]]", context="c"), model=MODEL)
+        plain = await env.rollout(
+            DatasetRow(id="plain", question="Hi [[mock:no-tool]]", context="c"), model=fleet.model
+        )
         looping = await env.rollout(
             DatasetRow(id="loop", question=scripted("Loop.", "print(1)", "print(2)", "print(3)"), context="c"),
-            model=MODEL,
+            model=fleet.model,
         )
     assert plain.row.stop_reason == "no_tool_call"
     assert looping.row.stop_reason == "max_turns" and looping.row.metrics["main_rlm_turns"] == 2
@@ -142,18 +143,25 @@ async def test_no_tool_call_and_max_turns_stop_reasons(fleet: LocalFleet) -> Non
 def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_path: Any) -> None:
     """`rlmq run` against a Redis with workers started by hand; `rq info` lists them meanwhile."""
     dataset = tmp_path / "ds.jsonl"
+    needle = "The access code for the vault named ORCHID is 48213. "
     lines = [
-        {"id": "q1", "question": "What is the access code for the vault named ORCHID?",
-         "context": "Filler text. " * 3000 + "The access code for the vault named ORCHID is 48213. " + "More filler. " * 3000,
-         "answer": "48213"},
-        {"id": "q2", "question": "Which city hosts the archive of KESTREL?",
-         "context": ["Unrelated line number %d." % i for i in range(2000)] + ["The archive of KESTREL is hosted in Tallinn."],
-         "answer": "Tallinn"},
-    ]  # fmt: skip
+        {
+            "id": "q1",
+            "question": "What is the access code for the vault named ORCHID?",
+            "context": "Filler text. " * 3000 + needle + "More filler. " * 3000,
+            "answer": "48213",
+        },
+        {
+            "id": "q2",
+            "question": "Which city hosts the archive of KESTREL?",
+            "context": [f"Unrelated line {i}." for i in range(2000)] + ["The archive of KESTREL is hosted in Tallinn."],
+            "answer": "Tallinn",
+        },
+    ]
     dataset.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "rows.jsonl"
     argv = rlmq_command(
-        "run", str(dataset), "--base-url", str(fleet.base_url), "--model", MODEL,
+        "run", str(dataset), "--base-url", str(fleet.base_url), "--model", fleet.model,
         "--redis-url", str(fleet.redis_url), "--output", str(out), "--quiet",
     )  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=child_env())
@@ -167,5 +175,5 @@ def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_pa
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert info.returncode == 0, info.stderr
-    assert queue_name_for_model(MODEL) in info.stdout
+    assert queue_name_for_model(fleet.model) in info.stdout
     assert "2 workers" in info.stdout, info.stdout

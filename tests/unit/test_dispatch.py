@@ -23,7 +23,9 @@ def server() -> fakeredis.FakeServer:
 
 
 def spec(**kw: object) -> BatchSpec:
-    base: dict[str, object] = dict(rollout_id="r1", batch_id="b1", model="m", queue="rlmq.sub.m", timeout=5.0, parallelism=64)
+    base: dict[str, object] = dict(
+        rollout_id="r1", batch_id="b1", model="m", queue="rlmq.sub.m", timeout=5.0, parallelism=64
+    )
     base.update(kw)
     return BatchSpec(**base)  # type: ignore[arg-type]
 
@@ -49,11 +51,20 @@ async def test_enqueued_jobs_are_ordinary_rq_jobs(server: fakeredis.FakeServer) 
 
 
 def fake_result(i: int, content: str, batch: str = "b1") -> str:
-    return SubLLMResult(rollout_id="r1", batch_id=batch, index=i, job_id=f"r1-{batch}-{i}", status="ok", content=content).model_dump_json()
+    return SubLLMResult(
+        rollout_id="r1", batch_id=batch, index=i, job_id=f"r1-{batch}-{i}", status="ok", content=content
+    ).model_dump_json()
 
 
-async def answer_jobs(r: fakeredis.aioredis.FakeRedis, queue: str, *, reverse: bool = False, dup: bool = False,
-                      skip: set[int] = frozenset(), stop_after: int | None = None) -> None:  # type: ignore[assignment]
+async def answer_jobs(
+    r: fakeredis.aioredis.FakeRedis,
+    queue: str,
+    *,
+    reverse: bool = False,
+    dup: bool = False,
+    skip: set[int] = frozenset(),
+    stop_after: int | None = None,
+) -> None:  # type: ignore[assignment]
     """A stand-in worker: pops job ids and pushes results (optionally out of order / duplicated)."""
     answered = 0
     while stop_after is None or answered < stop_after:
