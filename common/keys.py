@@ -51,6 +51,22 @@ def queue_name_for_model(model: str) -> str:
     return f"{PREFIX}.sub.{slug}"
 
 
+def tenant_queue(base: str, tenant: str | None) -> str:
+    """The queue a producer of ``tenant`` uses for the model queue ``base``: ``base@tenant``.
+
+    Workers serving ``base`` also serve every ``base@*`` queue, round-robin, so one trainer
+    node's burst cannot starve another's small batch. ``None`` or ``""``: ``base`` itself.
+    """
+    if not tenant:
+        return base
+    return f"{base}@{_SLUG.sub('_', tenant).strip('_') or 'default'}"
+
+
+def serves(base: str, queue: str) -> bool:
+    """True when a worker of queue ``base`` serves ``queue`` (``base`` or one of its tenants)."""
+    return queue == base or queue.startswith(base + "@")
+
+
 class RolloutKeys:
     """Key names of one rollout (all share the hash tag ``{rollout_id}``).
 
@@ -90,6 +106,11 @@ class RolloutKeys:
 
 LIVE_ROLLOUTS = namespace("rollouts")
 """Sorted set: rollout id -> expiry timestamp (seconds); what ``rlmq status`` lists."""
+
+
+def wake_channel(queue: str) -> str:
+    """Pub/sub channel producers publish on after enqueueing on ``queue`` or its tenants."""
+    return namespace("wake", queue.split("@", 1)[0])
 
 
 def worker_stats(worker_name: str) -> str:

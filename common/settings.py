@@ -14,7 +14,7 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.errors import ConfigError
-from common.keys import queue_name_for_model
+from common.keys import queue_name_for_model, tenant_queue
 
 Verbosity = Literal["light", "medium", "heavy"]
 
@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     """Where locally started workers send sub-LLM calls (``rlmq run`` without REDIS_URL)."""
     queue: str | None = None
     """RQ queue name; by default derived from the (sub-)model name, the same on both sides."""
+    tenant: str | None = None
+    """Fair-share key of a producer: its jobs go to ``<queue>@<tenant>``, which workers serve
+    round-robin with the other tenants of the same queue. ``None``: this host's name."""
 
     # --- rollout (producer) ------------------------------------------------------------
     max_turns: int = Field(default=50, ge=1)
@@ -87,6 +90,17 @@ class Settings(BaseSettings):
         if not model:
             raise ConfigError("set --queue or --model / --sub-model to name the sub-LLM queue")
         return queue_name_for_model(model)
+
+    def producer_queue(self, sub_model: str | None = None) -> str:
+        """The tenant queue this producer enqueues on (``<queue>@<tenant>``).
+
+        Raises:
+            ConfigError: no queue and no model.
+        """
+        import socket
+
+        base = self.queue or (queue_name_for_model(sub_model) if sub_model else self.sub_queue())
+        return tenant_queue(base, self.tenant if self.tenant is not None else socket.gethostname())
 
     def worker_queue(self) -> str:
         """The queue a worker serves (``--queue`` or derived from ``--model``).

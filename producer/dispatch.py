@@ -125,6 +125,7 @@ class Dispatcher:
             pipe.rpush(K.rq_queue(spec.queue), *ids)
             pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
             pipe.expire(reply, spec.reply_ttl)
+            pipe.publish(K.wake_channel(spec.queue), spec.queue)  # wakes idle workers, names new tenants
             await pipe.execute()
         return now
 

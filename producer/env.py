@@ -227,7 +227,7 @@ class RLMEnv:
             raise RuntimeError("RLMEnv.start() first (or use `async with`)")
         rid = rollout_id or uuid.uuid4().hex
         sub_model = self.sub_model or model
-        queue = self.settings.queue or K.queue_name_for_model(sub_model)
+        queue = self.settings.producer_queue(sub_model)
         stats = _Stats()
         trajectory: list[dict[str, Any]] = []
         budget = self.sub_llm_max_completion_tokens

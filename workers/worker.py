@@ -3,10 +3,13 @@
 A stock RQ worker runs one job at a time, which wastes a process on every in-flight
 LLM call. This worker runs on one asyncio loop:
 
-* the *fetch* task takes up to ``free slots`` queued jobs per round trip (``LRANGE``
-  then the ``START`` script, which removes them from the queue and marks them started
-  atomically), and when the queue is empty blocks on ``BLMOVE q q LEFT LEFT`` (a
-  blocking peek that takes nothing, so a worker dying while it waits loses nothing);
+* the *fetch* task serves the model's queue and all its tenant queues (``<queue>@<tenant>``,
+  one per trainer node), round-robin: each round every non-empty queue gets an equal share
+  of the free slots, so one trainer's burst of 10,000 prompts cannot starve another's batch
+  of 8. It takes jobs with ``LRANGE`` then the ``START`` script (which removes them from the
+  queue and marks them started atomically: a worker dying while it waits loses nothing), and
+  when every queue is empty it waits for a wake-up the producer publishes after enqueueing
+  (``rlmq:wake:<queue>``), or one second;
 * each job runs :func:`workers.subllm.run_sub_llm` as its own task;
 * the *flush* task records finished jobs and pushes their results to their reply lists
   in one ``FINISH`` script call per flush (whatever finished meanwhile: natural batching
@@ -102,6 +105,10 @@ class SubLLMWorker:
             )
         )
         self._inflight: dict[str, StartedJob] = {}
+        self._queue_of: dict[str, str] = {}  # in-flight member -> the queue it came from
+        self._records: dict[str, Records] = {}
+        self._queues: list[str] = [self.queue]
+        self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._done: list[FinishedJob] = []
         self._done_event = asyncio.Event()
@@ -128,18 +135,8 @@ class SubLLMWorker:
                 back to the queue.
         """
         s = self.settings
-        self.redis = async_client(str(s.redis_url))
-        self.blocking_redis = async_client(str(s.redis_url))
-        self.records = Records(
-            self.redis,
-            self.queue,
-            self.name,
-            heartbeat_ttl=s.job_heartbeat_ttl,
-            result_ttl=s.result_ttl,
-            reply_ttl=s.rollout_key_ttl,
-            max_attempts=s.job_max_attempts,
-        )
-        self.blocking_records = Records(self.blocking_redis, self.queue, self.name)
+        self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
+        self.records = self._records_for(self.queue)
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=BudgetLedger(self.redis, ttl=s.rollout_key_ttl),
@@ -154,7 +151,9 @@ class SubLLMWorker:
         log.info(
             "worker %s serving queue %s with up to %d sub-calls in flight", self.name, self.queue, self.concurrency
         )
+        await self._discover_queues()
         aux = [
+            asyncio.create_task(self._wake_listener(), name="wake"),
             asyncio.create_task(self._flush_loop(), name="flush"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._reaper_loop(), name="reaper"),
@@ -173,7 +172,6 @@ class SubLLMWorker:
             await self.ctx.client.close()
             self._register_death(rq_worker)
             await self.redis.aclose()
-            await self.blocking_redis.aclose()
             log.info("worker %s stopped after %d sub-calls", self.name, self.processed)
 
     def _register_birth(self) -> RQWorker:
@@ -198,16 +196,72 @@ class SubLLMWorker:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         await self._flush_once()
-        left = [j.member for j in self._inflight.values()]
-        if left:
-            requeued, failed = await self.records.reap(left, hand_back=True)
+        for queue, members in self._members_by_queue().items():
+            requeued, failed = await self._records_for(queue).reap(members, hand_back=True)
             log.warning("worker %s handed back %d jobs (%d failed: out of attempts)", self.name, requeued, failed)
-            self._inflight.clear()
+        self._inflight.clear()
+        self._queue_of.clear()
 
     # ------------------------------------------------------------------ fetch
 
+    def _records_for(self, queue: str) -> Records:
+        rec = self._records.get(queue)
+        if rec is None:
+            st = self.settings
+            rec = self._records[queue] = Records(
+                self.redis,
+                queue,
+                self.name,
+                heartbeat_ttl=st.job_heartbeat_ttl,
+                result_ttl=st.result_ttl,
+                reply_ttl=st.rollout_key_ttl,
+                max_attempts=st.job_max_attempts,
+            )
+        return rec
+
+    def _members_by_queue(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for member in self._inflight:
+            out.setdefault(self._queue_of.get(member, self.queue), []).append(member)
+        return out
+
+    async def _discover_queues(self) -> None:
+        """Find the tenant queues of this worker's queue (``rq:queues`` holds every queue key)."""
+        prefix = K.rq_queue("")
+        names = {m.decode()[len(prefix) :] for m in await self.redis.smembers(K.RQ_QUEUES)}
+        found = sorted(q for q in names if K.serves(self.queue, q))
+        if self.queue not in found:
+            found.insert(0, self.queue)
+        # keep the round-robin position of known queues; new ones join at the end
+        self._queues = [q for q in self._queues if q in found] + [q for q in found if q not in self._queues]
+
+    async def _wake_listener(self) -> None:
+        """Set the wake event on every ``rlmq:wake:<queue>`` message.
+
+        Producers publish the name of the (tenant) queue they just enqueued on, so a new
+        tenant is served at once instead of at the next discovery."""
+        backoff = 0.1
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(K.wake_channel(self.queue))
+                backoff = 0.1
+                async for msg in pubsub.listen():
+                    data = msg.get("data")
+                    queue = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+                    if K.serves(self.queue, queue) and queue not in self._queues:
+                        self._queues.append(queue)  # a new tenant: serve it from the next round on
+                    self._wake.set()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                await asyncio.sleep(backoff)  # reconnect backoff
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
     async def _fetch_loop(self, burst: bool) -> None:
         backoff = 0.1
+        last_discovery = time.monotonic()
         while not self._stopping.is_set():
             free = self.concurrency - len(self._inflight)
             if free <= 0:
@@ -215,25 +269,36 @@ class SubLLMWorker:
                 await self._slot_free.wait()
                 continue
             try:
-                ids = await self.records.peek(min(free, 500))
-                if not ids:
+                if time.monotonic() - last_discovery > 1.0:
+                    await self._discover_queues()
+                    last_discovery = time.monotonic()
+                self._wake.clear()
+                queues = list(self._queues)
+                share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for q in queues:
+                        pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
+                    peeked: list[list[bytes]] = await pipe.execute()
+                if not any(peeked):
                     if burst and not self._inflight:
                         return
-                    if burst:
-                        self._slot_free.clear()
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(self._slot_free.wait(), 0.05)
-                        continue
-                    waiter = asyncio.create_task(self.blocking_records.wait_for_jobs(1.0))
+                    waiter = asyncio.create_task(self._wake.wait())
                     stop = asyncio.create_task(self._stopping.wait())
-                    await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
-                    stop.cancel()
-                    if not waiter.done():
-                        waiter.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, Exception):
-                            await waiter
+                    slot = asyncio.create_task(self._slot_free.wait()) if burst else None
+                    pending = {waiter, stop} | ({slot} if slot else set())
+                    await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                    for t in pending:
+                        t.cancel()
+                    self._slot_free.clear()
+                    if time.monotonic() - last_discovery > 0.5:
+                        last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
                     continue
-                started = await self.records.start(ids)
+                started_by_queue = await asyncio.gather(
+                    *(self._records_for(q).start(ids) for q, ids in zip(queues, peeked, strict=True) if ids)
+                )
+                taken = [q for q, ids in zip(queues, peeked, strict=True) if ids]
+                # rotate so the next round starts with the next queue
+                self._queues = self._queues[1:] + self._queues[:1]
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", self.name, exc, backoff)
@@ -241,11 +306,13 @@ class SubLLMWorker:
                     await asyncio.wait_for(self._stopping.wait(), backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            for job in started:
-                self._inflight[job.member] = job
-                task = asyncio.create_task(self._run_job(job))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            for q, started in zip(taken, started_by_queue, strict=True):
+                for job in started:
+                    self._inflight[job.member] = job
+                    self._queue_of[job.member] = q
+                    task = asyncio.create_task(self._run_job(job))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ one job
 
@@ -316,15 +383,19 @@ class SubLLMWorker:
         if not self._done:
             return
         batch, self._done = self._done, []
+        by_queue: dict[str, list[FinishedJob]] = {}
+        for d in batch:
+            by_queue.setdefault(self._queue_of.get(d.job.member, self.queue), []).append(d)
         try:
-            delivered = await self.records.finish(batch)
+            counts = await asyncio.gather(*(self._records_for(q).finish(b) for q, b in by_queue.items()))
         except BaseException:
             self._done = batch + self._done
             self._done_event.set()
             raise
-        self.delivered += delivered
+        self.delivered += sum(counts)
         for d in batch:
             self._inflight.pop(d.job.member, None)
+            self._queue_of.pop(d.job.member, None)
         self._slot_free.set()
         if len(self._inflight) == 0:
             self._idle.set()
@@ -335,8 +406,11 @@ class SubLLMWorker:
         interval = self.settings.heartbeat_interval
         while True:
             try:
-                members = list(self._inflight)
-                await self.records.heartbeat(members, "busy" if members else "idle")
+                by_queue = self._members_by_queue()
+                state = "busy" if self._inflight else "idle"
+                if not by_queue:
+                    by_queue = {self.queue: []}
+                await asyncio.gather(*(self._records_for(q).heartbeat(m, state) for q, m in by_queue.items()))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
             await asyncio.sleep(interval)  # periodic timer, not synchronisation
@@ -346,9 +420,12 @@ class SubLLMWorker:
         while True:
             await asyncio.sleep(interval * (0.5 + random.random()))  # jittered timer across the fleet
             try:
-                expired = [m for m in await self.records.expired_members() if m not in self._inflight]
-                if expired:
-                    requeued, failed = await self.records.reap(expired)
+                for queue in list(self._queues):
+                    rec = self._records_for(queue)
+                    expired = [m for m in await rec.expired_members() if m not in self._inflight]
+                    if not expired:
+                        continue
+                    requeued, failed = await rec.reap(expired)
                     if requeued or failed:
                         log.warning(
                             "worker %s: took back %d abandoned jobs (%d re-queued, %d failed)",

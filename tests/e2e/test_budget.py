@@ -61,7 +61,7 @@ async def test_budget_is_never_overshot_under_parallel_load(spend_all_fleet: Loc
         redis_url=spend_all_fleet.redis_url, base_url=spend_all_fleet.base_url, model=MODEL, sub_call_timeout=60
     )
     row = DatasetRow(id="stress", question="Stress. " + root_code_directive(STRESS_CODE), context="x")
-    rid = f"stress-{cap}"
+    rid = f"stress-{cap}-{uuid.uuid4().hex[:8]}"
     async with RLMEnv(
         settings=settings,
         sub_llm_max_completion_tokens=budget,
@@ -106,7 +106,7 @@ answer["ready"] = True
 async def test_a_spent_budget_refuses_the_whole_batch_and_the_root_goes_on(spend_all_fleet: LocalFleet) -> None:
     settings = load_settings(redis_url=spend_all_fleet.redis_url, base_url=spend_all_fleet.base_url, model=MODEL)
     question = "Spent. " + root_code_directive(SPENT_CODE_1, 1) + " " + root_code_directive(SPENT_CODE_2, 2)
-    rid = "spent-budget"
+    rid = f"spent-{uuid.uuid4().hex[:8]}"
     async with RLMEnv(settings=settings, sub_llm_max_completion_tokens=100) as env:
         res = await env.rollout(DatasetRow(id="spent", question=question, context="x"), model=MODEL, rollout_id=rid)
     assert res.row.stop_reason == "answer_ready", res.row.error

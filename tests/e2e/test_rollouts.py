@@ -52,8 +52,12 @@ async def test_needle_rollouts_answer_correctly_with_metrics(fleet: LocalFleet) 
         kinds = [e["type"] for e in res.trajectory]
         assert kinds == ["root", "llm_batch", "cell"]
     sync = redis.Redis.from_url(str(fleet.redis_url))
-    q = Queue(queue_name_for_model(fleet.model), connection=sync)
-    finished = FinishedJobRegistry(queue=q).get_job_ids()
+    base = queue_name_for_model(fleet.model)
+    q = Queue(base, connection=sync)
+    # the producer enqueued on its tenant queue (this host's name), which the workers also serve
+    tenant = Queue(load_settings(model=fleet.model).producer_queue(), connection=sync)
+    assert tenant.name.startswith(base + "@")
+    finished = FinishedJobRegistry(queue=tenant).get_job_ids()
     assert len(finished) >= sum(r.row.metrics["sub_llm_call_count"] for r in results)
     names = {w.name for w in Worker.all(queue=q)}
     assert len(names) == 2
