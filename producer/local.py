@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from types import TracebackType
+from typing import Any
 
 from common.errors import RlmqError
 from common.redis_server import EmbeddedRedis
@@ -45,7 +46,7 @@ class ProcessGroup:
         self.log_dir = log_dir
 
     def spawn(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        out: int | object = subprocess.DEVNULL
+        out: Any = subprocess.DEVNULL
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115 - closed with the process
@@ -54,7 +55,7 @@ class ProcessGroup:
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env or child_env(),
-            start_new_session=True,  # type: ignore[arg-type]
+            start_new_session=True,
         )
         self.procs.append(proc)
         return proc

@@ -178,14 +178,14 @@ class SubLLMWorker:
         sync = sync_client(str(self.settings.redis_url))
         q = Queue(self.queue, connection=sync, serializer=JSONSerializer)
         w = RQWorker([q], name=self.name, connection=sync, serializer=JSONSerializer)
-        w.register_birth()
+        w.register_birth()  # type: ignore[no-untyped-call]
         sync.hset(w.key, mapping={"state": "idle", "rlmq_concurrency": self.concurrency})
         sync.sadd(K.RQ_QUEUES, q.key)
         return w
 
     def _register_death(self, w: RQWorker) -> None:
         with contextlib.suppress(Exception):
-            w.register_death()
+            w.register_death()  # type: ignore[no-untyped-call]
             w.connection.close()
 
     async def _drain(self, grace: float) -> None:
@@ -228,7 +228,8 @@ class SubLLMWorker:
     async def _discover_queues(self) -> None:
         """Find the tenant queues of this worker's queue (``rq:queues`` holds every queue key)."""
         prefix = K.rq_queue("")
-        names = {m.decode()[len(prefix) :] for m in await self.redis.smembers(K.RQ_QUEUES)}
+        members: set[bytes] = await self.redis.smembers(K.RQ_QUEUES)  # type: ignore[assignment]
+        names = {m.decode()[len(prefix) :] for m in members}
         found = sorted(q for q in names if K.serves(self.queue, q))
         if self.queue not in found:
             found.insert(0, self.queue)
@@ -257,7 +258,7 @@ class SubLLMWorker:
                 backoff = min(backoff * 2, 5.0)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _fetch_loop(self, burst: bool) -> None:
         backoff = 0.1
