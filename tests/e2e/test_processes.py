@@ -1,0 +1,70 @@
+"""Process-level behaviour: hundreds of sub-calls in flight in one worker, and clean Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+import uuid
+
+import psutil
+import pytest
+
+from common import keys as K
+from common.connection import async_client
+from producer.dispatch import BatchSpec, Dispatcher
+from producer.local import LocalFleet, child_env, rlmq_command
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_one_worker_holds_hundreds_of_sub_calls_in_flight(redis_url: str, tmp_path: object) -> None:
+    """300 calls of 1 s each through one worker process finish in a few seconds, not 300."""
+    model = f"conc-{uuid.uuid4().hex[:6]}"
+    with LocalFleet(redis_url=redis_url, model=model, workers=1, worker_concurrency=300, mock_latency=1.0) as fleet:
+        redis = async_client(redis_url)
+        queue = K.queue_name_for_model(model)
+        spec = BatchSpec(rollout_id=f"conc-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model, queue=queue,
+                         timeout=60, parallelism=300)  # fmt: skip
+        t0 = time.monotonic()
+        task = asyncio.create_task(Dispatcher(redis).run_batch(spec, [f"Prompt {i}." for i in range(300)]))
+        peak = 0
+        while not task.done():
+            # RQ's own record of what the worker runs now: its executions set
+            workers = await redis.smembers(K.RQ_WORKERS)
+            for wkey in workers:
+                name = wkey.decode().split(":", 2)[2]
+                peak = max(peak, await redis.scard(K.rq_worker_executions(name)))
+            await asyncio.wait({task}, timeout=0.05)
+        results = task.result()
+        took = time.monotonic() - t0
+        await redis.aclose()
+    assert all(r.status == "ok" for r in results)
+    assert took < 10, f"300 one-second calls took {took:.1f} s"
+    assert peak >= 256, f"at most {peak} sub-calls were in flight at once"
+
+
+def test_demo_stops_everything_it_started_on_ctrl_c(tmp_path: object) -> None:
+    proc = subprocess.Popen(
+        rlmq_command("demo", "--rollouts", "200", "--quiet"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=child_env(),
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # wait for the fleet to be up: the demo prints its Redis and model
+        lines.append(line)
+        if line.startswith("redis "):
+            break
+    else:
+        pytest.fail("demo ended before starting its fleet: " + "".join(lines))
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 4  # redis, scripted model, 2 workers (and REPLs)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {[p.pid for p in alive]}"
