@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 async def test_one_worker_holds_hundreds_of_sub_calls_in_flight(redis_url: str, tmp_path: object) -> None:
     """300 calls of 1 s each through one worker process finish in a few seconds, not 300."""
     model = f"conc-{uuid.uuid4().hex[:6]}"
-    with LocalFleet(redis_url=redis_url, model=model, workers=1, worker_concurrency=300, mock_latency=1.0) as fleet:
+    with LocalFleet(redis_url=redis_url, model=model, workers=1, worker_concurrency=300, mock_latency=1.0):
         redis = async_client(redis_url)
         queue = K.queue_name_for_model(model)
         spec = BatchSpec(rollout_id=f"conc-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model, queue=queue,
