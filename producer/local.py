@@ -173,10 +173,12 @@ class LocalFleet:
     def start_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
         """Start one more ``rlmq worker`` process against this fleet's Redis and model."""
         argv = rlmq_command(
-            "worker", "--base-url", str(self.base_url), "--model", self.model, "--redis-url", str(self.redis_url),
+            "worker", "--base-url", str(self.base_url), "--model", self.model,
             "--concurrency", str(self.worker_concurrency), *self.worker_args, *(extra or []),
         )  # fmt: skip
-        return self.group.spawn(argv, name)
+        # The Redis URL (it may hold a password) goes by environment, not argv, which `ps` shows.
+        env = child_env({"RLMQ_REDIS_URL": str(self.redis_url)})
+        return self.group.spawn(argv, name, env=env)
 
     def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
         """Block until ``n`` workers are registered on this fleet's queue.
