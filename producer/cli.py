@@ -1,4 +1,4 @@
-"""The ``rlmq`` command line: ``demo``, ``run``, ``worker``, ``mock-llm``.
+"""The ``rlmq`` command line: ``demo``, ``run``, ``worker``, ``mock-llm``, ``status``.
 
 ``rlmq worker`` lives in the ``workers`` package, which the producer never imports
 statically (it enqueues by import path): the sub-command is resolved by module name
@@ -13,16 +13,27 @@ import importlib
 import json
 import sys
 import tempfile
+import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.errors import RlmqError
 from common.schemas import DatasetRow, read_dataset
 from common.settings import Settings, load_settings
 
+if TYPE_CHECKING:
+    from common.metrics import Metrics
+    from producer.env import RolloutResult
+
 
 def _rollout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="write result rows (JSONL) here")
+    p.add_argument(
+        "--run-dir",
+        help="run folder: rows.jsonl, trajectories.jsonl, meta.json, report.html (default runs/<UTC time>-<command>)",
+    )
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics exporter (default 127.0.0.1)")
     p.add_argument("--concurrency", type=int, help="rollouts at once (default 4)")
     p.add_argument("--max-turns", type=int, help="root-model turns per rollout (default 50)")
     p.add_argument("--sub-llm-max-turns", type=int, help="turns of one sub-LLM's tool loop (default 5)")
@@ -70,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     mock.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     mock.add_argument("--latency", type=float, default=0.0, help="seconds per call")
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
+
+    status = sub.add_parser("status", help="queues, workers and live rollouts of a fleet, from Redis")
+    status.add_argument("--redis-url", help="Redis URL (default: REDIS_URL / RLMQ_REDIS_URL)")
+    status.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="redraw every SECONDS (default 2)"
+    )
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     return parser
 
 
@@ -110,12 +128,21 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 
 
 async def evaluate(
-    settings: Settings, rows: list[DatasetRow], *, model: str, output: str | None, quiet: bool
-) -> list[dict[str, Any]]:
-    """Run the rollouts of ``rows`` and write result rows to ``output`` as they finish."""
+    settings: Settings,
+    rows: list[DatasetRow],
+    *,
+    model: str,
+    output: str | None,
+    quiet: bool,
+    metrics: Metrics | None = None,
+) -> list[RolloutResult]:
+    """Run the rollouts of ``rows``, writing result rows to ``output`` as they finish.
+
+    Returns the finished rollouts (row and trajectory) in the rows' order.
+    """
     from tqdm import tqdm
 
-    from producer.env import RLMEnv, RolloutResult
+    from producer.env import RLMEnv
 
     out = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
     bar = tqdm(total=len(rows), desc="rollouts", unit="rollout", disable=quiet, file=sys.stderr)
@@ -124,6 +151,8 @@ async def evaluate(
     def on_done(res: RolloutResult) -> None:
         row = res.row.model_dump()
         done.append(row)
+        if metrics is not None:
+            metrics.observe_rollout(row)
         if out:
             out.write(json.dumps(row) + "\n")
             out.flush()
@@ -137,7 +166,58 @@ async def evaluate(
         bar.close()
         if out:
             out.close()
-    return [r.row.model_dump() for r in results]
+    return results
+
+
+def start_metrics(args: argparse.Namespace) -> Metrics | None:
+    """The process's :class:`~common.metrics.Metrics`, serving on ``--metrics-port`` if given."""
+    if args.metrics_port is None:
+        return None
+    from common.metrics import Metrics
+
+    metrics = Metrics()
+    port = metrics.serve(args.metrics_port, host=args.metrics_host)
+    print(f"metrics: http://{args.metrics_host}:{port}/metrics")
+    return metrics
+
+
+def public_argv(argv: list[str]) -> list[str]:
+    """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
+    from producer.report import mask_url
+
+    out: list[str] = []
+    hide = False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(mask_url(a))
+    return out
+
+
+def save_run(
+    args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
+) -> None:
+    """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
+    from producer.report import default_run_dir, write_run
+
+    folder = args.run_dir or default_run_dir(args.command)
+    meta = {
+        "command": ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])],
+        "settings": settings.model_dump(mode="json", exclude={"api_key"}),
+        "started": started,
+        "finished": time.time(),
+        **extra,
+    }
+    path = write_run(folder, results, meta)
+    print(f"run folder: {path}")
+    print(f"report: {path / 'report.html'}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -152,13 +232,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"({chars:,} characters of context in all)"
     )
     log_dir = tempfile.mkdtemp(prefix="rlmq-demo-logs-")
+    metrics = start_metrics(args)
+    started = time.time()
     with LocalFleet(redis_url=settings0.redis_url, model="scripted", workers=args.workers, log_dir=log_dir) as fleet:
         print(f"redis {fleet.redis_url} | scripted model (test double) {fleet.base_url} | {args.workers} workers")
         settings = _settings_from(args, redis_url=fleet.redis_url, base_url=fleet.base_url, model="scripted")
-        rows_out = asyncio.run(evaluate(settings, rows, model="scripted", output=args.output, quiet=args.quiet))
+        results = asyncio.run(
+            evaluate(settings, rows, model="scripted", output=args.output, quiet=args.quiet, metrics=metrics)
+        )
+    rows_out = [r.row.model_dump() for r in results]
     print(summarize(rows_out))
     if args.output:
         print(f"result rows written to {args.output}")
+    save_run(args, results, settings, started, {"model": "scripted", "worker_logs": log_dir})
     return 0 if all(not r.get("error") for r in rows_out) else 1
 
 
@@ -171,18 +257,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     redis_url = args.redis_url or base.redis_url
     extra = dict(base_url=args.base_url, model=args.model, sub_model=sub_model, queue=args.queue, api_key=args.api_key)
     extra = {k: v for k, v in extra.items() if v is not None}
+    metrics = start_metrics(args)
+    started = time.time()
     if redis_url:
         settings = _settings_from(args, redis_url=redis_url, **extra)
-        rows_out = asyncio.run(evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet))
+        results = asyncio.run(
+            evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet, metrics=metrics)
+        )
     else:
         worker_args = ["--queue", args.queue] if args.queue else []
         with LocalFleet(
             model=sub_model, base_url=args.sub_base_url or args.base_url, workers=args.workers, worker_args=worker_args
         ) as fleet:
             settings = _settings_from(args, redis_url=fleet.redis_url, **extra)
-            rows_out = asyncio.run(evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet))
-    print(summarize(rows_out))
+            results = asyncio.run(
+                evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet, metrics=metrics)
+            )
+    print(summarize([r.row.model_dump() for r in results]))
+    save_run(args, results, settings, started, {"model": args.model, "sub_model": sub_model, "dataset": args.dataset})
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from common.connection import sync_client
+    from common.errors import ConfigError
+    from producer.status import redact_url, run_status
+
+    url = args.redis_url or load_settings().redis_url
+    if not url:
+        raise ConfigError("rlmq status needs --redis-url or REDIS_URL")
+    client = sync_client(url)
+    try:
+        return run_status(client, as_json=args.json, watch=args.watch, redis_label=redact_url(url))
+    finally:
+        client.close()
 
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
@@ -194,7 +302,9 @@ def cmd_mock_llm(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlmq`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         if args.command == "demo":
             return cmd_demo(args)
@@ -204,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return int(importlib.import_module("workers.cli").run(args))
         if args.command == "mock-llm":
             return cmd_mock_llm(args)
+        if args.command == "status":
+            return cmd_status(args)
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130

@@ -1,0 +1,300 @@
+"""``rlmq status``: what the fleet is doing now, read straight from Redis.
+
+Three tables:
+
+* queues (RQ's ``rq:queues`` set): depth, age of the oldest waiting job (from its job
+  hash's ``enqueued_at``), started and failed registry sizes;
+* workers (RQ's ``rq:workers`` set): state, sub-calls in flight (the size of the
+  worker's ``rq:worker:<name>:executions`` set), concurrency, age of the last heartbeat;
+* live rollouts (``rlmq:rollouts`` plus each rollout's ``info`` and ``budget`` hashes):
+  model, age, sub-LLM budget used / limit.
+
+:func:`collect` reads a snapshot (a JSON-able dict, what ``--json`` prints),
+:func:`render` turns it into plain text tables; both are pure enough to test on fakeredis.
+Only reads; never writes to Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from common import keys as K
+
+_RQ_QUEUE_PREFIX = K.rq_queue("")
+_RQ_WORKER_PREFIX = K.rq_worker("")
+
+
+def _s(v: Any) -> str:
+    if v is None:
+        return ""
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _hash(raw: dict[Any, Any]) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def _int(v: Any, default: int | None = None) -> int | None:
+    try:
+        return int(float(_s(v)))
+    except ValueError:
+        return default
+
+
+def parse_rq_time(text: str | bytes | None) -> float | None:
+    """Unix seconds of an RQ timestamp (``2026-11-22T06:20:01.546671Z``); ``None`` if unparsable."""
+    t = _s(text).strip()
+    if not t:
+        return None
+    for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S"):
+        try:
+            return datetime.strptime(t, fmt).replace(tzinfo=timezone.utc).timestamp()
+        except ValueError:
+            continue
+    try:
+        return float(t)
+    except ValueError:
+        return None
+
+
+def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) -> dict[str, Any]:
+    """Read a snapshot of queues, workers and live rollouts from ``redis`` (a sync client).
+
+    Args:
+        redis: a ``redis.Redis`` (bytes or decoded responses; fakeredis works).
+        now: Unix time the ages are computed against (default: now).
+        max_rollouts: live rollouts listed at most (the soonest to expire are dropped).
+
+    Returns:
+        ``{"time", "queues": [...], "workers": [...], "rollouts": [...], "rollouts_total"}``;
+        times in Unix seconds, ages in seconds (``None`` when unknown).
+    """
+    now = time.time() if now is None else now
+    queues: list[dict[str, Any]] = []
+    for qkey in sorted(_s(k) for k in redis.smembers(K.RQ_QUEUES)):
+        name = qkey[len(_RQ_QUEUE_PREFIX) :] if qkey.startswith(_RQ_QUEUE_PREFIX) else qkey
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.llen(qkey)
+            pipe.lindex(qkey, 0)
+            pipe.zcard(K.rq_started(name))
+            pipe.zcard(K.rq_failed(name))
+            pipe.scard(K.rq_workers_of_queue(name))
+            depth, head, started, failed, nworkers = pipe.execute()
+        oldest = None
+        if head is not None:
+            enq = parse_rq_time(redis.hget(K.rq_job(_s(head)), "enqueued_at"))
+            oldest = None if enq is None else max(0.0, now - enq)
+        queues.append(
+            {
+                "name": name,
+                "depth": int(depth),
+                "oldest_age": oldest,
+                "started": int(started),
+                "failed": int(failed),
+                "workers": int(nworkers),
+            }
+        )
+
+    workers: list[dict[str, Any]] = []
+    for wkey in sorted(_s(k) for k in redis.smembers(K.RQ_WORKERS)):
+        name = wkey[len(_RQ_WORKER_PREFIX) :] if wkey.startswith(_RQ_WORKER_PREFIX) else wkey
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(wkey)
+            pipe.scard(K.rq_worker_executions(name))
+            raw, inflight = pipe.execute()
+        h = _hash(raw)
+        beat = parse_rq_time(h.get("last_heartbeat"))
+        state = h.get("state") or ("gone" if not h else "?")
+        if h.get("death"):
+            state = "dead"
+        workers.append(
+            {
+                "name": name,
+                "state": state,
+                "queues": [q for q in h.get("queues", "").split(",") if q],
+                "inflight": int(inflight),
+                "concurrency": _int(h.get("rlmq_concurrency")),
+                "heartbeat_age": None if beat is None else max(0.0, now - beat),
+                "hostname": h.get("hostname") or None,
+                "pid": _int(h.get("pid")),
+                "successful": _int(h.get("successful_job_count"), 0),
+                "failed": _int(h.get("failed_job_count"), 0),
+            }
+        )
+
+    total = int(redis.zcard(K.LIVE_ROLLOUTS))
+    rollouts: list[dict[str, Any]] = []
+    entries = redis.zrevrange(K.LIVE_ROLLOUTS, 0, max_rollouts - 1, withscores=True)
+    for member, expires in entries:
+        rid = _s(member)
+        try:
+            keys = K.RolloutKeys(rid)
+        except ValueError:
+            continue
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.info)
+            pipe.hgetall(keys.budget)
+            info_raw, budget_raw = pipe.execute()
+        info, budget = _hash(info_raw), _hash(budget_raw)
+        started = info.get("started")
+        rollouts.append(
+            {
+                "id": rid,
+                "row": info.get("row") or None,
+                "model": info.get("model") or None,
+                "sub_model": info.get("sub_model") or None,
+                "queue": info.get("queue") or None,
+                "age": None if not started else max(0.0, now - float(started)),
+                "expires_in": float(expires) - now,
+                "budget_limit": _int(budget.get("limit")),
+                "budget_used": _int(budget.get("used"), 0) if budget else None,
+                "budget_charged": _int(budget.get("charged"), 0) if budget else None,
+                "budget_rejections": _int(budget.get("rejections"), 0) if budget else None,
+            }
+        )
+    rollouts.sort(key=lambda r: -(r["age"] or 0.0))
+    return {"time": now, "queues": queues, "workers": workers, "rollouts": rollouts, "rollouts_total": total}
+
+
+def fmt_age(seconds: float | None) -> str:
+    """``"-"``, ``"850ms"``, ``"12.3s"``, ``"4m05s"``, ``"2h07m"``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table: left-aligned columns separated by two spaces."""
+    widths = [len(h) for h in headers]
+    for r in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, r, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _budget(r: dict[str, Any]) -> str:
+    if r["budget_limit"] is None:
+        return "no budget"
+    text = f"{r['budget_used']}/{r['budget_limit']}"
+    if r["budget_charged"] and r["budget_charged"] != r["budget_used"]:
+        text += f" ({r['budget_charged']} charged)"
+    if r["budget_rejections"]:
+        text += f" {r['budget_rejections']} rejected"
+    return text
+
+
+def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
+    """The snapshot of :func:`collect` as plain text tables."""
+    stamp = datetime.fromtimestamp(snap["time"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    out = [f"rlmq status  {redis_label}  {stamp}".replace("    ", "  ").strip(), ""]
+    qs = snap["queues"]
+    out.append(f"QUEUES ({len(qs)})")
+    if qs:
+        out.append(
+            table(
+                ["QUEUE", "DEPTH", "OLDEST", "STARTED", "FAILED", "WORKERS"],
+                [
+                    [
+                        q["name"],
+                        str(q["depth"]),
+                        fmt_age(q["oldest_age"]),
+                        str(q["started"]),
+                        str(q["failed"]),
+                        str(q["workers"]),
+                    ]
+                    for q in qs
+                ],  # fmt: skip
+            )
+        )
+    else:
+        out.append("  (none)")
+    ws = snap["workers"]
+    inflight = sum(w["inflight"] for w in ws)
+    out += ["", f"WORKERS ({len(ws)}, {inflight} sub-calls in flight)"]
+    if ws:
+        out.append(
+            table(
+                ["WORKER", "STATE", "IN-FLIGHT", "CONCURRENCY", "HEARTBEAT", "OK", "FAILED", "QUEUES"],
+                [
+                    [
+                        w["name"],
+                        w["state"],
+                        str(w["inflight"]),
+                        "-" if w["concurrency"] is None else str(w["concurrency"]),
+                        fmt_age(w["heartbeat_age"]),
+                        str(w["successful"]),
+                        str(w["failed"]),
+                        ",".join(w["queues"]),
+                    ]
+                    for w in ws
+                ],  # fmt: skip
+            )
+        )
+    else:
+        out.append("  (none)")
+    rs = snap["rollouts"]
+    shown = "" if len(rs) == snap["rollouts_total"] else f", {len(rs)} shown"
+    out += ["", f"LIVE ROLLOUTS ({snap['rollouts_total']}{shown})"]
+    if rs:
+        out.append(
+            table(
+                ["ROLLOUT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT"],
+                [
+                    [r["id"], r["row"] or "-", r["model"] or "-", r["sub_model"] or "-", fmt_age(r["age"]), _budget(r)]
+                    for r in rs
+                ],
+            )
+        )
+    else:
+        out.append("  (none)")
+    return "\n".join(out)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (``redis://:***@host:6379/0``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def run_status(redis: Any, *, as_json: bool = False, watch: float | None = None, redis_label: str = "",
+               out: Any = None, iterations: int | None = None) -> int:  # fmt: skip
+    """Print the status once, or with ``watch`` every ``watch`` seconds until Ctrl-C.
+
+    Args:
+        iterations: stop after this many redraws (tests); ``None``: until interrupted.
+    """
+    out = out or sys.stdout
+    n = 0
+    try:
+        while True:
+            snap = collect(redis)
+            if as_json:
+                text = json.dumps(snap, indent=None if watch else 2)
+            else:
+                text = render(snap, redis_label=redis_label)
+                if watch:
+                    text = "\x1b[H\x1b[2J" + text + f"\n\n(every {watch:g} s; Ctrl-C to stop)"
+            print(text, file=out, flush=True)
+            n += 1
+            if not watch or (iterations is not None and n >= iterations):
+                return 0
+            time.sleep(watch)  # the redraw period of --watch
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,83 @@
+"""The HTML report of real rollouts, rendered by a real headless browser (Debian's chromium).
+
+Not only parsed: chromium lays the page out and paints it, the screenshot must be a page
+with content (many colours, plenty of non-white), and the DOM chromium built must carry
+the accuracy and the rollout ids.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from common.schemas import DatasetRow
+from common.settings import load_settings
+from producer.demo import needle_rows
+from producer.env import RLMEnv
+from producer.local import LocalFleet
+from producer.report import write_run
+
+pytestmark = pytest.mark.e2e
+
+CHROMIUM = "/usr/bin/chromium"
+INSTALL = "apt-get update && apt-get install -y chromium"
+
+
+def chromium(args: list[str], profile: Path, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} not found: this test needs Debian's chromium. Install it with: {INSTALL}")
+    argv = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args,
+    ]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+async def test_report_of_real_rollouts_renders_in_headless_chromium(fleet: LocalFleet, tmp_path: Path) -> None:
+    rows = [DatasetRow.model_validate(r) for r in needle_rows(2, min_chars=60_000, seed=3)]
+    settings = load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model)
+    started = time.time()
+    async with RLMEnv(settings=settings, sub_llm_max_completion_tokens=4000, sub_llm_per_call_max_tokens=256) as env:
+        results = await env.evaluate(rows, model=fleet.model, concurrency=2)
+    assert all(r.row.correct for r in results), [r.row for r in results]
+    meta = {
+        "command": ["rlmq", "test-report"],
+        "settings": settings.model_dump(mode="json"),
+        "started": started,
+        "finished": time.time(),
+    }
+    folder = write_run(tmp_path / "run", results, meta)
+    report = folder / "report.html"
+    url = report.resolve().as_uri()
+
+    png = tmp_path / "report.png"
+    shot = chromium([f"--screenshot={png}", "--window-size=1280,2000", url], tmp_path / "profile-shot")
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    assert png.exists() and png.stat().st_size > 10_000, shot.stderr[-2000:]
+    with Image.open(png) as im:
+        assert im.size == (1280, 2000)
+        rgb = im.convert("RGB")
+        colours = rgb.getcolors(maxcolors=1 << 22)
+    assert colours is not None
+    assert len(colours) >= 200, f"only {len(colours)} distinct colours: a blank or broken page"
+    total = 1280 * 2000
+    white = sum(n for n, c in colours if min(c) >= 245)
+    assert (total - white) / total > 0.15, f"{(total - white) / total:.1%} non-white: the page looks empty"
+    # the dark header bar and the green bars of the charts were painted
+    assert sum(n for n, c in colours if max(c) < 70) > 1280 * 40
+    assert sum(n for n, (r, g, b) in colours if g > r + 40 and g > b + 40) > 2000
+
+    dom = chromium(["--dump-dom", url], tmp_path / "profile-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert 'id="accuracy">2/2 = 100.0%' in html
+    for r in results:
+        assert r.row.id in html
+    assert "llm_batch b1" in html and "REPL cell" in html and "root turn 1" in html
+    assert html.count("<svg") >= 4

@@ -1,0 +1,181 @@
+"""The run folder and its static HTML report (structure, escaping, secrets); the browser test is in e2e."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.schemas import ResultRow
+from producer import cli
+from producer.env import RolloutResult
+from producer.report import default_run_dir, mask_url, public_settings, write_run
+
+EVIL = "<script>alert('x')</script>&"
+
+
+def sub_result(i: int, status: str = "ok", **kw: Any) -> dict[str, Any]:
+    d = dict(
+        v=1, rollout_id="r", batch_id="b1", index=i, job_id=f"r-b1-{i}", status=status, content=f"answer {i}",
+        prompt_tokens=100 + i, completion_tokens=5 + i, turns=1, seconds=0.25, queue_wait_seconds=0.01, worker="h.1.ab",
+    )  # fmt: skip
+    d.update(kw)
+    return d
+
+
+def rollout(rid: str, *, correct: bool | None, stop: str = "answer_ready", error: str | None = None) -> RolloutResult:
+    long_prompt = "Find the needle.\n" + "hay " * 3000
+    traj = [
+        {"type": "root", "content": "Let me look.", "tool_calls": [{"id": "t1"}], "seconds": 0.2,
+         "usage": {"prompt": 1200, "completion": 80}},
+        {"type": "llm_batch", "batch_id": "b1", "seconds": 0.6, "prompts": [long_prompt, "short " + EVIL, "p3"],
+         "results": [sub_result(0), sub_result(1, content="sub says " + EVIL),
+                     sub_result(2, "error", content="[error] model", error_kind="model_timeout", error="timed out")]},
+        {"type": "cell", "code": "out = llm_batch(prompts)\nprint(" + repr(EVIL) + ")", "output": "printed " + EVIL,
+         "seconds": 0.7, "timed_out": False, "restarted": False},
+        {"type": "root", "content": "", "tool_calls": [], "seconds": 0.1, "usage": {"prompt": 1400, "completion": 12}},
+    ]  # fmt: skip
+    row = ResultRow(
+        id=rid,
+        final_answer="velvet " + EVIL,
+        answer="velvet",
+        correct=correct,
+        stop_reason=stop,  # type: ignore[arg-type]
+        metrics={"sub_llm_call_count": 3, "sub_llm_completion_tokens": 18, "main_rlm_prompt_tokens": 2600,
+                 "main_rlm_completion_tokens": 92, "repl_total_time_seconds": 0.7, "main_rlm_turns": 2,
+                 "sub_llm_error_count": 1},
+        error=error,
+    )  # fmt: skip
+    msgs = [{"role": "system", "content": "scaffold"}, {"role": "user", "content": "What is the code? " + EVIL}]
+    return RolloutResult(row=row, trajectory=traj, messages=msgs)
+
+
+class Collect(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.attrs: list[tuple[str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.attrs += attrs
+
+
+def test_write_run_writes_the_four_files(tmp_path: Path) -> None:
+    results = [
+        rollout("q-1", correct=True),
+        rollout("q-2", correct=False, stop="max_turns"),
+        rollout("q-3", correct=None, stop="error", error="RlmqError: boom " + EVIL),
+    ]
+    meta = {
+        "command": ["rlmq", "run", "ds.jsonl", "--api-key", "***"],
+        "settings": {"redis_url": "redis://:hunter2@redis:6379/0", "api_key": "sk-secret", "model": "m",
+                     "max_turns": 50},
+        "started": 1_800_000_000.0,
+        "finished": 1_800_000_012.5,
+    }  # fmt: skip
+    folder = write_run(tmp_path / "runs" / "x", results, meta)
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "report.html", "rows.jsonl", "trajectories.jsonl"]
+    rows = [json.loads(x) for x in (folder / "rows.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["q-1", "q-2", "q-3"]
+    assert set(rows[0]) == {"id", "final_answer", "answer", "correct", "stop_reason", "metrics", "error"}
+    trajs = [json.loads(x) for x in (folder / "trajectories.jsonl").read_text().splitlines()]
+    assert set(trajs[0]) == {"id", "messages", "trajectory"}
+    assert [e["type"] for e in trajs[0]["trajectory"]] == ["root", "llm_batch", "cell", "root"]
+    assert trajs[0]["trajectory"][1]["results"][1]["content"] == "sub says " + EVIL  # full text kept
+    saved = json.loads((folder / "meta.json").read_text())
+    assert saved["seconds"] == 12.5 and saved["rollouts"] == 3
+    assert "api_key" not in saved["settings"] and "hunter2" not in json.dumps(saved)
+    assert saved["settings"]["redis_url"] == "redis://:***@redis:6379/0"
+
+    page = (folder / "report.html").read_text()
+    assert "sk-secret" not in page and "hunter2" not in page
+    # everything from the run is escaped: no tag of ours other than the page's own
+    assert "<script" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;&amp;" in page
+    parser = Collect()
+    parser.feed(page)
+    assert "script" not in parser.tags and "svg" in parser.tags and "details" in parser.tags
+    # static: nothing loaded from elsewhere
+    assert not [v for k, v in parser.attrs if k in ("src", "href") and v and not v.startswith("#")]
+    assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", page)
+    # summary, charts, trajectories
+    assert 'id="accuracy">1/2 = 50.0%' in page
+    expected = [
+        "answer_ready", "max_turns", "Sub-LLM completion tokens per rollout", "Root-model tokens per rollout",
+        "REPL time per rollout", "root turn 1", "root turn 2", "REPL cell", "llm_batch b1", "model_timeout",
+        "RlmqError: boom", 'id="rollout-2"', "(12,017 chars)", "more characters in trajectories.jsonl",
+        "3 prompt(s), 1 error, 2 ok",
+    ]  # fmt: skip
+    for text in expected:
+        assert text in page, text
+    assert page.count("<pre") >= 3 * 6
+    # the batch is shown inside the cell that ran it, before the cell's output
+    first = page.index('id="rollout-0"')
+    assert page.index("REPL cell", first) < page.index("llm_batch b1", first) < page.index("printed &lt;", first)
+
+
+def test_helpers() -> None:
+    assert mask_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    assert mask_url("http://h:8000/v1") == "http://h:8000/v1"
+    assert public_settings({"api_key": "x", "hf_token": "y", "base_url": "http://u:p@h/v1", "n": 1}) == {
+        "base_url": "http://u:***@h/v1",
+        "n": 1,
+    }
+    from datetime import datetime, timezone
+
+    d = default_run_dir("demo", now=datetime(2026, 11, 22, 6, 20, 1, tzinfo=timezone.utc))
+    assert d == Path("runs/20261122T062001Z-demo")
+
+
+def test_empty_run_renders(tmp_path: Path) -> None:
+    folder = write_run(tmp_path / "empty", [], {"command": "rlmq demo"})
+    page = (folder / "report.html").read_text()
+    assert "not graded" in page and "</html>" in page
+
+
+def test_rlmq_run_keeps_a_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dataset = tmp_path / "ds.jsonl"
+    dataset.write_text(json.dumps({"id": "q-1", "question": "?", "context": "c", "answer": "velvet"}) + "\n")
+    seen: dict[str, Any] = {}
+
+    async def fake_evaluate(settings: Any, rows: Any, **kw: Any) -> list[RolloutResult]:
+        seen.update(kw)
+        return [rollout("q-1", correct=True)]
+
+    monkeypatch.setattr(cli, "evaluate", fake_evaluate)
+    run_dir = tmp_path / "my-run"
+    argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://:pw@r:6379/0",
+            "--api-key", "sk-top-secret", "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"run folder: {run_dir}" in out and f"report: {run_dir / 'report.html'}" in out
+    assert "accuracy: 1/1" in out
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["command"][:2] == ["rlmq", "run"] and "sk-top-secret" not in json.dumps(meta)
+    assert "--api-key" in meta["command"] and "redis://:***@r:6379/0" in meta["command"]
+    assert "sk-top-secret" not in (run_dir / "report.html").read_text()
+    assert seen["output"] is None
+
+
+def test_default_run_dir_is_under_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dataset = tmp_path / "ds.jsonl"
+    dataset.write_text(json.dumps({"id": "q-1", "question": "?", "context": "c"}) + "\n")
+
+    async def fake_evaluate(settings: Any, rows: Any, **kw: Any) -> list[RolloutResult]:
+        return [rollout("q-1", correct=None)]
+
+    monkeypatch.setattr(cli, "evaluate", fake_evaluate)
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://r:6379/0"]
+    assert cli.main([*argv, "--quiet"]) == 0
+    (folder,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"\d{8}T\d{6}Z-run", folder.name)
+    assert (folder / "report.html").exists()
