@@ -160,7 +160,7 @@ async def evaluate(
         bar.set_postfix(correct=sum(1 for r in done if r["correct"]))
 
     try:
-        async with RLMEnv(settings=settings) as env:
+        async with RLMEnv(settings=settings, metrics=metrics) as env:
             results = await env.evaluate(rows, model=model, concurrency=settings.concurrency, on_done=on_done)
     finally:
         bar.close()

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common import keys as K
 from common.connection import async_client
 from common.errors import ConfigError, RlmqError
 from common.ledger import BudgetLedger
+from common.metrics import Metrics
 from common.schemas import DatasetRow, ResultRow, StopReason, SubLLMResult
 from common.settings import Settings, Verbosity
 from producer.dispatch import BatchSpec, Dispatcher
@@ -98,6 +100,7 @@ class RLMEnv:
         settings: the rest (Redis URL, queue, sub-call deadline, limits); see
             :class:`~common.settings.Settings`.
         root: the root model client (a seam for tests); built from ``settings`` if ``None``.
+        metrics: :class:`~common.metrics.Metrics` to update with batches and refused calls.
 
     Use as ``async with RLMEnv(...) as env: result = await env.rollout(row, model=...)``.
     """
@@ -107,6 +110,7 @@ class RLMEnv:
         "root_max_completion_tokens", "max_sub_llm_parallelism", "sub_model", "sub_tools",
         "max_output_length", "code_execution_timeout", "max_startup_wait_seconds", "pip_install_packages",
         "root_prompt_verbosity", "sub_prompt_verbosity", "include_sub_llm_in_trajectory", "settings", "root",
+        "metrics",
     )  # fmt: skip
 
     def __init__(self, **kwargs: Any) -> None:
@@ -145,6 +149,7 @@ class RLMEnv:
         if self.sub_llm_max_completion_tokens is not None and self.sub_llm_max_completion_tokens < 0:
             raise ConfigError("sub_llm_max_completion_tokens must be >= 0")
         self._root: RootModel | None = kwargs.get("root")
+        self.metrics: Metrics | None = kwargs.get("metrics")
         self._redis: Redis | None = None
         self._server: InterceptionServer | None = None
         self._live: set[str] = set()
@@ -438,10 +443,24 @@ class RLMEnv:
                 SubLLMResult(rollout_id=rid, batch_id=batch_id, index=i, job_id="", status="rejected", content=msg)
                 for i in range(len(prompts))
             ]
+            if self.metrics:  # workers count what they run; calls refused here are counted here
+                for r in results:
+                    self.metrics.observe_result(r)
         else:
-            results = await self.dispatcher.run_batch(spec, prompts)
+            try:
+                results = await self.dispatcher.run_batch(spec, prompts)
+            except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
+                results = [
+                    SubLLMResult(
+                        rollout_id=rid, batch_id=batch_id, index=i, job_id="", status="error", error_kind="redis",
+                        content=f"[error] sub-LLM batch failed: Redis unavailable ({exc})", error=str(exc),
+                    )
+                    for i in range(len(prompts))
+                ]  # fmt: skip
         stats.sub.extend(results)
         seconds = time.perf_counter() - t0
+        if self.metrics:
+            self.metrics.observe_batch(len(prompts), seconds)
         counts = {k: sum(1 for r in results if r.status == k) for k in ("ok", "rejected", "error")}
         lines = [
             f"llm_batch: {len(prompts)} prompt(s) in {seconds:.2f} s: "

@@ -27,11 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model-retries", type=int, help="retries of a failed model call (default 3)")
     p.add_argument("--model-timeout", type=float, help="seconds per model HTTP call (default 120)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM / SIGINT (or, with ``--burst``, until idle)."""
+    from common.metrics import Metrics
     from workers.worker import SubLLMWorker
 
     logging.basicConfig(
@@ -49,6 +52,13 @@ def run(args: argparse.Namespace) -> int:
         model_retries=args.model_retries,
         model_timeout=args.model_timeout,
     )
-    worker = SubLLMWorker(settings, name=args.name)
-    asyncio.run(worker.run(burst=args.burst))
+    metrics = Metrics()
+    if args.metrics_port is not None:
+        port = metrics.serve(args.metrics_port, host=args.metrics_host)
+        logging.getLogger("rlmq.worker").info("metrics on http://%s:%d/metrics", args.metrics_host, port)
+    worker = SubLLMWorker(settings, name=args.name, metrics=metrics)
+    try:
+        asyncio.run(worker.run(burst=args.burst))
+    finally:
+        metrics.close()
     return 0

@@ -46,6 +46,7 @@ from common import keys as K
 from common.connection import async_client, sync_client
 from common.errors import PayloadError
 from common.ledger import BudgetLedger
+from common.metrics import Metrics
 from common.rqjobs import SUB_LLM_FUNC, decode_job_data
 from common.schemas import SubLLMRequest, SubLLMResult, load_request
 from common.settings import Settings
@@ -73,6 +74,7 @@ class SubLLMWorker:
         client_factory: builds the model client (a seam for tests); defaults to
             :class:`workers.model.ChatClient` on ``settings.base_url``.
         name: RQ worker name; default ``host.pid.xxxx``.
+        metrics: Prometheus metrics to update (in-flight, outcomes, tokens, latencies).
 
     Raises:
         ConfigError: ``base_url`` / ``model`` / ``redis_url`` missing.
@@ -84,6 +86,7 @@ class SubLLMWorker:
         *,
         client_factory: Callable[[], ChatClient] | None = None,
         name: str | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         from common.errors import ConfigError
 
@@ -95,6 +98,7 @@ class SubLLMWorker:
         self.queue = settings.worker_queue()
         self.name = name or default_worker_name()
         self.concurrency = settings.worker_concurrency
+        self.metrics = metrics or Metrics()
         self._client_factory = client_factory or (
             lambda: ChatClient(
                 str(settings.base_url),
@@ -183,6 +187,18 @@ class SubLLMWorker:
         sync.sadd(K.RQ_QUEUES, q.key)
         return w
 
+    async def _register_again(self) -> None:
+        """Register this worker's birth again: its ``rq:worker`` hash and ``rq:workers`` entries
+        are gone (a Redis restarted without persistence), so ``rq info`` would not list it."""
+        log.warning("worker %s: its registration is gone from Redis (restarted?); registering again", self.name)
+        try:
+            w = await asyncio.to_thread(self._register_birth)
+        except (redis.RedisError, OSError, ValueError) as exc:
+            log.warning("worker %s: could not register again (%s); will retry", self.name, exc)
+            return
+        with contextlib.suppress(Exception):
+            w.connection.close()
+
     def _register_death(self, w: RQWorker) -> None:
         with contextlib.suppress(Exception):
             w.register_death()  # type: ignore[no-untyped-call]
@@ -201,6 +217,7 @@ class SubLLMWorker:
             log.warning("worker %s handed back %d jobs (%d failed: out of attempts)", self.name, requeued, failed)
         self._inflight.clear()
         self._queue_of.clear()
+        self.metrics.inflight(0)
 
     # ------------------------------------------------------------------ fetch
 
@@ -303,6 +320,7 @@ class SubLLMWorker:
                 backoff = 0.1
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", self.name, exc, backoff)
+                self.metrics.reconnect()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -314,6 +332,7 @@ class SubLLMWorker:
                     task = asyncio.create_task(self._run_job(job))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
+            self.metrics.inflight(len(self._inflight))
 
     # ------------------------------------------------------------------ one job
 
@@ -337,6 +356,7 @@ class SubLLMWorker:
         payload = (
             rq_return_value(summary) if ok else rq_exc_string(f"{result.error_kind}: {result.error or result.content}")
         )
+        self.metrics.observe_result(result)
         self._done.append(FinishedJob(job=job, ok=ok, result_json=result.model_dump_json(), rq_payload=payload))
         self._done_event.set()
         self.processed += 1
@@ -377,6 +397,7 @@ class SubLLMWorker:
                 await self._flush_once()
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("worker %s: could not record results (%s); retrying", self.name, exc)
+                self.metrics.reconnect()
                 await asyncio.sleep(0.5)  # backoff before retrying the same results, not synchronisation
 
     async def _flush_once(self) -> None:
@@ -397,6 +418,7 @@ class SubLLMWorker:
         for d in batch:
             self._inflight.pop(d.job.member, None)
             self._queue_of.pop(d.job.member, None)
+        self.metrics.inflight(len(self._inflight))
         self._slot_free.set()
         if len(self._inflight) == 0:
             self._idle.set()
@@ -411,9 +433,12 @@ class SubLLMWorker:
                 state = "busy" if self._inflight else "idle"
                 if not by_queue:
                     by_queue = {self.queue: []}
+                if not await self.redis.exists(K.rq_worker(self.name)):
+                    await self._register_again()  # Redis restarted (or flushed): it forgot this worker
                 await asyncio.gather(*(self._records_for(q).heartbeat(m, state) for q, m in by_queue.items()))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
+                self.metrics.reconnect()
             await asyncio.sleep(interval)  # periodic timer, not synchronisation
 
     async def _reaper_loop(self) -> None:

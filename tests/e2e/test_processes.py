@@ -68,3 +68,30 @@ def test_demo_stops_everything_it_started_on_ctrl_c(tmp_path: object) -> None:
     assert proc.returncode == 130, out
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {[p.pid for p in alive]}"
+
+
+async def test_a_worker_exports_prometheus_metrics(redis_url: str) -> None:
+    """Scrape a real worker process's /metrics after it served a batch."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = f"metrics-{uuid.uuid4().hex[:6]}"
+    fleet = LocalFleet(redis_url=redis_url, model=model, workers=0)
+    with fleet:
+        fleet.start_worker("metrics-worker", ["--metrics-port", str(port)])
+        fleet.wait_for_workers(1)
+        redis = async_client(redis_url)
+        spec = BatchSpec(rollout_id=f"m-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model,
+                         queue=K.queue_name_for_model(model), timeout=30, parallelism=10)  # fmt: skip
+        results = await Dispatcher(redis).run_batch(spec, [f"Prompt {i}." for i in range(7)])
+        await redis.aclose()
+        assert all(r.status == "ok" for r in results)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    assert 'rlmq_subcalls_total{error_kind="",outcome="ok"} 7.0' in text, text[:2000]
+    assert "rlmq_inflight_subcalls 0.0" in text
+    assert 'rlmq_tokens_total{kind="completion"}' in text
+    assert "rlmq_queue_wait_seconds_count 7.0" in text
