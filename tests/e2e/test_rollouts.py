@@ -166,7 +166,7 @@ def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_pa
     out = tmp_path / "rows.jsonl"
     argv = rlmq_command(
         "run", str(dataset), "--base-url", str(fleet.base_url), "--model", fleet.model,
-        "--redis-url", str(fleet.redis_url), "--output", str(out), "--quiet",
+        "--redis-url", str(fleet.redis_url), "--output", str(out), "--quiet", "--run-dir", str(tmp_path / "run"),
     )  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -174,6 +174,7 @@ def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_pa
     assert {r["id"]: r["correct"] for r in rows} == {"q1": True, "q2": True}, rows
     assert set(rows[0]) == {"id", "final_answer", "answer", "correct", "stop_reason", "metrics", "error"}
     assert "accuracy: 2/2" in proc.stdout
+    assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "trajectories.jsonl").is_file()
     info = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "rq"), "info", "--url", str(fleet.redis_url)],
         capture_output=True, text=True, timeout=60,
