@@ -88,7 +88,10 @@ class InterceptionServer:
             return _error(400, "empty batch: give llm_batch at least one prompt")
         if len(body.prompts) > self.max_batch_prompts:
             return _error(413, f"batch of {len(body.prompts)} prompts is over the limit of {self.max_batch_prompts}")
-        results, summary = await handler(body.prompts)
+        try:
+            results, summary = await handler(body.prompts)
+        except Exception as exc:  # e.g. Redis gone for good: a clear error, and the server stays up
+            return _error(503, f"the sub-LLM service failed: {type(exc).__name__}: {exc}")
         return web.json_response({"results": results, "summary": summary})
 
     async def start(self) -> None:

@@ -150,6 +150,7 @@ class _Child:
         self.out_open = True
         self.released = False
         self.inflight = 0  # llm_batch requests in flight, as last reported by the child
+        self.uid: int | None = None  # the child's own uid when it dropped privileges
         loop = asyncio.get_running_loop()
         loop.add_reader(out_fd, self._on_output)
 
@@ -218,8 +219,10 @@ class _Child:
         return message if isinstance(message, dict) else None
 
     def kill(self) -> None:
-        """SIGKILL the child's whole process group (idempotent, never raises)."""
+        """SIGKILL the child's whole process group, and every process of its own uid (idempotent)."""
         _killpg(self.proc.pid)
+        if self.uid is not None:
+            _kill_uid(self.uid)
         try:
             self.proc.kill()
         except ProcessLookupError:
@@ -284,6 +287,15 @@ class Repl:
         cpu_seconds: RLIMIT_CPU of the child, in CPU seconds over its whole life
             (all cells since the last restart); on reaching it the child dies of
             SIGXCPU and is restarted. ``None``: no limit.
+        max_processes: RLIMIT_NPROC of the child: processes and threads it (and what it
+            starts) may run at once, so a fork bomb is refused (``BlockingIOError``) after
+            that many. ``None``: no limit. Root ignores it, hence ``run_as``.
+        run_as: ``"auto"`` (default): when the producer runs as root, the child drops to an
+            unprivileged uid/gid of its own (``100000 + its pid``, no groups, no_new_privs)
+            before any model-written code runs: it cannot write outside its folder (except
+            world-writable places such as /tmp), cannot read the producer's
+            ``/proc/<pid>/environ``, and every process it starts is killed with it, even one
+            that left its process group. ``None``: stay as the producer's user.
         memory_bytes: RLIMIT_AS of the child (address space, bytes); allocations
             beyond it raise ``MemoryError`` in the cell. ``None``: no limit.
         llm_batch_timeout: socket timeout (seconds) of an ``llm_batch`` HTTP request.
@@ -306,6 +318,8 @@ class Repl:
         pip_install_packages: Sequence[str] = (),
         cpu_seconds: int | None = 600,
         memory_bytes: int | None = 2 * 1024**3,
+        max_processes: int | None = 64,
+        run_as: str | int | None = "auto",
         llm_batch_timeout: float = 3600.0,
         pause_timeout_during_llm_batch: bool = True,
     ) -> None:
@@ -334,6 +348,8 @@ class Repl:
         self._pip_packages = list(pip_install_packages)
         self._cpu_seconds = cpu_seconds
         self._memory_bytes = memory_bytes
+        self._max_processes = max_processes
+        self._run_as = run_as
         self._llm_batch_timeout = llm_batch_timeout
         self._pause_during_llm_batch = pause_timeout_during_llm_batch
 
@@ -649,7 +665,7 @@ class Repl:
             for fd in parent_fds:
                 os.set_blocking(fd, False)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
+                _child_interpreter(self._run_as),
                 "-I",
                 _CHILD,
                 str(cmd_r),
@@ -710,12 +726,16 @@ class Repl:
                 "sys_path": [self._site_packages()] if self._pip_packages else [],
                 "cpu_seconds": self._cpu_seconds,
                 "memory_bytes": self._memory_bytes,
+                "max_processes": self._max_processes,
+                "run_as": self._run_as,
             }
         )
         message = await child.receive()
         if message is None or message.get("type") != "ready":
             status = await child.reap(_REAP_GRACE)
             raise ReplStartupError(f"the child exited before it was ready (status {status})")
+        uid = message.get("uid")
+        child.uid = uid if isinstance(uid, int) and uid >= _MIN_OWN_UID else None
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -735,6 +755,61 @@ def _tail(output: str, limit: int = 2000) -> str:
 def _is_network_setting(key: str) -> bool:
     lower = key.lower()
     return lower.startswith("pip_") or lower in ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user with no rights of its own can read ``path`` (every parent searchable)."""
+    path = os.path.realpath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        while True:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+            parent = os.path.dirname(path)
+            if parent == path:
+                return True
+            path = parent
+    except OSError:
+        return False
+
+
+def _child_interpreter(run_as: str | int | None) -> str:
+    """The Python that runs the REPL child: this one, unless the child will drop to its own
+    uid and this interpreter's stdlib is private to root (pyenv under /root, say); then a
+    system Python of the same version, when there is one, so the dropped child can import."""
+    import sysconfig
+
+    if run_as is None or os.geteuid() != 0 or _reachable_by_others(sysconfig.get_paths()["stdlib"]):
+        return sys.executable
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (f"/usr/local/bin/python{version}", f"/usr/bin/python{version}"):
+        if os.access(candidate, os.X_OK) and _reachable_by_others(candidate):
+            return candidate
+    return sys.executable  # the child then stays root (see repl_child._drop_privileges)
+
+
+_MIN_OWN_UID = 100_000  # repl_child.UID_BASE: uids of REPL children (never a real user's)
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process running as ``uid`` (a REPL's own uid; never below 100000)."""
+    if uid < _MIN_OWN_UID or uid == os.getuid():
+        return
+    for _ in range(3):  # a process forking meanwhile: sweep again
+        found = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{name}").st_uid != uid:
+                    continue
+                os.kill(int(name), signal.SIGKILL)
+                found = True
+            except (OSError, ValueError):
+                continue
+        if not found:
+            return
 
 
 def _killpg(pid: int) -> None:

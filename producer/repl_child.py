@@ -19,10 +19,12 @@ repr of a last expression, output of subprocesses) goes there, in order.
 
        {"op": "init", "url": str, "token": str, "llm_batch_timeout": float (s),
         "context_path": str, "sys_path": [str, ...],
-        "cpu_seconds": int | null, "memory_bytes": int | null}
+        "cpu_seconds": int | null, "memory_bytes": int | null,
+        "max_processes": int | null, "run_as": "auto" | int | null}
 
-   The child applies the resource limits, loads ``context`` from the JSON file
-   and answers ``{"type": "ready", "pid": int}``.
+   The child drops to a uid of its own when it runs as root (``run_as``), applies
+   the resource limits, loads ``context`` from the JSON file and answers
+   ``{"type": "ready", "pid": int, "uid": int | null}``.
 2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
@@ -71,8 +73,82 @@ class _Channel:
             self._file.flush()
 
 
-def _apply_limits(cpu_seconds: int | None, memory_bytes: int | None) -> None:
-    """Set RLIMIT_CORE=0, RLIMIT_AS and RLIMIT_CPU on this process (inherited by its children).
+UID_BASE = 100_000
+"""When started as root, the child runs as uid/gid ``UID_BASE + its pid`` (no name, no groups)."""
+
+
+def _drop_privileges(spec: str | int | None) -> int | None:
+    """When running as root, become an unprivileged uid of this REPL's own; return it.
+
+    ``spec``: ``"auto"`` (``UID_BASE + pid``: unique among live REPLs of this host, so one
+    REPL's processes, files and RLIMIT_NPROC count are its own), an int uid, or ``None``
+    (stay as is). Its work dir (the cwd) is handed to that uid first. Not root: nothing
+    changes (returns ``None``). Also sets ``no_new_privs`` so setuid programs cannot regain
+    privileges.
+    """
+    if spec is None or os.geteuid() != 0:
+        return None
+    if spec == "auto" and not _reachable_by_others(os.path.dirname(os.__file__)):
+        return None  # this interpreter's stdlib is private to root: imports would fail after the drop
+    uid = UID_BASE + os.getpid() if spec == "auto" else int(spec)
+    if uid <= 0:
+        raise ValueError("the REPL never runs as root when asked to drop privileges")
+    os.chown(".", uid, uid)
+    os.chmod(".", 0o700)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    except (ImportError, OSError, AttributeError):  # some Pythons ship without ctypes
+        pass
+    return uid
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user with no rights of its own can read ``path`` (every parent searchable)."""
+    import stat
+
+    path = os.path.realpath(path)
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        while True:
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+            parent = os.path.dirname(path)
+            if parent == path:
+                return True
+            path = parent
+    except OSError:
+        return False
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads now running as ``uid`` (what RLIMIT_NPROC counts)."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                n += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue
+    return n
+
+
+def _apply_limits(
+    cpu_seconds: int | None, memory_bytes: int | None, max_processes: int | None = None, own_uid: bool = False
+) -> None:
+    """Set RLIMIT_CORE=0, RLIMIT_AS, RLIMIT_CPU and RLIMIT_NPROC on this process (inherited by its children).
+
+    RLIMIT_NPROC counts every process and thread of the real uid: with a uid of its own
+    (root parent, see :func:`_drop_privileges`) it is ``max_processes``; otherwise the uid's
+    current count plus ``max_processes``. Root ignores RLIMIT_NPROC.
 
     Done here rather than in a ``preexec_fn`` of the parent, which is unsafe when the
     parent has threads; it runs before any model-written code.
@@ -87,6 +163,9 @@ def _apply_limits(cpu_seconds: int | None, memory_bytes: int | None) -> None:
         resource.setrlimit(which, (soft, hard))
 
     lower(resource.RLIMIT_CORE, 0, 0)
+    if max_processes is not None and os.getuid() != 0:
+        n = max_processes if own_uid else _tasks_of(os.getuid()) + max_processes
+        lower(resource.RLIMIT_NPROC, n, n)
     if memory_bytes is not None:
         lower(resource.RLIMIT_AS, memory_bytes, memory_bytes)
     if cpu_seconds is not None:
@@ -219,6 +298,7 @@ class _Repl:
         self.out = out
         self.err = err
         self.cells = 0
+        self.pid = os.getpid()
 
     def _register_source(self, filename: str, code: str) -> None:
         lines = code.splitlines(keepends=True)
@@ -245,6 +325,8 @@ class _Repl:
                     self._write(self.out, repr(value) + "\n")
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
             self._write(self.err, _format_exception(exc))
+        if os.getpid() != self.pid:
+            os._exit(0)  # a process the cell forked came back here: it must not answer nor read commands
         seconds = time.perf_counter() - started
         self._flush()
         ready, content = self._answer()
@@ -309,7 +391,8 @@ def main(argv: list[str]) -> int:
     if not line:
         return 0
     init = json.loads(line)
-    _apply_limits(init.get("cpu_seconds"), init.get("memory_bytes"))
+    uid = _drop_privileges(init.get("run_as"))
+    _apply_limits(init.get("cpu_seconds"), init.get("memory_bytes"), init.get("max_processes"), uid is not None)
     for path in reversed(init.get("sys_path") or []):
         sys.path.insert(0, path)
 
@@ -337,7 +420,7 @@ def main(argv: list[str]) -> int:
     del init, context
     repl = _Repl(main_module.__dict__, out, err)
 
-    channel.send({"type": "ready", "pid": os.getpid()})
+    channel.send({"type": "ready", "pid": os.getpid(), "uid": uid})
     while True:
         line = commands.readline()
         if not line:

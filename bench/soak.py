@@ -1,0 +1,298 @@
+"""Soak: rollouts for a bounded time against a local fleet while faults are injected on a schedule.
+
+    python bench/soak.py [--seconds 600] [--workers 3] [--rollouts 6] [--batch 24]
+
+Starts its own ``redis-server`` (so it can restart it), the scripted model and ``--workers``
+``rlmq worker`` processes (``--heartbeat-ttl 2``), then runs ``--rollouts`` rollouts at a
+time, each with a sub-LLM budget and two ``llm_batch`` calls whose prompts carry model
+fault directives (429 + Retry-After, 500, 503, malformed JSON, no usage, connection resets,
+slow calls). Every ``--fault-every`` seconds the next fault of the cycle is injected:
+``kill -9`` a worker (and start a new one), SIGTERM a worker (and start a new one), restart
+Redis (no persistence).
+
+Prints and writes to ``bench/results/soak.json``: rollouts finished, sub-calls answered,
+errors by kind, results lost (a slot that got no worker result although no Redis restart
+overlapped its batch; must be 0), duplicates delivered to the REPL (must be 0), budget
+overshoot (tokens the model server served to a rollout beyond its budget; must be 0) and
+p50/p99 batch time, overall and for batches overlapping a fault window (fault time + 15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import producer.dispatch as dispatch_mod  # noqa: E402
+from common import keys as K  # noqa: E402
+from common.redis_server import EmbeddedRedis  # noqa: E402
+from common.schemas import DatasetRow, SubLLMResult  # noqa: E402
+from common.settings import load_settings  # noqa: E402
+from producer.env import RLMEnv  # noqa: E402
+from producer.local import LocalFleet  # noqa: E402
+from producer.mock_llm import root_code_directive  # noqa: E402
+
+FAULT_WINDOW = 15.0
+DIRECTIVES = [
+    ("", 60),
+    ("[[mock:sleep:1]]", 10),
+    ("[[mock:spend-all]]", 8),
+    ("[[mock:status:429:retry-after=0.5]] [[mock:fail-times:1]]", 4),
+    ("[[mock:status:503]] [[mock:fail-times:2]]", 4),
+    ("[[mock:status:500]]", 2),
+    ("[[mock:malformed]] [[mock:fail-times:1]]", 3),
+    ("[[mock:no-usage]]", 3),
+    ("[[mock:reset]] [[mock:fail-times:1]]", 3),
+    ("[[mock:sleep:30]]", 1),  # slower than the sub-call deadline
+]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 3)
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.batches: list[dict[str, Any]] = []
+        self.seen: Counter[tuple[str, str, int]] = Counter()
+        self.faults: list[tuple[float, str]] = []
+        self.restarts: list[tuple[float, float]] = []  # (down, up) wall times of Redis restarts
+        self.rollouts_done = 0
+        self.rollout_errors: Counter[str] = Counter()
+        self.budgets: dict[str, int] = {}
+        self.workers: dict[str, Any] = {}
+        self.worker_seq = 0
+        self.rng = random.Random(args.seed)
+
+    # -------------------------------------------------------------- instrumentation
+
+    def instrument(self) -> None:
+        real_load, real_run = dispatch_mod.load_result, dispatch_mod.Dispatcher.run_batch
+        soak = self
+
+        def counting(raw: str | bytes) -> SubLLMResult:
+            res = real_load(raw)
+            soak.seen[(res.rollout_id, res.batch_id, res.index)] += 1
+            return res
+
+        async def timed(self: Any, spec: Any, prompts: list[str]) -> list[SubLLMResult]:
+            t0 = time.time()
+            results = await real_run(self, spec, prompts)
+            soak.batches.append({"start": t0, "end": time.time(), "n": len(prompts), "results": results,
+                                 "rollout": spec.rollout_id, "timeout": spec.timeout,
+                                 "slow": {i for i, p in enumerate(prompts) if "[[mock:sleep:30]]" in p}})  # fmt: skip
+            return results
+
+        dispatch_mod.load_result = counting  # type: ignore[assignment]
+        dispatch_mod.Dispatcher.run_batch = timed  # type: ignore[method-assign]
+
+    # -------------------------------------------------------------- fleet & faults
+
+    def start_worker(self, fleet: LocalFleet) -> None:
+        self.worker_seq += 1
+        name = f"soak-w{self.worker_seq}-{uuid.uuid4().hex[:4]}"
+        self.workers[name] = fleet.start_worker(name, ["--name", name])
+
+    def live_workers(self) -> list[str]:
+        return [n for n, p in self.workers.items() if p.poll() is None]
+
+    async def inject(self, fleet: LocalFleet, server: EmbeddedRedis, stop: asyncio.Event) -> None:
+        cycle = ["kill9", "sigterm", "redis_restart"]
+        i = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.args.fault_every)
+                return
+            except asyncio.TimeoutError:
+                pass
+            kind = cycle[i % len(cycle)]
+            i += 1
+            now = time.time()
+            self.faults.append((now, kind))
+            live = self.live_workers()
+            if kind in ("kill9", "sigterm") and live:
+                victim = self.rng.choice(live)
+                os.kill(self.workers[victim].pid, signal.SIGKILL if kind == "kill9" else signal.SIGTERM)
+                self.start_worker(fleet)
+            elif kind == "redis_restart":
+                server.stop()
+                server.start()
+                self.restarts.append((now, time.time()))
+            print(f"[{time.strftime('%H:%M:%S')}] fault: {kind}", flush=True)
+
+    # -------------------------------------------------------------- rollouts
+
+    def question(self) -> str:
+        population = [d for d, _ in DIRECTIVES]
+        weights = [w for _, w in DIRECTIVES]
+        codes = []
+        for _ in range(2):
+            prompts = [
+                f"Soak {uuid.uuid4().hex[:6]} item {j}. The code is {j}. What is the code? "
+                + self.rng.choices(population, weights)[0]
+                for j in range(self.args.batch)
+            ]
+            codes.append(f"out = llm_batch({prompts!r})\nprint(len(out))")
+        codes[-1] += "\nanswer['content'] = 'done'\nanswer['ready'] = True"
+        return "Soak. " + root_code_directive(codes[0]) + root_code_directive(codes[1], turn=2)
+
+    async def rollouts(self, env: RLMEnv, model: str, stop: asyncio.Event) -> None:
+        async def one() -> None:
+            while not stop.is_set():
+                rid = f"soak-{uuid.uuid4().hex[:12]}"
+                self.budgets[rid] = self.args.budget
+                row = DatasetRow(id=rid, question=self.question(), context="x")
+                try:
+                    res = await env.rollout(row, model=model, rollout_id=rid)
+                except Exception as exc:  # Redis down while the rollout started
+                    self.rollout_errors[type(exc).__name__] += 1
+                    await asyncio.sleep(0.5)  # back off before the next rollout, not synchronisation
+                    continue
+                if res.row.stop_reason == "answer_ready":
+                    self.rollouts_done += 1
+                else:
+                    self.rollout_errors[res.row.stop_reason] += 1
+
+        await asyncio.gather(*(one() for _ in range(self.args.rollouts)))
+
+    # -------------------------------------------------------------- report
+
+    def served_per_user(self, base_url: str) -> dict[str, Any]:
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/stats", timeout=10) as resp:
+            stats: dict[str, Any] = json.load(resp)
+        return dict(stats["per_user"])
+
+    def report(self, base_url: str, seconds: float) -> dict[str, Any]:
+        errors: Counter[str] = Counter()
+        statuses: Counter[str] = Counter()
+        lost = 0
+        lost_in_restart = 0
+        times, fault_times = [], []
+        for b in self.batches:
+            overlap_restart = any(down <= b["end"] and up >= b["start"] - b["timeout"] for down, up in self.restarts)
+            in_fault = any(t <= b["end"] and b["start"] <= t + FAULT_WINDOW for t, _ in self.faults)
+            dt = b["end"] - b["start"]
+            times.append(dt)
+            if in_fault:
+                fault_times.append(dt)
+            for r in b["results"]:
+                statuses[r.status] += 1
+                if r.index in b["slow"]:
+                    continue  # slower than its deadline on purpose: a deadline error is the right result
+                if r.status == "error":
+                    errors[r.error_kind or "unknown"] += 1
+                if r.status == "error" and r.error_kind == "deadline" and not r.worker:
+                    if overlap_restart:
+                        lost_in_restart += 1
+                    else:
+                        lost += 1
+        errors["deadline_slow_on_purpose"] = sum(
+            1 for b in self.batches for r in b["results"] if r.index in b["slow"] and r.error_kind == "deadline"
+        )
+        duplicates = sum(n - 1 for n in self.seen.values() if n > 1)
+        served = self.served_per_user(base_url)
+        overshoot = sum(max(0, served.get(rid, {}).get("completion_tokens", 0) - b) for rid, b in self.budgets.items())
+        answered = sum(statuses.values())
+        return {
+            "seconds": round(seconds, 1),
+            "rollouts_finished": self.rollouts_done,
+            "rollout_errors": dict(self.rollout_errors),
+            "batches": len(self.batches),
+            "sub_calls_answered": answered,
+            "sub_calls_by_status": dict(statuses),
+            "errors_by_kind": dict(errors),
+            "results_lost": lost,
+            "results_lost_with_redis_state": lost_in_restart,
+            "duplicates_delivered": duplicates,
+            "budget_overshoot_tokens": overshoot,
+            "faults": dict(Counter(k for _, k in self.faults)),
+            "batch_seconds_p50": pct(times, 0.5),
+            "batch_seconds_p99": pct(times, 0.99),
+            "batch_seconds_p99_during_faults": pct(fault_times, 0.99),
+            "batches_during_faults": len(fault_times),
+        }
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    soak = Soak(args)
+    soak.instrument()
+    server = EmbeddedRedis().start()
+    logs = tempfile.mkdtemp(prefix="rlmq-soak-")
+    model = f"soak-{uuid.uuid4().hex[:6]}"
+    fleet = LocalFleet(
+        redis_url=server.url, model=model, workers=0, worker_concurrency=args.concurrency,
+        worker_args=["--heartbeat-ttl", "2"], log_dir=logs,
+    )  # fmt: skip
+    try:
+        fleet.start()
+        for _ in range(args.workers):
+            soak.start_worker(fleet)
+        fleet.wait_for_workers(args.workers)
+        settings = load_settings(
+            redis_url=server.url, base_url=fleet.base_url, model=model, sub_call_timeout=args.sub_call_timeout,
+        )  # fmt: skip
+        stop = asyncio.Event()
+        t0 = time.time()
+        async with RLMEnv(
+            settings=settings, sub_llm_max_completion_tokens=args.budget, sub_llm_per_call_max_tokens=40,
+            max_sub_llm_parallelism=args.batch, code_execution_timeout=args.sub_call_timeout + 30,
+        ) as env:  # fmt: skip
+            work = asyncio.create_task(soak.rollouts(env, model, stop))
+            faults = asyncio.create_task(soak.inject(fleet, server, stop))
+            await asyncio.sleep(args.seconds)  # the soak's duration
+            stop.set()
+            await faults
+            await asyncio.wait_for(work, args.sub_call_timeout + 120)
+        report = soak.report(str(fleet.base_url), time.time() - t0)
+        report["logs"] = logs
+        report["workers_started"] = soak.worker_seq
+        return report
+    finally:
+        fleet.stop()
+        server.stop()
+        _ = K  # keys imported for readers of this script
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=600)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=64, help="in-flight sub-calls per worker")
+    p.add_argument("--rollouts", type=int, default=6, help="rollouts run at once")
+    p.add_argument("--batch", type=int, default=24, help="prompts per llm_batch")
+    p.add_argument("--budget", type=int, default=1500, help="sub-LLM completion tokens per rollout")
+    p.add_argument("--sub-call-timeout", type=float, default=20.0)
+    p.add_argument("--fault-every", type=float, default=20.0, help="seconds between injected faults")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak.json"))
+    args = p.parse_args()
+    report = asyncio.run(amain(args))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    width = max(len(k) for k in report)
+    for k, v in report.items():
+        print(f"{k:<{width}}  {v}")
+    ok = report["results_lost"] == 0 and report["duplicates_delivered"] == 0 and report["budget_overshoot_tokens"] == 0
+    print("zeros hold" if ok else "ZEROS VIOLATED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Hostile cells in the REPL: each is contained, reported in the cell's output, and the REPL
+(and so the rollout) goes on.
+
+What is contained and how (``producer/repl.py``, ``producer/repl_child.py``):
+
+* infinite loop: ``code_execution_timeout``; the REPL is restarted, state reset, and said so;
+* fork bomb: RLIMIT_NPROC (``max_processes``, 64) refuses further forks with
+  ``BlockingIOError``; a forked process that comes back to the REPL loop exits; everything the
+  cell started is killed with the REPL (its process group, and every process of its uid);
+* memory hog: RLIMIT_AS gives ``MemoryError``;
+* ``os._exit``: the death is reported and the REPL restarted;
+* writes outside its folder, reading the producer's environment: refused when the producer
+  runs as root, because the child then drops to a uid of its own (``100000 + pid``) before
+  any cell runs. As a normal user they are refused only by ordinary file permissions;
+* a socket to Redis: **not contained**. The REPL holds no Redis URL or password (its
+  environment is built from scratch), but it can open TCP connections to 127.0.0.1, so a
+  Redis without a password on this host is reachable. Network isolation needs a network
+  namespace (``unshare -n``, root or user namespaces) plus a way to still reach the
+  interception server (a Unix socket); that is not done.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+from collections.abc import AsyncIterator
+
+import pytest
+
+from common.redis_server import EmbeddedRedis
+from producer.repl import Repl
+from tests.faults.conftest import process_gone, wait_until
+
+ROOT = os.geteuid() == 0
+
+
+@pytest.fixture
+async def repl() -> AsyncIterator[Repl]:
+    r = Repl(
+        context="ctx",
+        endpoint_url="http://127.0.0.1:9/llm_batch",
+        token="t",
+        code_execution_timeout=3,
+        memory_bytes=512 * 1024**2,
+        max_processes=32,
+    )
+    await r.start()
+    yield r
+    await r.close()
+
+
+async def alive(repl: Repl) -> None:
+    res = await repl.execute("x_alive = 41 + 1\nx_alive")
+    assert res.output.strip() == "42", res.output
+
+
+async def test_infinite_loop_times_out_and_restarts(repl: Repl) -> None:
+    res = await repl.execute("while True:\n    pass")
+    assert res.timed_out and res.restarted
+    assert "timed out after 3 s" in res.output
+    await alive(repl)
+
+
+async def test_fork_bomb_is_refused_and_cleaned_up(repl: Repl) -> None:
+    res = await repl.execute(
+        textwrap.dedent(
+            """
+            import os, time
+            n = 0
+            while True:
+                if os.fork() == 0:
+                    time.sleep(600)
+                    os._exit(0)
+                n += 1
+            """
+        )
+    )
+    assert "BlockingIOError" in res.output, res.output
+    assert not res.restarted
+    res = await repl.execute("n")
+    assert 0 < int(res.output.strip()) <= 32
+    await alive(repl)
+    # the classic bomb: every process forks until refused; forked copies never answer
+    res = await repl.execute("import os\nwhile True:\n    os.fork()")
+    assert "BlockingIOError" in res.output or res.restarted, res.output
+    await alive(repl)
+    pgid = repl.pid
+    assert pgid is not None
+    await repl.close()
+
+    def group_gone() -> bool:
+        for name in os.listdir("/proc"):
+            if name.isdigit() and not process_gone(int(name)):
+                try:
+                    if os.getpgid(int(name)) == pgid:
+                        return False
+                except OSError:
+                    pass
+        return True
+
+    wait_until(group_gone, 10, "the fork bomb's processes to be gone")
+
+
+async def test_memory_hog_gets_memory_error(repl: Repl) -> None:
+    res = await repl.execute("hog = bytearray(2 * 1024**3)")
+    assert "MemoryError" in res.output
+    assert not res.restarted
+    await alive(repl)
+
+
+async def test_os_exit_is_reported_and_restarted(repl: Repl) -> None:
+    res = await repl.execute("import os\nos._exit(7)")
+    assert res.restarted and "exit code 7" in res.output
+    await alive(repl)
+
+
+async def test_no_secret_and_no_writes_outside(repl: Repl, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    res = await repl.execute("import os\nsorted(k for k in os.environ if 'REDIS' in k or 'KEY' in k or 'RLMQ' in k)")
+    assert res.output.strip() == "[]"
+    res = await repl.execute(
+        textwrap.dedent(
+            """
+            import os
+            try:
+                data = open(f"/proc/{os.getppid()}/environ", "rb").read()
+                print("READ", len(data))
+            except OSError as exc:
+                print("REFUSED", type(exc).__name__)
+            """
+        )
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    target = os.path.join(repo, "pwned-by-repl")
+    res2 = await repl.execute(
+        f"try:\n    open({target!r}, 'w').write('x')\n    print('WROTE')\nexcept OSError as e:\n"
+        f"    print('REFUSED', type(e).__name__)"
+    )
+    uid = (await repl.execute("import os\nos.getuid()")).output.strip()
+    if ROOT and uid != "0":
+        assert int(uid) >= 100_000
+        assert "REFUSED PermissionError" in res.output, res.output
+        assert "REFUSED PermissionError" in res2.output, res2.output
+        assert not os.path.exists(target)
+        # its own folder stays writable
+        own = await repl.execute("open('mine.txt', 'w').write('ok')\nopen('mine.txt').read()")
+        assert own.output.strip() == "'ok'"
+    else:
+        if os.path.exists(target):
+            os.unlink(target)
+        pytest.fail(f"the REPL did not drop privileges (uid {uid}); environ: {res.output!r}")
+
+
+async def test_socket_to_redis_is_not_contained_but_holds_no_secret(repl: Repl) -> None:
+    """Documents the limit: a TCP connection to a local Redis succeeds (no network namespace)."""
+    with EmbeddedRedis() as server:
+        res = await repl.execute(
+            f"import socket\ns = socket.create_connection(('127.0.0.1', {server.port}), timeout=2)\n"
+            "s.sendall(b'PING\\r\\n')\nprint(s.recv(10))\ns.close()"
+        )
+    assert "PONG" in res.output  # reachable: see the module docstring
+    assert not res.restarted
+    await alive(repl)
+    assert isinstance(socket.gethostname(), str)
