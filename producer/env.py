@@ -436,8 +436,15 @@ class RLMEnv:
         )
         snap = await self.ledger.snapshot(rid) if budget is not None else None
         if budget is not None and (snap is None or snap.remaining <= 0):
-            used = snap.charged if snap else 0
-            msg = f"[rejected] sub-LLM token budget spent: {used}/{budget} completion tokens used"
+            if snap is None:
+                # The ledger is gone (Redis restarted without persistence, or its TTL ran out).
+                # Opening a fresh one would forget what was already spent, so refuse instead.
+                msg = (
+                    "[rejected] sub-LLM token budget ledger lost (Redis restarted?); sub-LLM calls are "
+                    "refused so the budget cannot be overshot"
+                )
+            else:
+                msg = f"[rejected] sub-LLM token budget spent: {snap.charged}/{budget} completion tokens used"
             stats.rejected_up_front += len(prompts)
             results = [
                 SubLLMResult(rollout_id=rid, batch_id=batch_id, index=i, job_id="", status="rejected", content=msg)
