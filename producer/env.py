@@ -277,6 +277,7 @@ class RLMEnv:
         repl = Repl(
             context=row.context,
             endpoint_url=self._server.url,
+            unix_socket=self._server.unix_path,
             token=token,
             max_output_length=self.max_output_length,
             code_execution_timeout=self.code_execution_timeout,

@@ -1,7 +1,8 @@
 """The interception server: where ``llm_batch`` inside a rollout's REPL sends its prompts.
 
 One aiohttp server per :class:`~producer.env.RLMEnv`, on 127.0.0.1 with an OS-assigned
-port, as in the verifiers ``RLMEnv``. Each rollout gets its own bearer token; a request
+port, as in the verifiers ``RLMEnv``, and on a Unix socket (``unix_path``): REPLs that run in
+a network namespace of their own reach it only through that socket. Each rollout gets its own bearer token; a request
 without a token, or with a token that belongs to no live rollout, is refused with 401, so
 a REPL can reach only its own rollout. Bodies are validated (:class:`BatchRequest`) and
 bounded (``max_batch_prompts`` prompts, ``max_batch_bytes`` bytes); a bad one gets a 4xx
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -44,7 +48,9 @@ class InterceptionServer:
         self.max_batch_bytes = max_batch_bytes
         self._handlers: dict[str, BatchHandler] = {}
         self._runner: web.AppRunner | None = None
+        self._socket_dir: str | None = None
         self.port = 0
+        self.unix_path: str | None = None
 
     @property
     def url(self) -> str:
@@ -105,9 +111,20 @@ class InterceptionServer:
         server = site._server
         assert server is not None and server.sockets  # type: ignore[attr-defined]
         self.port = int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+        # The socket must be reachable by REPLs running under uids of their own; the bearer
+        # token, not the file mode, is what keeps one rollout out of another's batches.
+        self._socket_dir = tempfile.mkdtemp(prefix="rlmq-icpt-")
+        os.chmod(self._socket_dir, 0o755)
+        self.unix_path = os.path.join(self._socket_dir, "llm_batch.sock")
+        await web.UnixSite(self._runner, self.unix_path).start()
+        os.chmod(self.unix_path, 0o666)
 
     async def stop(self) -> None:
         """Stop serving; idempotent."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+            self.unix_path = None

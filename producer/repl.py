@@ -298,6 +298,12 @@ class Repl:
             that left its process group. ``None``: stay as the producer's user.
         memory_bytes: RLIMIT_AS of the child (address space, bytes); allocations
             beyond it raise ``MemoryError`` in the cell. ``None``: no limit.
+        unix_socket: path of the interception server's Unix socket; when given, ``llm_batch``
+            speaks HTTP over it instead of TCP to ``endpoint_url``'s host.
+        isolate_network: with ``unix_socket``, put the REPL in a network namespace of its own
+            (no interface up, not even loopback), so model-written code can reach nothing but
+            that socket. Needs root (``CAP_SYS_ADMIN``); elsewhere the REPL keeps the host's
+            network and ``network_isolated`` says so.
         llm_batch_timeout: socket timeout (seconds) of an ``llm_batch`` HTTP request.
         pause_timeout_during_llm_batch: see ``code_execution_timeout``.
 
@@ -320,6 +326,8 @@ class Repl:
         memory_bytes: int | None = 2 * 1024**3,
         max_processes: int | None = 64,
         run_as: str | int | None = "auto",
+        unix_socket: str | None = None,
+        isolate_network: bool = True,
         llm_batch_timeout: float = 3600.0,
         pause_timeout_during_llm_batch: bool = True,
     ) -> None:
@@ -350,6 +358,10 @@ class Repl:
         self._memory_bytes = memory_bytes
         self._max_processes = max_processes
         self._run_as = run_as
+        self._unix_socket = unix_socket
+        self._isolate_network = isolate_network and unix_socket is not None
+        self.network_isolated: bool | None = None
+        """After start: whether the child runs in a network namespace of its own."""
         self._llm_batch_timeout = llm_batch_timeout
         self._pause_during_llm_batch = pause_timeout_during_llm_batch
 
@@ -728,6 +740,8 @@ class Repl:
                 "memory_bytes": self._memory_bytes,
                 "max_processes": self._max_processes,
                 "run_as": self._run_as,
+                "unix_socket": self._unix_socket,
+                "isolate_network": self._isolate_network,
             }
         )
         message = await child.receive()
@@ -736,6 +750,7 @@ class Repl:
             raise ReplStartupError(f"the child exited before it was ready (status {status})")
         uid = message.get("uid")
         child.uid = uid if isinstance(uid, int) and uid >= _MIN_OWN_UID else None
+        self.network_isolated = bool(message.get("net_isolated"))
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import ast
 import builtins
+import http.client
 import io
 import json
 import linecache
 import os
+import socket
 import sys
 import threading
 import time
@@ -106,6 +108,26 @@ def _drop_privileges(spec: str | int | None) -> int | None:
     except (ImportError, OSError, AttributeError):  # some Pythons ship without ctypes
         pass
     return uid
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def _isolate_network() -> bool:
+    """Move this process into a network namespace of its own; return whether it worked.
+
+    The new namespace has only a loopback interface, and it is down: no TCP or UDP peer is
+    reachable, not even the host's 127.0.0.1. The interception server stays reachable through
+    its Unix socket, which lives in the file system, not in the network namespace. Needs
+    ``CAP_SYS_ADMIN`` (root); must run before privileges are dropped.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.unshare(CLONE_NEWNET)) == 0
+    except (ImportError, OSError, AttributeError):
+        return False
 
 
 def _reachable_by_others(path: str) -> bool:
@@ -189,8 +211,41 @@ def _server_message(err: urllib.error.HTTPError) -> str:
     return text or str(err.reason)
 
 
-def _make_llm_batch(url: str, token: str, timeout: float, channel: _Channel) -> Callable[[list[str]], list[str]]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over the interception server's Unix socket."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class _UnixHandler(urllib.request.HTTPHandler):
+    """Sends every ``http://`` request of the opener through the Unix socket (replaces the
+    opener's default HTTP handler)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._path = path
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        path = self._path
+        return self.do_open(lambda host, timeout=60.0, **kw: _UnixHTTPConnection(path, timeout), req)  # type: ignore[arg-type]
+
+
+
+def _make_llm_batch(
+    url: str, token: str, timeout: float, channel: _Channel, unix_socket: str | None = None
+) -> Callable[[list[str]], list[str]]:
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if unix_socket:
+        handlers.append(_UnixHandler(unix_socket))
+    opener = urllib.request.build_opener(*handlers)
     inflight = [0]
     lock = threading.Lock()
 
@@ -391,6 +446,7 @@ def main(argv: list[str]) -> int:
     if not line:
         return 0
     init = json.loads(line)
+    net_isolated = bool(init.get("isolate_network")) and _isolate_network()
     uid = _drop_privileges(init.get("run_as"))
     _apply_limits(init.get("cpu_seconds"), init.get("memory_bytes"), init.get("max_processes"), uid is not None)
     for path in reversed(init.get("sys_path") or []):
@@ -412,7 +468,9 @@ def main(argv: list[str]) -> int:
         {
             "__builtins__": builtins,
             "context": context,
-            "llm_batch": _make_llm_batch(init["url"], init["token"], float(init["llm_batch_timeout"]), channel),
+            "llm_batch": _make_llm_batch(
+                init["url"], init["token"], float(init["llm_batch_timeout"]), channel, init.get("unix_socket")
+            ),
             "answer": {"content": "", "ready": False},
         }
     )
@@ -420,7 +478,7 @@ def main(argv: list[str]) -> int:
     del init, context
     repl = _Repl(main_module.__dict__, out, err)
 
-    channel.send({"type": "ready", "pid": os.getpid(), "uid": uid})
+    channel.send({"type": "ready", "pid": os.getpid(), "uid": uid, "net_isolated": net_isolated})
     while True:
         line = commands.readline()
         if not line:

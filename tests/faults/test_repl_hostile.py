@@ -12,11 +12,11 @@ What is contained and how (``producer/repl.py``, ``producer/repl_child.py``):
 * writes outside its folder, reading the producer's environment: refused when the producer
   runs as root, because the child then drops to a uid of its own (``100000 + pid``) before
   any cell runs. As a normal user they are refused only by ordinary file permissions;
-* a socket to Redis: **not contained**. The REPL holds no Redis URL or password (its
-  environment is built from scratch), but it can open TCP connections to 127.0.0.1, so a
-  Redis without a password on this host is reachable. Network isolation needs a network
-  namespace (``unshare -n``, root or user namespaces) plus a way to still reach the
-  interception server (a Unix socket); that is not done.
+* a socket to Redis: refused when the producer runs as root. The REPL then runs in a network
+  namespace of its own (no interface up, not even loopback) and reaches the interception
+  server only through its Unix socket; the REPL holds no Redis URL or password either (its
+  environment is built from scratch). Without root there is no namespace (the last test
+  documents what then stays reachable).
 """
 
 from __future__ import annotations
@@ -151,14 +151,47 @@ async def test_no_secret_and_no_writes_outside(repl: Repl, tmp_path) -> None:  #
         pytest.fail(f"the REPL did not drop privileges (uid {uid}); environ: {res.output!r}")
 
 
-async def test_socket_to_redis_is_not_contained_but_holds_no_secret(repl: Repl) -> None:
-    """Documents the limit: a TCP connection to a local Redis succeeds (no network namespace)."""
+async def test_socket_to_redis_is_refused_but_llm_batch_works() -> None:
+    """With the interception server's Unix socket, the REPL gets no network at all."""
+    from producer.interception import InterceptionServer
+
+    server = InterceptionServer()
+    await server.start()
+
+    async def handle(prompts: list[str]) -> tuple[list[str], str]:
+        return [p.upper() for p in prompts], "2 ok"
+
+    token = server.register(handle)
+    assert server.unix_path is not None
+    try:
+        with EmbeddedRedis() as redis_server:
+            async with Repl(context="ctx", endpoint_url=server.url, unix_socket=server.unix_path, token=token) as repl:
+                probe = (
+                    "import socket\ntry:\n"
+                    f"    socket.create_connection(('127.0.0.1', {redis_server.port}), timeout=2)\n"
+                    "    print('CONNECTED')\nexcept OSError as e:\n    print('REFUSED', e)"
+                )
+                res = await repl.execute(probe)
+                batch = await repl.execute("print(llm_batch(['a', 'b']))")
+                if not ROOT:
+                    assert repl.network_isolated is False
+                    pytest.fail("the network is isolated only when the producer runs as root: " + res.output)
+                assert repl.network_isolated is True
+                assert "REFUSED" in res.output and "CONNECTED" not in res.output, res.output
+                assert "['A', 'B']" in batch.output, batch.output
+                await alive(repl)
+    finally:
+        await server.stop()
+
+
+async def test_without_the_unix_socket_tcp_to_localhost_stays_reachable(repl: Repl) -> None:
+    """Documents the fallback: a REPL given only a TCP endpoint keeps the host's network."""
     with EmbeddedRedis() as server:
         res = await repl.execute(
             f"import socket\ns = socket.create_connection(('127.0.0.1', {server.port}), timeout=2)\n"
             "s.sendall(b'PING\\r\\n')\nprint(s.recv(10))\ns.close()"
         )
-    assert "PONG" in res.output  # reachable: see the module docstring
-    assert not res.restarted
+    assert "PONG" in res.output
+    assert repl.network_isolated is False
     await alive(repl)
     assert isinstance(socket.gethostname(), str)
