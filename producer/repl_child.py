@@ -235,8 +235,7 @@ class _UnixHandler(urllib.request.HTTPHandler):
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         path = self._path
-        return self.do_open(lambda host, timeout=60.0, **kw: _UnixHTTPConnection(path, timeout), req)  # type: ignore[arg-type]
-
+        return self.do_open(lambda host, timeout=60.0, **kw: _UnixHTTPConnection(path, timeout), req)
 
 
 def _make_llm_batch(
