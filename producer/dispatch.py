@@ -63,6 +63,10 @@ def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
     )
 
 
+QUEUE_SET_REFRESH = 30.0
+"""Seconds between re-adding a queue to RQ's ``rq:queues`` set (workers add theirs at start)."""
+
+
 def job_id_for(spec: BatchSpec, index: int) -> str:
     """RQ job id of slot ``index``: ``<rollout>-<batch>-<index>``."""
     return f"{spec.rollout_id}-{spec.batch_id}-{index}"
@@ -78,6 +82,7 @@ class Dispatcher:
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
+        self._queues_registered: dict[str, float] = {}
 
     async def enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> float:
         """Enqueue slots ``indices`` of ``prompts`` in one pipeline; returns the enqueue time."""
@@ -123,8 +128,12 @@ class Dispatcher:
                 )
                 pipe.expire(key, ttl)
             pipe.rpush(K.rq_queue(spec.queue), *ids)
-            pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
-            pipe.expire(reply, spec.reply_ttl)
+            # The reply list gets its TTL from the worker's FINISH script with every push (an
+            # EXPIRE here would hit a key that does not exist yet), and the queue's entry in
+            # RQ's queue set is re-asserted every QUEUE_SET_REFRESH seconds, not per batch.
+            if now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH:
+                pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
+                self._queues_registered[spec.queue] = now
             pipe.publish(K.wake_channel(spec.queue), spec.queue)  # wakes idle workers, names new tenants
             await pipe.execute()
         return now

@@ -35,18 +35,31 @@ from common.rqjobs import utcnow_str
 # ARGV[4] heartbeat ttl (s), then per candidate: ARGV[3+2i] job id, ARGV[4+2i] execution id.
 # A candidate no longer in the queue (another worker took it) is skipped; one whose hash
 # has expired (its producer gave up) is dropped from the queue and skipped.
+# When the candidates are still the head of the queue (the usual case) one LTRIM takes them all;
+# ZADD / SADD run once per call.
 # Returns, per job taken: {job id, execution id, data, attempts, reply key, enqueued_at}.
 START_LUA = """
 local out = {}
 local ttl = tonumber(ARGV[4])
 local expires = tonumber(ARGV[3]) + ttl
 local n = (#KEYS - 3) / 2
+-- Fast path: the candidates are still exactly the head of the queue (the usual case: this
+-- worker just peeked them) -> one LTRIM instead of an LREM per job.
+local head = redis.call('LRANGE', KEYS[1], 0, n - 1)
+local at_head = (#head == n)
+if at_head then
+  for i = 1, n do
+    if head[i] ~= ARGV[3 + 2 * i] then at_head = false; break end
+  end
+end
+if at_head then redis.call('LTRIM', KEYS[1], n, -1) end
+local zargs, members = {}, {}
 for i = 1, n do
   local jkey = KEYS[3 + 2 * i - 1]
   local ekey = KEYS[3 + 2 * i]
   local jid = ARGV[3 + 2 * i]
   local eid = ARGV[4 + 2 * i]
-  if redis.call('LREM', KEYS[1], 1, jid) == 1 then
+  if at_head or redis.call('LREM', KEYS[1], 1, jid) == 1 then
     local f = redis.call('HMGET', jkey, 'data', 'rlmq_attempts', 'rlmq_reply', 'enqueued_at', 'status')
     if f[1] and f[5] == 'queued' then
       local member = jid .. ':' .. eid
@@ -56,15 +69,20 @@ for i = 1, n do
       redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', ARGV[3], 'last_heartbeat', ARGV[3],
                  'worker_name', ARGV[1])
       redis.call('EXPIRE', ekey, ttl + 60)
-      redis.call('ZADD', KEYS[2], expires, member)
-      redis.call('SADD', KEYS[3], member)
+      zargs[#zargs + 1] = expires
+      zargs[#zargs + 1] = member
+      members[#members + 1] = member
       out[#out + 1] = {jid, eid, f[1], f[2] or '0', f[3] or '', f[4] or ''}
     end
   end
 end
+for i = 1, #members, 500 do
+  local last = math.min(i + 499, #members)
+  redis.call('ZADD', KEYS[2], unpack(zargs, 2 * i - 1, 2 * last))
+  redis.call('SADD', KEYS[3], unpack(members, i, last))
+end
 return out
 """
-
 # Contract: record the end of executions and deliver their results, exactly once.
 # KEYS[1] started registry, KEYS[2] worker executions set, KEYS[3] finished registry,
 # KEYS[4] failed registry, KEYS[5] worker hash,
@@ -77,25 +95,53 @@ return out
 # (base64 return value when ok, base64 zlib exc string when failed).
 # Only an execution still in the started registry is recorded and delivered: one the reaper
 # re-queued meanwhile is a late duplicate and is dropped. Returns the number delivered.
+# One ZMSCORE tells which are still live; registry, set, DEL, ZADD and RPUSH (one per reply
+# list) then run once per call over all live jobs, so per job only the job hash (HSET,
+# EXPIRE) and its result stream (XADD, EXPIRE) cost a command each. Needs Redis >= 6.2.
 FINISH_LUA = """
-local delivered = 0
-local ok_n, failed_n = 0, 0
 local n = (#KEYS - 5) / 4
 local now = tonumber(ARGV[2])
 local rttl, fttl, replyttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+-- Bulk commands run over slices of at most 500 arguments (Lua's C stack limits unpack).
+local function bulk(cmd, key, list, step)
+  step = step or 1
+  local per = 500 * step
+  for i = 1, #list, per do
+    local last = math.min(i + per - 1, #list)
+    if key then
+      redis.call(cmd, key, unpack(list, i, last))
+    else
+      redis.call(cmd, unpack(list, i, last))
+    end
+  end
+end
+local members, seen = {}, {}
 for i = 1, n do
-  local jkey, ekey, skey, rkey = KEYS[5 + 4 * i - 3], KEYS[5 + 4 * i - 2], KEYS[5 + 4 * i - 1], KEYS[5 + 4 * i]
-  local jid, eid, ok = ARGV[6 + 5 * i - 4], ARGV[6 + 5 * i - 3], ARGV[6 + 5 * i - 2]
-  local member = jid .. ':' .. eid
-  if redis.call('ZREM', KEYS[1], member) == 1 then
-    redis.call('RPUSH', rkey, ARGV[6 + 5 * i - 1])
-    redis.call('EXPIRE', rkey, replyttl)
-    redis.call('SREM', KEYS[2], member)
-    redis.call('DEL', ekey)
+  members[i] = ARGV[6 + 5 * i - 4] .. ':' .. ARGV[6 + 5 * i - 3]
+end
+local scores = {}
+for i = 1, n, 500 do
+  local part = redis.call('ZMSCORE', KEYS[1], unpack(members, i, math.min(i + 499, n)))
+  for j = 1, #part do scores[i + j - 1] = part[j] end
+end
+local live, ekeys, fin, fail, order, replies = {}, {}, {}, {}, {}, {}
+local ok_n, failed_n = 0, 0
+for i = 1, n do
+  local member = members[i]
+  if scores[i] and not seen[member] then
+    seen[member] = true
+    live[#live + 1] = member
+    local jkey, ekey, skey, rkey = KEYS[5 + 4 * i - 3], KEYS[5 + 4 * i - 2], KEYS[5 + 4 * i - 1], KEYS[5 + 4 * i]
+    local jid, eid, ok = ARGV[6 + 5 * i - 4], ARGV[6 + 5 * i - 3], ARGV[6 + 5 * i - 2]
+    ekeys[#ekeys + 1] = ekey
+    if not replies[rkey] then replies[rkey] = {}; order[#order + 1] = rkey end
+    local r = replies[rkey]
+    r[#r + 1] = ARGV[6 + 5 * i - 1]
     if ok == '1' then
       redis.call('HSET', jkey, 'status', 'finished', 'ended_at', ARGV[1])
       redis.call('EXPIRE', jkey, rttl)
-      redis.call('ZADD', KEYS[3], now + rttl, jid)
+      fin[#fin + 1] = now + rttl
+      fin[#fin + 1] = jid
       redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', ARGV[6],
                  'return_value', ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
       redis.call('EXPIRE', skey, rttl)
@@ -103,20 +149,29 @@ for i = 1, n do
     else
       redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
       redis.call('EXPIRE', jkey, fttl)
-      redis.call('ZADD', KEYS[4], now + fttl, jid)
+      fail[#fail + 1] = now + fttl
+      fail[#fail + 1] = jid
       redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', ARGV[6],
                  'exc_string', ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
       redis.call('EXPIRE', skey, fttl)
       failed_n = failed_n + 1
     end
-    delivered = delivered + 1
   end
+end
+if #live == 0 then return 0 end
+bulk('ZREM', KEYS[1], live)
+bulk('SREM', KEYS[2], live)
+bulk('DEL', nil, ekeys)
+bulk('ZADD', KEYS[3], fin, 2)
+bulk('ZADD', KEYS[4], fail, 2)
+for _, rkey in ipairs(order) do
+  bulk('RPUSH', rkey, replies[rkey])
+  redis.call('EXPIRE', rkey, replyttl)
 end
 if ok_n > 0 then redis.call('HINCRBY', KEYS[5], 'successful_job_count', ok_n) end
 if failed_n > 0 then redis.call('HINCRBY', KEYS[5], 'failed_job_count', failed_n) end
-return delivered
+return #live
 """
-
 # Contract: take back executions whose worker stopped heartbeating (or that a worker hands
 # back on shutdown), re-queueing or failing each one, atomically per execution.
 # KEYS[1] started registry, KEYS[2] queue list, KEYS[3] failed registry,

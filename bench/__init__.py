@@ -1,0 +1,1 @@
+"""rlmq benchmarks: they print tables and save figures under ``bench/results``; they never assert timings."""
