@@ -10,10 +10,12 @@ dropped here as well as at the worker.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from common import keys as K
 from common.errors import PayloadError
@@ -47,6 +49,10 @@ class BatchSpec:
     include_messages: bool = False
     result_ttl: int = 600
     reply_ttl: int = 3600
+
+
+WAKE_HINT_MAX_JOBS = 32
+"""Batches up to this size name their job ids in the wake-up message."""
 
 
 def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
@@ -134,7 +140,10 @@ class Dispatcher:
             if now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH:
                 pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
                 self._queues_registered[spec.queue] = now
-            pipe.publish(K.wake_channel(spec.queue), spec.queue)  # wakes idle workers, names new tenants
+            # Wakes idle workers and names new tenants; small batches also name their jobs, so
+            # an idle worker can take them without peeking at the queue first.
+            hint = spec.queue + ("\n" + " ".join(ids) if len(ids) <= WAKE_HINT_MAX_JOBS else "")
+            pipe.publish(K.wake_channel(spec.queue), hint)
             await pipe.execute()
         return now
 
@@ -174,13 +183,19 @@ class Dispatcher:
                     deadlines[i] = t + spec.timeout
                 next_index = take[-1] + 1
             wait = max(0.01, min(deadlines.values()) - time.time()) if deadlines else 0.01
-            got = await self.redis.blpop([reply], timeout=min(wait, 2.0))
-            if got is None:
+            try:
+                got = await self.redis.blpop([reply], timeout=min(wait, 2.0))
+                raws = [] if got is None else [got[1]]
+                # Drain what else arrived in one more round trip, unless this was the last one.
+                if raws and pending > 1:
+                    more = await self.redis.lpop(reply, 1000)
+                    if more:
+                        raws.extend(more if isinstance(more, list) else [more])
+            except (RedisError, OSError):
+                # Redis is away (restarting?): keep waiting until the deadlines turn the
+                # missing slots into error results; the client reconnects with backoff.
+                await asyncio.sleep(min(0.5, wait))
                 continue
-            raws = [got[1]]
-            more = await self.redis.lpop(reply, 1000)
-            if more:
-                raws.extend(more)
             for raw in raws:
                 try:
                     res = load_result(raw)
@@ -192,5 +207,6 @@ class Dispatcher:
                 results[i] = res
                 deadlines.pop(i, None)
                 pending -= 1
-        await self.redis.delete(reply)
+        # No DEL: a drained list no longer exists in Redis; a late duplicate expires with the
+        # TTL the worker set on the reply list.
         return [r if r is not None else deadline_result(spec, i) for i, r in enumerate(results)]

@@ -113,6 +113,7 @@ class SubLLMWorker:
         self._records: dict[str, Records] = {}
         self._queues: list[str] = [self.queue]
         self._wake = asyncio.Event()
+        self._hints: dict[str, list[str]] = {}  # queue -> job ids named by wake-ups (idle fast path)
         self._tasks: set[asyncio.Task[None]] = set()
         self._done: list[FinishedJob] = []
         self._done_event = asyncio.Event()
@@ -266,9 +267,14 @@ class SubLLMWorker:
                 backoff = 0.1
                 async for msg in pubsub.listen():
                     data = msg.get("data")
-                    queue = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
-                    if K.serves(self.queue, queue) and queue not in self._queues:
+                    text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+                    queue, _, ids = text.partition("\n")
+                    if not K.serves(self.queue, queue):
+                        continue
+                    if queue not in self._queues:
                         self._queues.append(queue)  # a new tenant: serve it from the next round on
+                    if ids:  # a small batch named its jobs: an idle worker takes them directly
+                        self._hints.setdefault(queue, []).extend(ids.split())
                     self._wake.set()
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 await asyncio.sleep(backoff)  # reconnect backoff
@@ -280,6 +286,7 @@ class SubLLMWorker:
     async def _fetch_loop(self, burst: bool) -> None:
         backoff = 0.1
         last_discovery = time.monotonic()
+        idle = False
         while not self._stopping.is_set():
             free = self.concurrency - len(self._inflight)
             if free <= 0:
@@ -291,13 +298,23 @@ class SubLLMWorker:
                     await self._discover_queues()
                     last_discovery = time.monotonic()
                 self._wake.clear()
+                hints, self._hints = self._hints, {}
                 queues = list(self._queues)
-                share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for q in queues:
-                        pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
-                    peeked: list[list[bytes]] = await pipe.execute()
+                peeked: list[list[bytes]]
+                if idle and hints:
+                    # Idle worker, woken by a small batch that named its jobs: take them without
+                    # peeking (one round trip saved). Jobs another worker took first are skipped
+                    # by START; under load the round-robin peek below decides instead.
+                    peeked = [[j.encode() for j in hints.get(q, [])][:free] for q in queues]
+                else:
+                    share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for q in queues:
+                            pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
+                        peeked = await pipe.execute()
+                idle = False
                 if not any(peeked):
+                    idle = True
                     if burst and not self._inflight:
                         return
                     waiter = asyncio.create_task(self._wake.wait())
