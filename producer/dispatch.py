@@ -118,7 +118,7 @@ class Dispatcher:
                 key = K.rq_job(jid)
                 pipe.hset(
                     key,
-                    mapping=job_hash(
+                    mapping=job_hash(  # type: ignore[arg-type]  # str keys are fine for redis-py
                         queue=spec.queue,
                         args=[req.model_dump(exclude_defaults=True)],
                         description=(

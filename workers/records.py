@@ -21,7 +21,7 @@ import json
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
@@ -306,16 +306,8 @@ class Records:
 
     async def peek(self, n: int) -> list[bytes]:
         """Up to ``n`` job ids at the head of the queue (not taken yet)."""
-        ids: list[bytes] = await self.redis.lrange(self.queue_key, 0, n - 1)
-        return ids
-
-    async def wait_for_jobs(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds until the queue is non-empty, taking nothing.
-
-        ``BLMOVE q q LEFT LEFT`` returns the head element and leaves the list as it was.
-        """
-        got = await self.redis.blmove(self.queue_key, self.queue_key, timeout, "LEFT", "LEFT")
-        return got is not None
+        ids = await self.redis.lrange(self.queue_key, 0, n - 1)
+        return cast(list[bytes], ids)
 
     async def start(self, job_ids: list[bytes]) -> list[StartedJob]:
         """Take the given queued jobs and mark them started by this worker (one round trip)."""
@@ -377,8 +369,8 @@ class Records:
 
     async def expired_members(self, limit: int = 200) -> list[str]:
         """Started-registry members whose heartbeat has lapsed (oldest first)."""
-        raw: list[bytes] = await self.redis.zrangebyscore(self.started_key, "-inf", time.time(), start=0, num=limit)
-        return [m.decode() for m in raw]
+        raw = await self.redis.zrangebyscore(self.started_key, "-inf", time.time(), start=0, num=limit)
+        return [m.decode() for m in cast(list[bytes], raw)]
 
     async def reap(self, members: list[str], *, hand_back: bool = False) -> tuple[int, int]:
         """Re-queue (or fail, when out of attempts) the executions ``members``.
