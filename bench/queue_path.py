@@ -50,6 +50,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from common.aio import run as run_loop
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 LOG_DIR = os.path.join(tempfile.gettempdir(), "rlmq-bench-logs")  # worker / stock-RQ logs
 MODEL = "bench-scripted"
@@ -223,7 +225,9 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _client_main(a: argparse.Namespace) -> None:
-    out = asyncio.run(_client(a))
+    # Every client (the baselines and rlmq's producer alike) runs on the loop `rlmq run` uses:
+    # uvloop when installed (common/aio.py), so the comparison stays like for like.
+    out = run_loop(_client(a))
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -119,7 +119,7 @@ class Soak:
             try:
                 await asyncio.wait_for(stop.wait(), self.args.fault_every)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             kind = cycle[i % len(cycle)]
             i += 1

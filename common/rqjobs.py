@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 # The job function, by import path: the producer never imports the workers package.
@@ -24,12 +24,12 @@ SUB_LLM_FUNC = "workers.job.run_sub_llm"
 
 def utcformat(dt: datetime) -> str:
     """RQ's timestamp format: ``2026-11-22T06:20:01.546671Z`` (UTC)."""
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def utcnow_str() -> str:
     """Now in RQ's timestamp format."""
-    return utcformat(datetime.now(timezone.utc))
+    return utcformat(datetime.now(UTC))
 
 
 def encode_job_data(func: str, args: list[Any]) -> bytes:

@@ -8,7 +8,6 @@ at run time.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import json
 import sys
@@ -17,6 +16,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from common.aio import run as run_loop
 from common.errors import RlmqError
 from common.schemas import DatasetRow, read_dataset
 from common.settings import Settings, load_settings
@@ -237,7 +237,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with LocalFleet(redis_url=settings0.redis_url, model="scripted", workers=args.workers, log_dir=log_dir) as fleet:
         print(f"redis {fleet.redis_url} | scripted model (test double) {fleet.base_url} | {args.workers} workers")
         settings = _settings_from(args, redis_url=fleet.redis_url, base_url=fleet.base_url, model="scripted")
-        results = asyncio.run(
+        results = run_loop(
             evaluate(settings, rows, model="scripted", output=args.output, quiet=args.quiet, metrics=metrics)
         )
     rows_out = [r.row.model_dump() for r in results]
@@ -261,7 +261,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.time()
     if redis_url:
         settings = _settings_from(args, redis_url=redis_url, **extra)
-        results = asyncio.run(
+        results = run_loop(
             evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet, metrics=metrics)
         )
     else:
@@ -270,7 +270,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             model=sub_model, base_url=args.sub_base_url or args.base_url, workers=args.workers, worker_args=worker_args
         ) as fleet:
             settings = _settings_from(args, redis_url=fleet.redis_url, **extra)
-            results = asyncio.run(
+            results = run_loop(
                 evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet, metrics=metrics)
             )
     print(summarize([r.row.model_dump() for r in results]))

@@ -245,7 +245,7 @@ class _Child:
         """Wait up to ``grace`` seconds for the exit status; kill the group then. ``None``: still alive."""
         try:
             return await asyncio.wait_for(self.proc.wait(), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             await self.proc.wait()
             return None
@@ -428,7 +428,7 @@ class Repl:
             child.release()
             try:
                 await asyncio.wait_for(child.proc.wait(), 10.0)
-            except asyncio.TimeoutError:  # pragma: no cover - SIGKILL does not fail
+            except TimeoutError:  # pragma: no cover - SIGKILL does not fail
                 pass
         workdir, self._workdir = self._workdir, None
         if workdir is not None:
@@ -532,7 +532,7 @@ class Repl:
 
         try:
             await asyncio.wait_for(child.send({"op": "exec", "code": code}), remaining)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, True
         except OSError:  # BrokenPipeError: the child is gone
             return None, False
@@ -547,7 +547,7 @@ class Repl:
                 wait = remaining
             try:
                 message = await asyncio.wait_for(child.receive(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None, True
             if message is None:
                 return None, False

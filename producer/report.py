@@ -22,7 +22,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -434,7 +434,7 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
     command = meta.get("command")
     command_text = " ".join(command) if isinstance(command, list) else str(command or "")
     started = meta.get("started")
-    when = datetime.fromtimestamp(float(started), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if started else ""
+    when = datetime.fromtimestamp(float(started), UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if started else ""
     sections = []
     for i, (res, row) in enumerate(zip(results, rows, strict=True)):
         err = f'<div class="err">{e(row["error"])}</div>' if row.get("error") else ""
@@ -481,7 +481,7 @@ def _question_html(res: RolloutResult) -> str:
 
 def default_run_dir(command: str, root: str | Path = "runs", now: datetime | None = None) -> Path:
     """``runs/<UTC timestamp>-<command>`` (``20261122T062001Z-demo``)."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     return Path(root) / f"{now.strftime('%Y%m%dT%H%M%SZ')}-{command}"
 
 

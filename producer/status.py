@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from common import keys as K
@@ -52,7 +52,7 @@ def parse_rq_time(text: str | bytes | None) -> float | None:
         return None
     for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%dT%H:%M:%S.%f", "%Y-%m-%dT%H:%M:%S"):
         try:
-            return datetime.strptime(t, fmt).replace(tzinfo=timezone.utc).timestamp()
+            return datetime.strptime(t, fmt).replace(tzinfo=UTC).timestamp()
         except ValueError:
             continue
     try:
@@ -196,7 +196,7 @@ def _budget(r: dict[str, Any]) -> str:
 
 def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     """The snapshot of :func:`collect` as plain text tables."""
-    stamp = datetime.fromtimestamp(snap["time"], timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    stamp = datetime.fromtimestamp(snap["time"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     out = [f"rlmq status  {redis_label}  {stamp}".replace("    ", "  ").strip(), ""]
     qs = snap["queues"]
     out.append(f"QUEUES ({len(qs)})")

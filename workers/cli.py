@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
+from common.aio import run as run_loop
 from common.settings import load_settings
 
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("rlmq.worker").info("metrics on http://%s:%d/metrics", args.metrics_host, port)
     worker = SubLLMWorker(settings, name=args.name, metrics=metrics)
     try:
-        asyncio.run(worker.run(burst=args.burst))
+        run_loop(worker.run(burst=args.burst))
     finally:
         metrics.close()
     return 0

@@ -32,7 +32,6 @@ both makes some servers reject the request.
 
 from __future__ import annotations
 
-import asyncio
 import email.utils
 import json
 import math
@@ -380,7 +379,7 @@ class ChatClient:
                 status = resp.status
                 body = await resp.read()
                 headers = resp.headers
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _Failure(f"model call timed out after {seconds:.3g} s", None, retryable=True) from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise _Failure(

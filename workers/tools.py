@@ -330,7 +330,7 @@ class ToolRegistry:
                 result = await asyncio.wait_for(tool.func(*args, **kwargs), timeout)
             else:
                 result = await asyncio.wait_for(asyncio.to_thread(tool.func, *args, **kwargs), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"[tool error] {tool.name} timed out after {timeout:g} s"
         except Exception as exc:
             return f"[tool error] {tool.name}: {type(exc).__name__}: {exc}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import UTC
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,9 @@ def test_helpers() -> None:
         "base_url": "http://u:***@h/v1",
         "n": 1,
     }
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    d = default_run_dir("demo", now=datetime(2026, 11, 22, 6, 20, 1, tzinfo=timezone.utc))
+    d = default_run_dir("demo", now=datetime(2026, 11, 22, 6, 20, 1, tzinfo=UTC))
     assert d == Path("runs/20261122T062001Z-demo")
 
 

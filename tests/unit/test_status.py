@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import fakeredis
 import pytest
@@ -22,7 +22,7 @@ NOW = 1_800_000_000.0
 
 
 def stamp(t: float) -> str:
-    return utcformat(datetime.fromtimestamp(t, timezone.utc))
+    return utcformat(datetime.fromtimestamp(t, UTC))
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_empty_redis_and_expired_worker_records(r: fakeredis.FakeRedis) -> None:
 
 def test_helpers() -> None:
     assert parse_rq_time("2026-11-22T06:20:01.500000Z") == pytest.approx(
-        datetime(2026, 11, 22, 6, 20, 1, 500000, tzinfo=timezone.utc).timestamp()
+        datetime(2026, 11, 22, 6, 20, 1, 500000, tzinfo=UTC).timestamp()
     )
     assert parse_rq_time("2026-11-22T06:20:01Z") is not None
     assert parse_rq_time("") is None and parse_rq_time(b"garbage") is None
