@@ -328,10 +328,10 @@ class SubLLMWorker:
                     if time.monotonic() - last_discovery > 0.5:
                         last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
                     continue
-                started_by_queue = await asyncio.gather(
-                    *(self._records_for(q).start(ids) for q, ids in zip(queues, peeked, strict=True) if ids)
-                )
                 taken = [q for q, ids in zip(queues, peeked, strict=True) if ids]
+                todo = [self._records_for(q).start(ids) for q, ids in zip(queues, peeked, strict=True) if ids]
+                # one queue (the usual case at light load): no gather task, one loop turn less
+                started_by_queue = [await todo[0]] if len(todo) == 1 else await asyncio.gather(*todo)
                 # rotate so the next round starts with the next queue
                 self._queues = self._queues[1:] + self._queues[:1]
                 backoff = 0.1
@@ -426,7 +426,8 @@ class SubLLMWorker:
         for d in batch:
             by_queue.setdefault(self._queue_of.get(d.job.member, self.queue), []).append(d)
         try:
-            counts = await asyncio.gather(*(self._records_for(q).finish(b) for q, b in by_queue.items()))
+            todo = [self._records_for(q).finish(b) for q, b in by_queue.items()]
+            counts = [await todo[0]] if len(todo) == 1 else await asyncio.gather(*todo)
         except BaseException:
             self._done = batch + self._done
             self._done_event.set()
