@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from common.errors import ReplError, ReplStartupError
+from producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
 
 __all__ = ["CellResult", "Repl", "truncate_output"]
 
@@ -154,17 +155,23 @@ class _Child:
         loop = asyncio.get_running_loop()
         loop.add_reader(out_fd, self._on_output)
 
-    def _on_output(self) -> None:
+    def _read_once(self) -> bool:
+        """Move one chunk of the child's fd 1/2 output into the buffer; False when nothing more
+        is there now (or ever: the pipe closed)."""
         try:
             data = os.read(self.out_fd, _READ_CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
-        if data:
-            self.output.feed(data)
-        else:
+        if not data:
             self._stop_output()
+            return False
+        self.output.feed(data)
+        return True
+
+    def _on_output(self) -> None:
+        self._read_once()
 
     def _stop_output(self) -> None:
         if self.out_open:
@@ -174,18 +181,8 @@ class _Child:
     def drain_output(self, max_chunks: int = 256) -> None:
         """Read what the child already wrote to fd 1/2 (bounded, for writers that never stop)."""
         for _ in range(max_chunks):
-            if not self.out_open:
+            if not self.out_open or not self._read_once():
                 return
-            try:
-                data = os.read(self.out_fd, _READ_CHUNK)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self._stop_output()
-                return
-            self.output.feed(data)
 
     async def send(self, message: dict[str, Any]) -> None:
         """Write one JSON line to the child's command pipe without blocking the loop."""
@@ -770,23 +767,6 @@ def _tail(output: str, limit: int = 2000) -> str:
 def _is_network_setting(key: str) -> bool:
     lower = key.lower()
     return lower.startswith("pip_") or lower in ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
-
-
-def _reachable_by_others(path: str) -> bool:
-    """Whether a user with no rights of its own can read ``path`` (every parent searchable)."""
-    path = os.path.realpath(path)
-    try:
-        if not os.stat(path).st_mode & stat.S_IROTH:
-            return False
-        while True:
-            if not os.stat(path).st_mode & stat.S_IXOTH:
-                return False
-            parent = os.path.dirname(path)
-            if parent == path:
-                return True
-            path = parent
-    except OSError:
-        return False
 
 
 def _child_interpreter(run_as: str | int | None) -> str:
