@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sub-base-url", help="model server of locally started workers (default: --base-url)")
     run.add_argument("--redis-url", help="Redis URL; none: an embedded Redis and local workers")
     run.add_argument("--queue", help="RQ queue of the sub-LLM calls (default: named from the sub-model)")
+    run.add_argument(
+        "--tenant", help="fair-share key: jobs go to <queue>@<tenant>, served round-robin (default: host name)"
+    )
     run.add_argument("--api-key", help="API key of the model server (default: OPENAI_API_KEY)")
     _rollout_flags(run)
 
@@ -255,7 +258,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     sub_model = args.sub_model or args.model
     base = load_settings()
     redis_url = args.redis_url or base.redis_url
-    extra = dict(base_url=args.base_url, model=args.model, sub_model=sub_model, queue=args.queue, api_key=args.api_key)
+    extra = dict(
+        base_url=args.base_url,
+        model=args.model,
+        sub_model=sub_model,
+        queue=args.queue,
+        api_key=args.api_key,
+        tenant=args.tenant,
+    )
     extra = {k: v for k, v in extra.items() if v is not None}
     metrics = start_metrics(args)
     started = time.time()

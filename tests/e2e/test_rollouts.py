@@ -167,6 +167,7 @@ def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_pa
     argv = rlmq_command(
         "run", str(dataset), "--base-url", str(fleet.base_url), "--model", fleet.model,
         "--redis-url", str(fleet.redis_url), "--output", str(out), "--quiet", "--run-dir", str(tmp_path / "run"),
+        "--tenant", "someone-else",
     )  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -182,3 +183,7 @@ def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_pa
     assert info.returncode == 0, info.stderr
     assert queue_name_for_model(fleet.model) in info.stdout
     assert "2 workers" in info.stdout, info.stdout
+    tenant_queue = Queue(
+        f"{queue_name_for_model(fleet.model)}@someone-else", connection=redis.Redis.from_url(str(fleet.redis_url))
+    )
+    assert len(FinishedJobRegistry(queue=tenant_queue).get_job_ids()) >= 2  # the sub-calls went by --tenant
