@@ -299,8 +299,9 @@ class Repl:
             speaks HTTP over it instead of TCP to ``endpoint_url``'s host.
         isolate_network: with ``unix_socket``, put the REPL in a network namespace of its own
             (no interface up, not even loopback), so model-written code can reach nothing but
-            that socket. Needs root (``CAP_SYS_ADMIN``); elsewhere the REPL keeps the host's
-            network and ``network_isolated`` says so.
+            that socket. As root a plain network namespace; otherwise inside an unprivileged
+            user namespace where the kernel allows those. Where neither works the REPL keeps
+            the host's network, and ``network_isolated`` says so.
         llm_batch_timeout: socket timeout (seconds) of an ``llm_batch`` HTTP request.
         pause_timeout_during_llm_batch: see ``code_execution_timeout``.
 

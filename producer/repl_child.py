@@ -111,6 +111,7 @@ def _drop_privileges(spec: str | int | None) -> int | None:
 
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
 
 
 def _isolate_network() -> bool:
@@ -118,16 +119,31 @@ def _isolate_network() -> bool:
 
     The new namespace has only a loopback interface, and it is down: no TCP or UDP peer is
     reachable, not even the host's 127.0.0.1. The interception server stays reachable through
-    its Unix socket, which lives in the file system, not in the network namespace. Needs
-    ``CAP_SYS_ADMIN`` (root); must run before privileges are dropped.
+    its Unix socket, which lives in the file system, not in the network namespace. As root
+    this is a plain network namespace (before privileges are dropped); otherwise a user
+    namespace with it, where the kernel allows unprivileged user namespaces, mapping the
+    process's own uid and gid so files keep their owners. Must run while single-threaded.
     """
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.unshare(CLONE_NEWNET)) == 0
+        if int(libc.unshare(CLONE_NEWNET)) == 0:
+            return True
+        if os.geteuid() == 0:
+            return False
+        uid, gid = os.getuid(), os.getgid()
+        if int(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)) != 0:
+            return False
     except (ImportError, OSError, AttributeError):
         return False
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        except OSError:
+            pass  # the network is isolated all the same; only ids read back differently
+    return True
 
 
 def _reachable_by_others(path: str) -> bool:

@@ -12,11 +12,11 @@ What is contained and how (``producer/repl.py``, ``producer/repl_child.py``):
 * writes outside its folder, reading the producer's environment: refused when the producer
   runs as root, because the child then drops to a uid of its own (``100000 + pid``) before
   any cell runs. As a normal user they are refused only by ordinary file permissions;
-* a socket to Redis: refused when the producer runs as root. The REPL then runs in a network
-  namespace of its own (no interface up, not even loopback) and reaches the interception
-  server only through its Unix socket; the REPL holds no Redis URL or password either (its
-  environment is built from scratch). Without root there is no namespace (the last test
-  documents what then stays reachable).
+* a socket to Redis: refused. The REPL runs in a network namespace of its own (no interface
+  up, not even loopback; as root directly, otherwise inside an unprivileged user namespace)
+  and reaches the interception server only through its Unix socket; it holds no Redis URL or
+  password either (its environment is built from scratch). Given no Unix socket, the REPL keeps
+  the host's network (a test documents what then stays reachable).
 """
 
 from __future__ import annotations
@@ -195,3 +195,47 @@ async def test_without_the_unix_socket_tcp_to_localhost_stays_reachable(repl: Re
     assert repl.network_isolated is False
     await alive(repl)
     assert isinstance(socket.gethostname(), str)
+
+
+PROBE = """
+import socket, sys
+sys.path.insert(0, sys.argv[1])
+import repl_child
+isolated = repl_child._isolate_network()
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=2)
+    reached = "CONNECTED"
+except OSError as exc:
+    reached = f"REFUSED {exc}"
+import os
+print(isolated, os.getuid(), reached)
+"""
+
+
+def test_network_isolation_without_root_through_a_user_namespace() -> None:
+    """An unprivileged REPL child isolates its network in a user namespace of its own.
+
+    Run as ``nobody`` with the system Python (the REPL child is stdlib-only); the host's
+    Redis on 127.0.0.1 must be unreachable afterwards, and the uid must read back unchanged.
+    """
+    import pwd
+    import shutil
+    import subprocess
+
+    if not ROOT:
+        pytest.fail("this test switches to the user 'nobody' and needs root to do so")
+    runuser = shutil.which("runuser")
+    py = shutil.which("python3.11", path="/usr/bin:/usr/local/bin") or shutil.which("python3", path="/usr/bin")
+    assert runuser and py, "needs runuser and a system python3"
+    here = os.path.dirname(os.path.abspath(__import__("producer.repl_child").repl_child.__file__))
+    nobody = pwd.getpwnam("nobody").pw_uid
+    with EmbeddedRedis() as server:
+        proc = subprocess.run(
+            [runuser, "-u", "nobody", "--", py, "-I", "-c", PROBE, here, str(server.port)],
+            capture_output=True, text=True, timeout=30, cwd="/",
+        )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    isolated, uid, reached = proc.stdout.split(" ", 2)
+    assert isolated == "True", proc.stdout
+    assert int(uid) == nobody
+    assert reached.startswith("REFUSED"), proc.stdout
