@@ -25,6 +25,7 @@ its grant; stays 0 with a server that honours ``max_tokens``).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,6 +274,21 @@ class BudgetLedger:
                 continue
             return outcomes
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def add_settles(self, pipe: Any, settles: Sequence[tuple[str, str, int]]) -> None:
+        """Queue settlements on ``pipe`` (one ``EVALSHA`` per rollout), for a caller that sends
+        them in one round trip with its own commands (the worker's ``FINISH``).
+
+        Args:
+            pipe: a redis-py asyncio pipeline; the caller executes it and, on ``NOSCRIPT``,
+                loads :data:`LEDGER_LUA` and sends it again (settling is idempotent).
+            settles: ``(rollout_id, reservation_id, completion tokens used)`` each.
+        """
+        by_rollout: dict[str, list[Any]] = {}
+        for rollout_id, reservation_id, used in settles:
+            by_rollout.setdefault(rollout_id, []).extend(["s", reservation_id, max(0, int(used))])
+        for rollout_id, ops in by_rollout.items():
+            pipe.evalsha(self._script.sha, 2, *self._keys(rollout_id), self._ttl, *ops)
 
     @staticmethod
     def _keys(rollout_id: str) -> list[str]:

@@ -20,12 +20,14 @@ import base64
 import json
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from common import keys as K
+from common.ledger import LEDGER_LUA, BudgetLedger
 from common.rqjobs import utcnow_str
 
 # Contract: move candidate jobs from the queue into the started state, atomically.
@@ -254,6 +256,8 @@ class FinishedJob:
     result_json: str
     rq_payload: str
     """:func:`rq_return_value` of a summary when ok, :func:`rq_exc_string` otherwise."""
+    settles: list[tuple[str, str, int]] = field(default_factory=list)
+    """Budget settlements sent in the same round trip as ``FINISH`` (rollout, reservation, used)."""
 
 
 class Records:
@@ -268,6 +272,8 @@ class Records:
         result_ttl / failure_ttl / reply_ttl: seconds finished jobs, failed jobs and
             reply lists are kept.
         max_attempts: executions a job may get before the reaper fails it.
+        ledger: the budget ledger whose settlements :meth:`finish` sends along (see
+            :attr:`FinishedJob.settles`).
     """
 
     def __init__(
@@ -281,8 +287,10 @@ class Records:
         failure_ttl: int = 86400,
         reply_ttl: int = 3600,
         max_attempts: int = 2,
+        ledger: BudgetLedger | None = None,
     ) -> None:
         self.redis = redis
+        self.ledger = ledger
         self.queue = queue
         self.worker_name = worker_name
         self.heartbeat_ttl = heartbeat_ttl
@@ -353,7 +361,25 @@ class Records:
             j = d.job
             keys += [K.rq_job(j.job_id), K.rq_execution(j.job_id, j.execution_id), K.rq_results(j.job_id), j.reply_key]
             argv += [j.job_id, j.execution_id, "1" if d.ok else "0", d.result_json, d.rq_payload]
-        return int(await self._finish(keys=keys, args=argv))
+        settles = [s for d in done for s in d.settles]
+        if not settles or self.ledger is None:
+            return int(await self._finish(keys=keys, args=argv))
+        # Settlements first, then FINISH, in one round trip on one connection: by the time a
+        # producer sees a result, the ledger has already released what its last call did not use.
+        for attempt in (1, 2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                self.ledger.add_settles(pipe, settles)
+                pipe.evalsha(self._finish.sha, len(keys), *keys, *argv)
+                outcomes: list[Any] = await pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(o, NoScriptError) for o in outcomes):
+                await self.redis.script_load(LEDGER_LUA)
+                await self.redis.script_load(FINISH_LUA)
+                continue  # both are idempotent: settled reservations and finished jobs stay so
+            for o in outcomes:
+                if isinstance(o, Exception):
+                    raise o
+            return int(outcomes[-1])
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def heartbeat(self, members: list[str], state: str) -> None:
         """Extend this worker's ownership of ``members`` (``job:exec``) and its own liveness."""

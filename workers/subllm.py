@@ -90,8 +90,16 @@ class _Stop(Exception):
 class _Run:
     """The state of one sub-call (counters go into the result)."""
 
-    def __init__(self, request: SubLLMRequest, ctx: SubLLMContext, job_id: str, attempt: int) -> None:
+    def __init__(
+        self,
+        request: SubLLMRequest,
+        ctx: SubLLMContext,
+        job_id: str,
+        attempt: int,
+        settle_out: list[tuple[str, str, int]] | None = None,
+    ) -> None:
         self.request = request
+        self.settle_out = settle_out
         self.ctx = ctx
         self.job_id = job_id
         self.attempt = attempt
@@ -135,6 +143,16 @@ class _Run:
                     return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
                 max_tokens = grant.tokens
             response = await self._call(turn, reservation, grant, max_tokens, tools)
+            if grant is not None:
+                used = response.completion_tokens if response.usage_reported else grant.tokens
+                final = not response.tool_calls or turn == request.max_turns
+                if final and self.settle_out is not None:
+                    # The last settlement rides with the worker's FINISH round trip; until then
+                    # the grant stays charged in full (a few ms of over-charge, never under).
+                    self.settle_out.append((request.rollout_id, reservation, used))
+                    self.released_tokens += max(0, grant.tokens - used)
+                else:
+                    await self._settle(reservation, used)
             if response.content:
                 last_text = response.content
             assistant: dict[str, Any] = {"role": "assistant", "content": response.content}
@@ -208,8 +226,6 @@ class _Run:
             raise
         self.prompt_tokens += response.prompt_tokens
         self.completion_tokens += response.completion_tokens
-        if grant is not None:
-            await self._settle(reservation, response.completion_tokens if response.usage_reported else grant.tokens)
         return response
 
     async def _run_tools(self, tool_calls: list[dict[str, Any]], offered: set[str], turn: int) -> None:
@@ -242,6 +258,7 @@ async def run_sub_llm(
     job_id: str,
     attempt: int = 1,
     started_at: float | None = None,
+    settle_out: list[tuple[str, str, int]] | None = None,
 ) -> SubLLMResult:
     """Run one sub-LLM call: budget reservations, model turns, sub-tools; return its result.
 
@@ -256,6 +273,10 @@ async def run_sub_llm(
         attempt: 1 for the first run of the job, 2 for its first retry, ...
         started_at: Unix time (seconds) the worker took the job; ``queue_wait_seconds`` is
             measured from ``request.enqueued_at`` to it (default: now).
+        settle_out: when given, the final model call's settlement is not sent but appended
+            here as ``(rollout_id, reservation_id, completion tokens used)``, for the caller to
+            send with its own round trip (the worker's ``FINISH``); the grant stays charged in
+            full until then. ``None``: every settlement is sent at once.
 
     Returns:
         The result: ``status`` ``ok`` (``content`` is the answer), ``rejected`` (the budget
@@ -268,7 +289,7 @@ async def run_sub_llm(
     """
     t0 = time.perf_counter()
     taken = started_at if started_at is not None else time.time()
-    run = _Run(request, ctx, job_id, attempt)
+    run = _Run(request, ctx, job_id, attempt, settle_out)
     error: str | None = None
     error_kind: str | None = None
     status: SubCallStatus

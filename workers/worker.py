@@ -141,10 +141,11 @@ class SubLLMWorker:
         """
         s = self.settings
         self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
+        self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
         self.records = self._records_for(self.queue)
         self.ctx = SubLLMContext(
             client=self._client_factory(),
-            ledger=BudgetLedger(self.redis, ttl=s.rollout_key_ttl),
+            ledger=self.ledger,
             tools=ToolRegistry.from_paths(s.allowed_sub_tools),
             worker_name=self.name,
         )
@@ -234,6 +235,7 @@ class SubLLMWorker:
                 result_ttl=st.result_ttl,
                 reply_ttl=st.rollout_key_ttl,
                 max_attempts=st.job_max_attempts,
+                ledger=self.ledger,
             )
         return rec
 
@@ -356,13 +358,17 @@ class SubLLMWorker:
     async def _run_job(self, job: StartedJob) -> None:
         started_at = time.time()
         ok = True
+        settles: list[tuple[str, str, int]] = []
         try:
             request = self._decode(job)
         except PayloadError as exc:
             result = self._payload_error(job, str(exc))
             ok = False
         else:
-            result = await run_sub_llm(request, self.ctx, job_id=job.job_id, attempt=job.attempt, started_at=started_at)
+            # The call's last budget settlement rides with this job's FINISH round trip.
+            result = await run_sub_llm(
+                request, self.ctx, job_id=job.job_id, attempt=job.attempt, started_at=started_at, settle_out=settles
+            )
             ok = result.status != "error"
         summary = {
             "status": result.status,
@@ -374,7 +380,9 @@ class SubLLMWorker:
             rq_return_value(summary) if ok else rq_exc_string(f"{result.error_kind}: {result.error or result.content}")
         )
         self.metrics.observe_result(result)
-        self._done.append(FinishedJob(job=job, ok=ok, result_json=result.model_dump_json(), rq_payload=payload))
+        self._done.append(
+            FinishedJob(job=job, ok=ok, result_json=result.model_dump_json(), rq_payload=payload, settles=settles)
+        )
         self._done_event.set()
         self.processed += 1
 

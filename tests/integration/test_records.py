@@ -141,3 +141,24 @@ async def test_expired_unstarted_job_is_dropped(real_redis: redis.Redis, aredis:
     rec = Records(aredis, QUEUE, "w")
     assert await rec.start(await rec.peek(5)) == []
     assert real_redis.llen(K.rq_queue(QUEUE)) == 0
+
+
+async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_redis: redis.Redis, aredis: Redis) -> None:
+    from common.ledger import BudgetLedger
+
+    ledger = BudgetLedger(aredis, ttl=60)
+    await ledger.open("r1", 100)
+    grant = await ledger.reserve("r1", "r1-b1-0:1:1", 40)
+    assert grant.tokens == 40
+    await enqueue(aredis, 1)
+    rec = Records(aredis, QUEUE, "w", ledger=ledger)
+    started = await rec.start(await rec.peek(1))
+    real_redis.script_flush()  # as after a Redis restart: FINISH must load both scripts again
+    done = FinishedJob(started[0], True, '{"x":1}', rq_return_value(None), settles=[("r1", "r1-b1-0:1:1", 15)])
+    assert await rec.finish([done]) == 1
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and (snap.charged, snap.used, snap.released) == (15, 15, 25)
+    # a second FINISH of the same execution neither delivers nor settles again
+    assert await rec.finish([done]) == 0
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and (snap.charged, snap.used) == (15, 15)

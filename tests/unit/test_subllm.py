@@ -330,6 +330,27 @@ async def test_retried_attempt_takes_new_reservations(
 # --------------------------------------------------------------------------- tools
 
 
+async def test_final_settlement_can_be_deferred_to_the_caller(
+    llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger
+) -> None:
+    """With ``settle_out`` the last turn's settlement is handed back (the worker sends it with
+    FINISH); until then the grant stays charged in full, and turns before it settle at once."""
+    await ledger.open(ROLLOUT, 100)
+    llm.script = [tool_call("count_words", {"text": "a b"}, tokens=5), answer("done", tokens=7)]
+    req = make_request(budgeted=True, max_completion_tokens=40, sub_tools=["workers.tools.count_words"], max_turns=3)
+    out: list[tuple[str, str, int]] = []
+    result = await run_sub_llm(req, ctx, job_id="j", settle_out=out)
+    assert result.status == "ok" and result.content == "done"
+    assert out == [(ROLLOUT, "j:1:2", 7)]
+    assert (result.granted_tokens, result.released_tokens) == (80, 35 + 33)
+    snap = await ledger.snapshot(ROLLOUT)
+    assert snap is not None and (snap.charged, snap.used) == (5 + 40, 5)  # turn 1 settled, turn 2 held in full
+    settled = await ledger.settle(*out[0])
+    assert settled.released == 33
+    snap = await ledger.snapshot(ROLLOUT)
+    assert snap is not None and (snap.charged, snap.used) == (12, 12)
+
+
 async def test_tool_loop_with_allowed_tool(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
     llm.script = [
         tool_call("grep", {"text": "alpha\nbeta\nalphabet", "pattern": "^alpha"}),
