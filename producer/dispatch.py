@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -92,17 +91,7 @@ class Dispatcher:
         self._queues_registered: dict[str, float] = {}
 
     async def enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> float:
-        """Enqueue slots ``indices`` of ``prompts`` in one pipeline; returns the enqueue time (Unix s)."""
-        now, _ = await self._enqueue(spec, prompts, indices)
-        return now
-
-    async def _enqueue(
-        self, spec: BatchSpec, prompts: list[str], indices: list[int], wait: float = 0.0
-    ) -> tuple[float, Any]:
-        """Enqueue, and with ``wait`` > 0 also wait up to ``wait`` seconds for the first result
-        in the same round trip (a ``BLPOP`` at the end of the pipeline, on the same connection):
-        a one-prompt batch then costs the producer a single round trip. Returns the enqueue
-        time and the ``BLPOP`` reply (``None`` without ``wait`` or when nothing came)."""
+        """Enqueue slots ``indices`` of ``prompts`` in one pipeline; returns the enqueue time."""
         now = time.time()
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
         ttl = max(1, int(spec.timeout) + 1)
@@ -155,10 +144,8 @@ class Dispatcher:
             # an idle worker can take them without peeking at the queue first.
             hint = spec.queue + ("\n" + " ".join(ids) if len(ids) <= WAKE_HINT_MAX_JOBS else "")
             pipe.publish(K.wake_channel(spec.queue), hint)
-            if wait > 0:
-                pipe.blpop([reply], timeout=wait)
-            replies = await pipe.execute()
-        return now, (replies[-1] if wait > 0 else None)
+            await pipe.execute()
+        return now
 
     async def run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:
         """Run every prompt as one sub-call; return one result per prompt, in order.
@@ -175,7 +162,7 @@ class Dispatcher:
         deadlines: dict[int, float] = {}
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
         next_index = min(n, spec.parallelism)
-        t0, first = await self._enqueue(spec, prompts, list(range(next_index)), wait=min(spec.timeout, 2.0))
+        t0 = await self.enqueue(spec, prompts, list(range(next_index)))
         for i in range(next_index):
             deadlines[i] = t0 + spec.timeout
         pending = n
@@ -197,10 +184,7 @@ class Dispatcher:
                 next_index = take[-1] + 1
             wait = max(0.01, min(deadlines.values()) - time.time()) if deadlines else 0.01
             try:
-                if first is not None:  # the enqueue pipeline already waited for this one
-                    got, first = first, None
-                else:
-                    got = await self.redis.blpop([reply], timeout=min(wait, 2.0))
+                got = await self.redis.blpop([reply], timeout=min(wait, 2.0))
                 raws = [] if got is None else [got[1]]
                 # Drain what else arrived in one more round trip, unless this was the last one.
                 if raws and pending > 1:
