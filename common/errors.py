@@ -5,16 +5,14 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
     RlmqError
     ├── ConfigError            bad settings or arguments (unknown RLMEnv argument, bad flag)
     ├── PayloadError           a job, result or request body failed pydantic validation
-    ├── RedisUnavailable       Redis did not answer within the reconnect budget
     ├── EmbeddedRedisError     no embedded redis-server could be started
-    ├── BudgetError            the sub-LLM completion-token budget
-    │   └── BudgetExhausted    no grant possible: the budget is spent
     ├── SubLLMError            one sub-LLM call failed
-    │   ├── ModelError         the model server failed after the retry layer gave up
-    │   └── DeadlineExceeded   no result before the sub-call's deadline
+    │   └── ModelError         the model server failed after the retry layer gave up
     └── ReplError              the rollout's Python REPL
-        ├── ReplStartupError   the REPL did not come up within max_startup_wait_seconds
-        └── ReplTimeout        a cell ran past code_execution_timeout (the REPL is restarted)
+        └── ReplStartupError   the REPL did not come up within max_startup_wait_seconds
+
+A spent budget, a missed deadline or a timed-out cell are not exceptions: they are results
+(``SubLLMResult.status`` / ``error_kind``, ``CellResult.timed_out``) the root model sees.
 
 ``python -m common.errors`` prints this tree from the classes themselves.
 """
@@ -34,30 +32,8 @@ class PayloadError(RlmqError):
     """A JSON payload (job, result, interception request) failed validation."""
 
 
-class RedisUnavailable(RlmqError):
-    """Redis did not answer, even after reconnecting with backoff."""
-
-
 class EmbeddedRedisError(RlmqError):
     """No embedded ``redis-server`` could be found or started."""
-
-
-class BudgetError(RlmqError):
-    """Base class of the sub-LLM completion-token budget errors."""
-
-
-class BudgetExhausted(BudgetError):
-    """No grant is possible: the rollout's sub-LLM completion-token budget is spent.
-
-    Attributes:
-        used: tokens charged to the rollout so far (reserved and not released).
-        limit: the rollout's ``sub_llm_max_completion_tokens``.
-    """
-
-    def __init__(self, used: int, limit: int) -> None:
-        super().__init__(f"sub-LLM token budget spent: {used}/{limit} completion tokens used")
-        self.used = used
-        self.limit = limit
 
 
 class SubLLMError(RlmqError):
@@ -76,20 +52,12 @@ class ModelError(SubLLMError):
         self.status = status
 
 
-class DeadlineExceeded(SubLLMError):
-    """A sub-call produced no result before its deadline (seconds since it was enqueued)."""
-
-
 class ReplError(RlmqError):
     """Base class of the failures of a rollout's REPL subprocess."""
 
 
 class ReplStartupError(ReplError):
     """The REPL subprocess did not become ready within ``max_startup_wait_seconds``."""
-
-
-class ReplTimeout(ReplError):
-    """A cell ran past ``code_execution_timeout`` seconds; the REPL was killed and restarted."""
 
 
 def tree(root: type[BaseException] = RlmqError, indent: str = "") -> str:

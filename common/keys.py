@@ -113,11 +113,6 @@ def wake_channel(queue: str) -> str:
     return namespace("wake", queue.split("@", 1)[0])
 
 
-def worker_stats(worker_name: str) -> str:
-    """Hash: rlmq's per-worker live figures (in-flight sub-calls, totals)."""
-    return namespace("worker", worker_name)
-
-
 # ---------------------------------------------------------------------------
 # RQ's keys (RQ 2.x / 3.x layout)
 

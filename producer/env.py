@@ -69,7 +69,6 @@ class RolloutResult:
 class _Stats:
     batches: list[int] = field(default_factory=list)
     sub: list[SubLLMResult] = field(default_factory=list)
-    rejected_up_front: int = 0
     root_turns: int = 0
     root_prompt_tokens: int = 0
     root_completion_tokens: int = 0
@@ -446,7 +445,6 @@ class RLMEnv:
                 )
             else:
                 msg = f"[rejected] sub-LLM token budget spent: {snap.charged}/{budget} completion tokens used"
-            stats.rejected_up_front += len(prompts)
             results = [
                 SubLLMResult(rollout_id=rid, batch_id=batch_id, index=i, job_id="", status="rejected", content=msg)
                 for i in range(len(prompts))

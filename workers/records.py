@@ -139,25 +139,21 @@ for i = 1, n do
     if not replies[rkey] then replies[rkey] = {}; order[#order + 1] = rkey end
     local r = replies[rkey]
     r[#r + 1] = ARGV[6 + 5 * i - 1]
+    -- finished: RQ result type 1 with a return value; failed: type 2 with an exception string
+    local status, ttl, registry, rtype, field = 'finished', rttl, fin, 1, 'return_value'
     if ok == '1' then
-      redis.call('HSET', jkey, 'status', 'finished', 'ended_at', ARGV[1])
-      redis.call('EXPIRE', jkey, rttl)
-      fin[#fin + 1] = now + rttl
-      fin[#fin + 1] = jid
-      redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 1, 'worker_name', ARGV[6],
-                 'return_value', ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
-      redis.call('EXPIRE', skey, rttl)
       ok_n = ok_n + 1
     else
-      redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
-      redis.call('EXPIRE', jkey, fttl)
-      fail[#fail + 1] = now + fttl
-      fail[#fail + 1] = jid
-      redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', ARGV[6],
-                 'exc_string', ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
-      redis.call('EXPIRE', skey, fttl)
+      status, ttl, registry, rtype, field = 'failed', fttl, fail, 2, 'exc_string'
       failed_n = failed_n + 1
     end
+    redis.call('HSET', jkey, 'status', status, 'ended_at', ARGV[1])
+    redis.call('EXPIRE', jkey, ttl)
+    registry[#registry + 1] = now + ttl
+    registry[#registry + 1] = jid
+    redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', rtype, 'worker_name', ARGV[6],
+               field, ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
+    redis.call('EXPIRE', skey, ttl)
   end
 end
 if #live == 0 then return 0 end
@@ -311,11 +307,6 @@ class Records:
     def _next_execution_id(self) -> str:
         self._exec_seq += 1
         return f"{self._exec_prefix}{self._exec_seq:x}"
-
-    async def peek(self, n: int) -> list[bytes]:
-        """Up to ``n`` job ids at the head of the queue (not taken yet)."""
-        ids = await self.redis.lrange(self.queue_key, 0, n - 1)
-        return cast(list[bytes], ids)
 
     async def start(self, job_ids: list[bytes]) -> list[StartedJob]:
         """Take the given queued jobs and mark them started by this worker (one round trip)."""

@@ -35,7 +35,8 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import redis
 from rq import Queue
@@ -56,6 +57,15 @@ from workers.subllm import SubLLMContext, run_sub_llm
 from workers.tools import ToolRegistry
 
 log = logging.getLogger("rlmq.worker")
+T = TypeVar("T")
+
+
+async def _gather(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """``asyncio.gather``, without its extra task and loop turn for a single awaitable (one
+    queue: the usual case, and the one that counts at light load)."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    return list(await asyncio.gather(*aws))
 
 
 def default_worker_name() -> str:
@@ -119,9 +129,7 @@ class SubLLMWorker:
         self._done_event = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._idle = asyncio.Event()
         self.processed = 0
-        self.delivered = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -142,7 +150,6 @@ class SubLLMWorker:
         s = self.settings
         self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
         self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
-        self.records = self._records_for(self.queue)
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,
@@ -330,10 +337,8 @@ class SubLLMWorker:
                     if time.monotonic() - last_discovery > 0.5:
                         last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
                     continue
-                taken = [q for q, ids in zip(queues, peeked, strict=True) if ids]
-                todo = [self._records_for(q).start(ids) for q, ids in zip(queues, peeked, strict=True) if ids]
-                # one queue (the usual case at light load): no gather task, one loop turn less
-                started_by_queue = [await todo[0]] if len(todo) == 1 else await asyncio.gather(*todo)
+                taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
+                started_by_queue = await _gather([self._records_for(q).start(ids) for q, ids in taken])
                 # rotate so the next round starts with the next queue
                 self._queues = self._queues[1:] + self._queues[:1]
                 backoff = 0.1
@@ -344,7 +349,7 @@ class SubLLMWorker:
                     await asyncio.wait_for(self._stopping.wait(), backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            for q, started in zip(taken, started_by_queue, strict=True):
+            for (q, _), started in zip(taken, started_by_queue, strict=True):
                 for job in started:
                     self._inflight[job.member] = job
                     self._queue_of[job.member] = q
@@ -434,20 +439,16 @@ class SubLLMWorker:
         for d in batch:
             by_queue.setdefault(self._queue_of.get(d.job.member, self.queue), []).append(d)
         try:
-            todo = [self._records_for(q).finish(b) for q, b in by_queue.items()]
-            counts = [await todo[0]] if len(todo) == 1 else await asyncio.gather(*todo)
+            await _gather([self._records_for(q).finish(b) for q, b in by_queue.items()])
         except BaseException:
             self._done = batch + self._done
             self._done_event.set()
             raise
-        self.delivered += sum(counts)
         for d in batch:
             self._inflight.pop(d.job.member, None)
             self._queue_of.pop(d.job.member, None)
         self.metrics.inflight(len(self._inflight))
         self._slot_free.set()
-        if len(self._inflight) == 0:
-            self._idle.set()
 
     # ------------------------------------------------------------------ heartbeat & reaper
 

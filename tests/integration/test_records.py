@@ -36,6 +36,12 @@ async def enqueue(aredis: Redis, n: int, timeout: float = 30.0) -> BatchSpec:
     return spec
 
 
+async def head(aredis: Redis, n: int) -> list[bytes]:
+    """Up to ``n`` job ids at the head of the queue, as the worker's fetch round peeks them."""
+    ids: list[bytes] = await aredis.lrange(K.rq_queue(QUEUE), 0, n - 1)
+    return ids
+
+
 def rq_view(sync: redis.Redis) -> tuple[Queue, StartedJobRegistry]:
     q = Queue(QUEUE, connection=sync, serializer=JSONSerializer)
     return q, StartedJobRegistry(queue=q)
@@ -46,7 +52,7 @@ async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, are
     w = Worker([Queue(QUEUE, connection=real_redis)], name="w-test", connection=real_redis)
     w.register_birth()
     rec = Records(aredis, QUEUE, "w-test", heartbeat_ttl=10)
-    started = await rec.start(await rec.peek(10))
+    started = await rec.start(await head(aredis, 10))
     assert [s.job_id for s in started] == ["r1-b1-0", "r1-b1-1", "r1-b1-2"]
     assert all(s.attempt == 1 and s.reply_key == K.RolloutKeys("r1").reply("b1") for s in started)
     q, wip = rq_view(real_redis)
@@ -82,7 +88,7 @@ async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, are
 async def test_two_workers_never_take_the_same_job(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 50)
     a, b = Records(aredis, QUEUE, "wa"), Records(aredis, QUEUE, "wb")
-    ids = await a.peek(50)
+    ids = await head(aredis, 50)
     got_a = await a.start(ids)
     got_b = await b.start(ids)  # same candidates: all already taken
     assert len(got_a) == 50 and got_b == []
@@ -91,7 +97,7 @@ async def test_two_workers_never_take_the_same_job(real_redis: redis.Redis, ared
 async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 1)
     dead = Records(aredis, QUEUE, "dead", heartbeat_ttl=1, max_attempts=2)
-    first = await dead.start(await dead.peek(1))
+    first = await dead.start(await head(aredis, 1))
     # the dead worker never heartbeats: make its lease lapse without waiting
     real_redis.zadd(K.rq_started(QUEUE), {first[0].member: time.time() - 1})
     reaper = Records(aredis, QUEUE, "alive", heartbeat_ttl=10, max_attempts=2)
@@ -105,7 +111,7 @@ async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis
     assert await dead.finish([FinishedJob(first[0], True, '{"late":1}', rq_return_value(None))]) == 0
     assert real_redis.llen(K.RolloutKeys("r1").reply("b1")) == 0
     # second execution, also abandoned: out of attempts -> failed with an error result
-    second = await reaper.start(await reaper.peek(1))
+    second = await reaper.start(await head(aredis, 1))
     assert second[0].attempt == 2
     real_redis.zadd(K.rq_started(QUEUE), {second[0].member: time.time() - 1})
     assert await reaper.reap(await reaper.expired_members()) == (0, 1)
@@ -118,7 +124,7 @@ async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis
 async def test_hand_back_requeues_whatever_the_heartbeat(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 2)
     rec = Records(aredis, QUEUE, "w", heartbeat_ttl=30, max_attempts=3)
-    started = await rec.start(await rec.peek(2))
+    started = await rec.start(await head(aredis, 2))
     assert await rec.reap([s.member for s in started], hand_back=True) == (2, 0)
     q, wip = rq_view(real_redis)
     assert sorted(q.job_ids) == ["r1-b1-0", "r1-b1-1"] and wip.get_job_ids() == []
@@ -127,7 +133,7 @@ async def test_hand_back_requeues_whatever_the_heartbeat(real_redis: redis.Redis
 async def test_heartbeat_extends_only_own_members(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 1)
     rec = Records(aredis, QUEUE, "w", heartbeat_ttl=5)
-    started = await rec.start(await rec.peek(1))
+    started = await rec.start(await head(aredis, 1))
     real_redis.zadd(K.rq_started(QUEUE), {started[0].member: time.time() - 1})
     await rec.heartbeat([started[0].member, "ghost:1"], "busy")
     assert real_redis.zscore(K.rq_started(QUEUE), started[0].member) > time.time()
@@ -139,7 +145,7 @@ async def test_expired_unstarted_job_is_dropped(real_redis: redis.Redis, aredis:
     await enqueue(aredis, 1)
     real_redis.delete(K.rq_job("r1-b1-0"))  # what its TTL does when the producer is gone
     rec = Records(aredis, QUEUE, "w")
-    assert await rec.start(await rec.peek(5)) == []
+    assert await rec.start(await head(aredis, 5)) == []
     assert real_redis.llen(K.rq_queue(QUEUE)) == 0
 
 
@@ -152,7 +158,7 @@ async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_red
     assert grant.tokens == 40
     await enqueue(aredis, 1)
     rec = Records(aredis, QUEUE, "w", ledger=ledger)
-    started = await rec.start(await rec.peek(1))
+    started = await rec.start(await head(aredis, 1))
     real_redis.script_flush()  # as after a Redis restart: FINISH must load both scripts again
     done = FinishedJob(started[0], True, '{"x":1}', rq_return_value(None), settles=[("r1", "r1-b1-0:1:1", 15)])
     assert await rec.finish([done]) == 1
