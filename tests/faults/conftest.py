@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -17,7 +18,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 
+from common import keys as K
 from producer.local import LocalFleet
 
 HEARTBEAT_TTL = 2
@@ -62,6 +65,24 @@ def process_gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def worker_registered(client: redis.Redis, name: str) -> bool:
+    """Whether the RQ worker ``name`` is registered (its ``rq:worker:<name>`` hash exists)."""
+    return bool(client.exists(K.rq_worker(name)))
+
+
+def start_named_worker(fleet: LocalFleet, label: str, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start one more ``rlmq worker`` with a unique RQ name (``<label>-<pid>-<n>``) and wait
+    until it has registered; returns the process and the name."""
+    name = f"{label}-{os.getpid()}-{time.time_ns() % 10**6}"
+    proc = fleet.start_worker(label, ["--name", name, *flags])
+    client = redis.Redis.from_url(str(fleet.redis_url))
+    try:
+        wait_until(lambda: worker_registered(client, name), 30, f"the worker {name} to register")
+    finally:
+        client.close()
+    return proc, name
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ The worker runs with ``--model-retries 2`` (at most 3 attempts per call).
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 import uuid
 
 import redis
@@ -20,7 +18,7 @@ from common.settings import load_settings
 from producer.env import RLMEnv
 from producer.local import LocalFleet
 from producer.mock_llm import root_code_directive
-from tests.faults.conftest import model_stats, wait_until
+from tests.faults.conftest import model_stats, start_named_worker
 
 TIMEOUT = 6.0  # sub-call deadline (s)
 PER_CALL = 50
@@ -42,9 +40,7 @@ CASES = [
 async def test_model_faults_give_documented_results(fault_fleet: LocalFleet) -> None:
     fleet = fault_fleet
     sync = redis.Redis.from_url(str(fleet.redis_url))
-    name = f"faulty-model-{os.getpid()}-{time.time_ns() % 10**6}"
-    proc = fleet.start_worker("faulty-model", ["--name", name, "--model-retries", "2"])
-    wait_until(lambda: sync.exists(K.rq_worker(name)), 30, "the worker to register")
+    proc, name = start_named_worker(fleet, "faulty-model", "--model-retries", "2")
     tag = uuid.uuid4().hex[:8]  # fail-times counts attempts per prompt text: keep texts unique
     prompts = [f"Fault case {i} ({tag}). What is the code? {d}" for i, (d, *_rest) in enumerate(CASES)]
     code1 = f"out = llm_batch({prompts!r})\nprint(out)"

@@ -24,7 +24,7 @@ from common.settings import load_settings
 from producer.env import RLMEnv
 from producer.local import LocalFleet, child_env
 from producer.mock_llm import root_code_directive
-from tests.faults.conftest import model_stats, process_gone, wait_until
+from tests.faults.conftest import model_stats, process_gone, start_named_worker, wait_until
 
 TIMEOUT = 4.0
 N = 300
@@ -53,9 +53,7 @@ asyncio.run(main())
 async def test_producer_killed_while_its_jobs_are_queued(fault_fleet: LocalFleet) -> None:
     fleet = fault_fleet
     sync = redis.Redis.from_url(str(fleet.redis_url))
-    name = f"bystander-{os.getpid()}-{time.time_ns() % 10**6}"
-    worker = fleet.start_worker("bystander", ["--name", name, "--concurrency", "16"])
-    wait_until(lambda: sync.exists(K.rq_worker(name)), 30, "the worker to register")
+    worker, name = start_named_worker(fleet, "bystander", "--concurrency", "16")
     rid = f"doomed-{time.time_ns()}"
     settings = load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model)
     queue = settings.producer_queue(fleet.model)

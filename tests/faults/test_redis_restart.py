@@ -23,7 +23,7 @@ from common.settings import load_settings
 from producer.env import RLMEnv
 from producer.local import LocalFleet
 from producer.mock_llm import root_code_directive
-from tests.faults.conftest import HEARTBEAT_TTL, await_until, wait_until
+from tests.faults.conftest import HEARTBEAT_TTL, await_until, start_named_worker, wait_until
 
 TIMEOUT = 5.0
 
@@ -52,9 +52,7 @@ async def test_redis_restart_mid_batch(tmp_path_factory) -> None:  # type: ignor
     try:
         fleet.start()
         sync = redis.Redis.from_url(server.url, socket_connect_timeout=0.5, socket_timeout=2)
-        name = f"survivor-{os.getpid()}-{time.time_ns() % 10**6}"
-        proc = fleet.start_worker("survivor", ["--name", name])
-        wait_until(lambda: sync.exists(K.rq_worker(name)), 30, "the worker to register")
+        proc, name = start_named_worker(fleet, "survivor")
         settings = load_settings(
             redis_url=server.url, base_url=fleet.base_url, model=fleet.model, sub_call_timeout=TIMEOUT
         )

@@ -34,7 +34,15 @@ from common.settings import Settings, load_settings
 from producer.env import RLMEnv
 from producer.local import LocalFleet
 from producer.mock_llm import root_code_directive
-from tests.faults.conftest import HEARTBEAT_TTL, await_until, model_stats, process_gone, wait_until
+from tests.faults.conftest import (
+    HEARTBEAT_TTL,
+    await_until,
+    model_stats,
+    process_gone,
+    start_named_worker,
+    wait_until,
+    worker_registered,
+)
 
 N_CALLS = 200
 PER_CALL = 10  # tokens: every call spends exactly this (spend-all, per-call cap)
@@ -69,10 +77,6 @@ class DuplicateCounter:
         return sum(n - 1 for n in self.seen.values() if n > 1)
 
 
-def worker_registered(client: redis.Redis, name: str) -> bool:
-    return bool(client.exists(K.rq_worker(name)))
-
-
 def settings_for(fleet: LocalFleet, **kw: Any) -> Settings:
     return load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model, **kw)
 
@@ -80,9 +84,7 @@ def settings_for(fleet: LocalFleet, **kw: Any) -> Settings:
 async def test_kill9_worker_holding_200_calls(fault_fleet: LocalFleet, monkeypatch: pytest.MonkeyPatch) -> None:
     fleet = fault_fleet
     sync = redis.Redis.from_url(str(fleet.redis_url))
-    victim_name = f"victim-{os.getpid()}-{time.time_ns() % 10**6}"
-    victim = fleet.start_worker("victim", ["--name", victim_name])
-    wait_until(lambda: worker_registered(sync, victim_name), 30, "the victim worker to register")
+    victim, victim_name = start_named_worker(fleet, "victim")
     dups = DuplicateCounter(monkeypatch)
     timeout = 30.0
     settings = settings_for(fleet, sub_call_timeout=timeout)
@@ -153,9 +155,7 @@ async def test_kill9_worker_holding_200_calls(fault_fleet: LocalFleet, monkeypat
 async def test_sigterm_finishes_in_flight_jobs(fault_fleet: LocalFleet) -> None:
     fleet = fault_fleet
     sync = redis.Redis.from_url(str(fleet.redis_url))
-    name = f"graceful-{os.getpid()}-{time.time_ns() % 10**6}"
-    proc = fleet.start_worker("graceful", ["--name", name])
-    wait_until(lambda: worker_registered(sync, name), 30, "the worker to register")
+    proc, name = start_named_worker(fleet, "graceful")
     settings = settings_for(fleet, sub_call_timeout=30)
     n = 50
     code = batch_code(n, "[[mock:sleep:1.5]]")
