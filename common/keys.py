@@ -113,6 +113,33 @@ def wake_channel(queue: str) -> str:
     return namespace("wake", queue.split("@", 1)[0])
 
 
+def wake_message(queue: str, ids: list[str] | None = None, *, announce_only: bool = False) -> str:
+    """The text published on :func:`wake_channel` after enqueueing on ``queue``.
+
+    ``<queue>``: wake up and look at the queues; ``<queue>`` newline ``<id> <id> ...``:
+    wake up, these jobs are waiting; ``<queue>`` newline: serve this queue from now on,
+    nothing to wake up for (its jobs went to the :func:`lane`).
+    """
+    if announce_only:
+        return queue + "\n"
+    return queue + ("\n" + " ".join(ids) if ids else "")
+
+
+def parse_wake_message(text: str) -> tuple[str, list[str], bool]:
+    """Inverse of :func:`wake_message`: ``(queue, job ids, announce_only)``."""
+    queue, sep, rest = text.partition("\n")
+    return queue, rest.split(), bool(sep) and not rest
+
+
+def lane(queue: str) -> str:
+    """List of small batches announced to the idle workers of ``queue`` and its tenants.
+
+    Each entry is a :class:`common.schemas.LaneEntry`; one ``BLPOP`` hands it to exactly
+    one idle worker. The list is a hint, never the record: the jobs are also on their RQ
+    queue, so an entry that is lost or popped late costs latency, never a job."""
+    return namespace("lane", queue.split("@", 1)[0])
+
+
 # ---------------------------------------------------------------------------
 # RQ's keys (RQ 2.x / 3.x layout)
 

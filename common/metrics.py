@@ -6,6 +6,7 @@ process never collide). :meth:`Metrics.serve` starts the HTTP exporter.
 
 Worker side: :meth:`~Metrics.observe_result` for every sub-call result it produces
 (outcome, error kind, tokens by kind, budget rejections, queue wait, model latency),
+:meth:`~Metrics.lane_job` for every job taken from a lane entry,
 :meth:`~Metrics.inflight` whenever the number of in-flight sub-calls changes,
 :meth:`~Metrics.reconnect` when Redis had to be reconnected.
 
@@ -35,6 +36,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 10_000)
 BATCH_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 OUTCOMES = ("ok", "rejected", "error")
 TOKEN_KINDS = ("prompt", "completion", "granted", "released")
+LANE_OUTCOMES = ("early", "after_start", "lost")
 
 
 class Metrics:
@@ -76,6 +78,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.lane_jobs = Counter(
+            "rlmq_lane_jobs",
+            "Jobs an idle worker took from a lane entry: early (model call started before START answered), "
+            "after_start (started once START answered), lost (another worker took it first; the early call "
+            "was cancelled)",
+            ["outcome"],
+            registry=r,
+        )
         self.reconnects = Counter("rlmq_redis_reconnects", "Times Redis was unavailable and retried", registry=r)
         self.batches = Counter("rlmq_batches", "llm_batch calls dispatched by this producer", registry=r)
         self.batch_size = Histogram(
@@ -90,6 +100,8 @@ class Metrics:
             self.subcalls.labels(outcome=outcome, error_kind="")
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind=kind)
+        for outcome in LANE_OUTCOMES:
+            self.lane_jobs.labels(outcome=outcome)
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -117,6 +129,10 @@ class Metrics:
     def inflight(self, n: int) -> None:
         """Set the number of sub-calls in flight in this process now."""
         self.inflight_subcalls.set(n)
+
+    def lane_job(self, outcome: str) -> None:
+        """Count one job taken from a lane entry; ``outcome`` is one of ``LANE_OUTCOMES``."""
+        self.lane_jobs.labels(outcome=outcome).inc()
 
     def reconnect(self) -> None:
         """Count one Redis reconnect (a command failed for a connection error and is retried)."""

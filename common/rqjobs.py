@@ -32,9 +32,23 @@ def utcnow_str() -> str:
     return utcformat(datetime.now(UTC))
 
 
-def encode_job_data(func: str, args: list[Any]) -> bytes:
-    """RQ's ``data`` field with the JSON serializer: zlib of ``[func, null, args, {}]``."""
-    return zlib.compress(json.dumps([func, None, args, {}], separators=(",", ":")).encode(), 1)
+COMPRESS_MIN_BYTES = 1024
+"""Job data shorter than this is stored uncompressed: zlib's set-up costs more than it saves
+on a short prompt, and RQ reads uncompressed data as well (``Job.restore`` falls back)."""
+
+
+def encode_job_data(func: str, args: list[Any], *, args_json: str | None = None) -> bytes:
+    """RQ's ``data`` field with the JSON serializer: ``[func, null, args, {}]``, zlib-compressed
+    from ``COMPRESS_MIN_BYTES`` on.
+
+    Args:
+        func: the job function's import path.
+        args: its positional arguments (JSON-able); ignored when ``args_json`` is given.
+        args_json: the arguments already encoded as a JSON array (saves encoding them twice).
+    """
+    text = args_json if args_json is not None else json.dumps(args, separators=(",", ":"))
+    raw = f"[{json.dumps(func)},null,{text},{{}}]".encode()
+    return zlib.compress(raw, 1) if len(raw) >= COMPRESS_MIN_BYTES else raw
 
 
 def decode_job_data(raw: bytes) -> tuple[str, list[Any], dict[str, Any]]:
@@ -69,6 +83,7 @@ def job_hash(
     meta: dict[str, Any],
     now: str | None = None,
     func: str = SUB_LLM_FUNC,
+    data: bytes | None = None,
 ) -> dict[str, bytes | str | int]:
     """The hash of a freshly queued job, field for field as ``Queue.enqueue`` writes it.
 
@@ -81,12 +96,14 @@ def job_hash(
         ttl: seconds the job may wait in the queue before it expires unstarted.
         reply_key: the batch's reply list.
         meta: rollout id, batch id, index (for results the reaper writes).
+        data: the ``data`` field already encoded by :func:`encode_job_data` (then ``args`` is
+            not used).
     """
     stamp = now or utcnow_str()
     return {
         "status": "queued",
         "created_at": stamp,
-        "data": encode_job_data(func, args),
+        "data": data if data is not None else encode_job_data(func, args),
         "success_callback_name": "",
         "failure_callback_name": "",
         "stopped_callback_name": "",

@@ -2,6 +2,7 @@
 
 * :class:`SubLLMRequest` travels producer -> worker as the single argument of an RQ job.
 * :class:`SubLLMResult` travels worker -> producer on the batch's reply list.
+* :class:`LaneEntry` announces a small batch to one idle worker (its jobs and requests).
 * :class:`DatasetRow` and :class:`ResultRow` are the JSONL contracts of ``shared/DESIGN.md``.
 * :class:`BatchRequest` is the body ``llm_batch`` posts to the interception server.
 """
@@ -48,6 +49,28 @@ class SubLLMRequest(_Strict):
     temperature: float | None = None
     include_messages: bool = False
     """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
+
+
+class LaneJob(_Strict):
+    """One job of a :class:`LaneEntry`: its RQ job id and, when small enough, its request."""
+
+    job_id: str
+    request: SubLLMRequest | None = None
+    """``None`` when the prompt is too long to copy; the worker then reads the job hash."""
+
+
+class LaneEntry(_Strict):
+    """A small batch announced on its queue's lane (``common.keys.lane``) for an idle worker.
+
+    ``enqueued_at`` is the producer's Unix time (seconds). The jobs are on ``queue`` as
+    well: the worker that pops the entry still takes them with ``START``, and may start the
+    model call of an unbudgeted job while ``START`` is on its way (see ``workers.worker``).
+    """
+
+    v: Literal[1] = 1
+    queue: str
+    enqueued_at: float
+    jobs: list[LaneJob] = Field(min_length=1)
 
 
 class SubLLMResult(_Strict):
@@ -121,6 +144,18 @@ def load_request(raw: Any) -> SubLLMRequest:
         return SubLLMRequest.model_validate(raw)
     except ValidationError as exc:
         raise PayloadError(f"invalid sub-LLM request: {exc.error_count()} error(s): {exc.errors()[:3]}") from exc
+
+
+def load_lane_entry(raw: str | bytes) -> LaneEntry:
+    """Validate a lane entry as a :class:`LaneEntry`.
+
+    Raises:
+        PayloadError: the entry is not a valid lane entry.
+    """
+    try:
+        return LaneEntry.model_validate_json(raw)
+    except ValidationError as exc:
+        raise PayloadError(f"invalid lane entry: {exc.error_count()} error(s): {exc.errors()[:3]}") from exc
 
 
 def load_result(raw: str | bytes) -> SubLLMResult:

@@ -19,8 +19,8 @@ from redis.exceptions import RedisError
 
 from common import keys as K
 from common.errors import PayloadError
-from common.rqjobs import job_hash
-from common.schemas import SubLLMRequest, SubLLMResult, load_result
+from common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
+from common.schemas import LaneEntry, LaneJob, SubLLMRequest, SubLLMResult, load_result
 
 
 @dataclass
@@ -53,6 +53,22 @@ class BatchSpec:
 
 WAKE_HINT_MAX_JOBS = 32
 """Batches up to this size name their job ids in the wake-up message."""
+
+LANE_MAX_JOBS = 8
+"""Batches up to this size are announced on the queue's lane instead of by a wake-up: one
+``BLPOP`` hands the entry to exactly one idle worker (no herd of woken workers racing for
+one job), and the entry carries the requests, so that worker can start an unbudgeted call
+while its ``START`` is on the way (see :mod:`workers.worker`)."""
+
+LANE_MAX_PROMPT = 8192
+"""Prompts longer than this (characters) are not copied into the lane entry."""
+
+LANE_KEEP = 64
+"""The lane keeps only its newest entries: when no worker is idle nobody pops it, and the
+busy workers take the jobs from their RQ queue anyway."""
+
+LANE_TTL_MS = 10_000
+"""Milliseconds a lane lives after its last entry."""
 
 
 def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
@@ -95,6 +111,7 @@ class Dispatcher:
         now = time.time()
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
         ttl = max(1, int(spec.timeout) + 1)
+        lane_jobs: list[LaneJob] | None = [] if len(indices) <= LANE_MAX_JOBS else None
         async with self.redis.pipeline(transaction=False) as pipe:
             ids = []
             for i in indices:
@@ -115,12 +132,17 @@ class Dispatcher:
                 )
                 jid = job_id_for(spec, i)
                 ids.append(jid)
+                if lane_jobs is not None:
+                    lane_jobs.append(LaneJob(job_id=jid, request=req if len(req.prompt) <= LANE_MAX_PROMPT else None))
                 key = K.rq_job(jid)
                 pipe.hset(
                     key,
                     mapping=job_hash(  # type: ignore[arg-type]  # str keys are fine for redis-py
                         queue=spec.queue,
-                        args=[req.model_dump(exclude_defaults=True)],
+                        args=[],
+                        data=encode_job_data(
+                            SUB_LLM_FUNC, [], args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"
+                        ),
                         description=(
                             f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.model}"
                         ),
@@ -137,13 +159,26 @@ class Dispatcher:
             # The reply list gets its TTL from the worker's FINISH script with every push (an
             # EXPIRE here would hit a key that does not exist yet), and the queue's entry in
             # RQ's queue set is re-asserted every QUEUE_SET_REFRESH seconds, not per batch.
-            if now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH:
+            announce = now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH
+            if announce:
                 pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
                 self._queues_registered[spec.queue] = now
-            # Wakes idle workers and names new tenants; small batches also name their jobs, so
-            # an idle worker can take them without peeking at the queue first.
-            hint = spec.queue + ("\n" + " ".join(ids) if len(ids) <= WAKE_HINT_MAX_JOBS else "")
-            pipe.publish(K.wake_channel(spec.queue), hint)
+            if lane_jobs is not None:
+                # One idle worker pops the entry; busy ones take the jobs off the queue.
+                lane = K.lane(spec.queue)
+                entry = LaneEntry(queue=spec.queue, enqueued_at=now, jobs=lane_jobs)
+                pipe.rpush(lane, entry.model_dump_json(exclude_defaults=True))
+                pipe.ltrim(lane, -LANE_KEEP, -1)
+                pipe.pexpire(lane, LANE_TTL_MS)
+                if announce:  # name the (tenant) queue to busy workers without waking anyone
+                    pipe.publish(K.wake_channel(spec.queue), K.wake_message(spec.queue, announce_only=True))
+            else:
+                # Wakes idle workers and names new tenants; batches up to WAKE_HINT_MAX_JOBS
+                # also name their jobs, so an idle worker takes them without peeking first.
+                pipe.publish(
+                    K.wake_channel(spec.queue),
+                    K.wake_message(spec.queue, ids if len(ids) <= WAKE_HINT_MAX_JOBS else None),
+                )
             await pipe.execute()
         return now
 

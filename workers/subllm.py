@@ -39,6 +39,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,9 +98,11 @@ class _Run:
         job_id: str,
         attempt: int,
         settle_out: list[tuple[str, str, int]] | None = None,
+        gate: Awaitable[object] | None = None,
     ) -> None:
         self.request = request
         self.settle_out = settle_out
+        self.gate = gate
         self.ctx = ctx
         self.job_id = job_id
         self.attempt = attempt
@@ -142,6 +145,9 @@ class _Run:
                         return "ok", last_text
                     return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
                 max_tokens = grant.tokens
+            if self.gate is not None:
+                await self.gate  # the worker's START has not confirmed this job yet
+                self.gate = None
             response = await self._call(turn, reservation, grant, max_tokens, tools)
             if grant is not None:
                 used = response.completion_tokens if response.usage_reported else grant.tokens
@@ -259,6 +265,7 @@ async def run_sub_llm(
     attempt: int = 1,
     started_at: float | None = None,
     settle_out: list[tuple[str, str, int]] | None = None,
+    gate: Awaitable[object] | None = None,
 ) -> SubLLMResult:
     """Run one sub-LLM call: budget reservations, model turns, sub-tools; return its result.
 
@@ -277,6 +284,10 @@ async def run_sub_llm(
             here as ``(rollout_id, reservation_id, completion tokens used)``, for the caller to
             send with its own round trip (the worker's ``FINISH``); the grant stays charged in
             full until then. ``None``: every settlement is sent at once.
+        gate: awaited once, after the first budget reservation and before the first model
+            call: a worker that starts a job before its ``START`` answered passes that
+            answer here, so a job it turns out not to own never calls the model (its
+            reservation is the owner's too: the id names the job and attempt, not the worker).
 
     Returns:
         The result: ``status`` ``ok`` (``content`` is the answer), ``rejected`` (the budget
@@ -289,7 +300,7 @@ async def run_sub_llm(
     """
     t0 = time.perf_counter()
     taken = started_at if started_at is not None else time.time()
-    run = _Run(request, ctx, job_id, attempt, settle_out)
+    run = _Run(request, ctx, job_id, attempt, settle_out, gate)
     error: str | None = None
     error_kind: str | None = None
     status: SubCallStatus

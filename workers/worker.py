@@ -9,7 +9,13 @@ LLM call. This worker runs on one asyncio loop:
   of 8. It takes jobs with ``LRANGE`` then the ``START`` script (which removes them from the
   queue and marks them started atomically: a worker dying while it waits loses nothing), and
   when every queue is empty it waits for a wake-up the producer publishes after enqueueing
-  (``rlmq:wake:<queue>``), or one second;
+  (``rlmq:wake:<queue>``), for an entry of the queue's *lane*, or one second;
+* the *lane* (``rlmq:lane:<queue>``, a list) is how small batches (up to 8 prompts) reach
+  an idle worker: one ``BLPOP`` hands the entry to exactly one worker instead of waking
+  them all, and the entry carries the requests, so a job's first budget reservation and,
+  when unbudgeted, its model call start while its ``START`` is on the way (``START`` still
+  decides who runs the job; a lost race cancels the early call). This is the light-load
+  path (see ``bench/README.md``);
 * each job runs :func:`workers.subllm.run_sub_llm` as its own task;
 * the *flush* task records finished jobs and pushes their results to their reply lists
   in one ``FINISH`` script call per flush (whatever finished meanwhile: natural batching
@@ -49,7 +55,7 @@ from common.errors import PayloadError
 from common.ledger import BudgetLedger
 from common.metrics import Metrics
 from common.rqjobs import SUB_LLM_FUNC, decode_job_data
-from common.schemas import SubLLMRequest, SubLLMResult, load_request
+from common.schemas import LaneEntry, SubLLMRequest, SubLLMResult, load_lane_entry, load_request
 from common.settings import Settings
 from workers.model import ChatClient
 from workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value
@@ -66,6 +72,11 @@ async def _gather(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
     if len(aws) == 1:
         return [await aws[0]]
     return list(await asyncio.gather(*aws))
+
+
+LANE_EARLY_MAX_AGE = 1.0
+"""Seconds: a lane entry older than this (producer's clock against the worker's) starts no
+call before ``START``; its jobs have most likely been taken from the queue already."""
 
 
 def default_worker_name() -> str:
@@ -124,6 +135,7 @@ class SubLLMWorker:
         self._queues: list[str] = [self.queue]
         self._wake = asyncio.Event()
         self._hints: dict[str, list[str]] = {}  # queue -> job ids named by wake-ups (idle fast path)
+        self._lane_pop: asyncio.Task[LaneEntry | None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._done: list[FinishedJob] = []
         self._done_event = asyncio.Event()
@@ -277,13 +289,15 @@ class SubLLMWorker:
                 async for msg in pubsub.listen():
                     data = msg.get("data")
                     text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
-                    queue, _, ids = text.partition("\n")
+                    queue, ids, announce_only = K.parse_wake_message(text)
                     if not K.serves(self.queue, queue):
                         continue
                     if queue not in self._queues:
                         self._queues.append(queue)  # a new tenant: serve it from the next round on
+                    if announce_only:
+                        continue  # its jobs went to the lane (an idle worker pops them)
                     if ids:  # a small batch named its jobs: an idle worker takes them directly
-                        self._hints.setdefault(queue, []).extend(ids.split())
+                        self._hints.setdefault(queue, []).extend(ids)
                     self._wake.set()
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 await asyncio.sleep(backoff)  # reconnect backoff
@@ -296,85 +310,237 @@ class SubLLMWorker:
         backoff = 0.1
         last_discovery = time.monotonic()
         idle = False
-        while not self._stopping.is_set():
-            free = self.concurrency - len(self._inflight)
-            if free <= 0:
-                self._slot_free.clear()
-                await self._slot_free.wait()
-                continue
-            try:
-                if time.monotonic() - last_discovery > 1.0:
-                    await self._discover_queues()
-                    last_discovery = time.monotonic()
-                self._wake.clear()
-                hints, self._hints = self._hints, {}
-                queues = list(self._queues)
-                peeked: list[list[bytes]]
-                if idle and hints:
-                    # Idle worker, woken by a small batch that named its jobs: take them without
-                    # peeking (one round trip saved). Jobs another worker took first are skipped
-                    # by START; under load the round-robin peek below decides instead.
-                    peeked = [[j.encode() for j in hints.get(q, [])][:free] for q in queues]
-                else:
-                    share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for q in queues:
-                            pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
-                        peeked = await pipe.execute()
-                idle = False
-                if not any(peeked):
-                    idle = True
-                    if burst and not self._inflight:
-                        return
-                    waiter = asyncio.create_task(self._wake.wait())
-                    stop = asyncio.create_task(self._stopping.wait())
-                    slot = asyncio.create_task(self._slot_free.wait()) if burst else None
-                    pending = {waiter, stop} | ({slot} if slot else set())
-                    await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                    for t in pending:
-                        t.cancel()
+        after_lane = False  # the last round served a lane entry: peek again only when woken
+        try:
+            while not self._stopping.is_set():
+                free = self.concurrency - len(self._inflight)
+                entry = self._popped_lane_entry()
+                if free <= 0:
+                    if entry is not None:  # popped just before this worker filled up
+                        with contextlib.suppress(redis.RedisError, OSError):
+                            await self._pass_on(entry)
+                        continue
                     self._slot_free.clear()
-                    if time.monotonic() - last_discovery > 0.5:
-                        last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
+                    slot = asyncio.create_task(self._slot_free.wait())
+                    await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    slot.cancel()
                     continue
-                taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
-                started_by_queue = await _gather([self._records_for(q).start(ids) for q, ids in taken])
-                # rotate so the next round starts with the next queue
-                self._queues = self._queues[1:] + self._queues[:1]
-                backoff = 0.1
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", self.name, exc, backoff)
-                self.metrics.reconnect()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            for (q, _), started in zip(taken, started_by_queue, strict=True):
-                for job in started:
-                    self._inflight[job.member] = job
-                    self._queue_of[job.member] = q
-                    task = asyncio.create_task(self._run_job(job))
+                try:
+                    if time.monotonic() - last_discovery > 1.0:
+                        await self._discover_queues()
+                        last_discovery = time.monotonic()
+                    if entry is not None:
+                        await self._take_lane_entry(entry, free)
+                        idle, after_lane, backoff = False, True, 0.1
+                        continue
+                    woken = self._wake.is_set()
+                    self._wake.clear()
+                    hints, self._hints = self._hints, {}
+                    queues = list(self._queues)
+                    peeked: list[list[bytes]]
+                    if idle and hints:
+                        # Idle worker, woken by a batch that named its jobs: take them without
+                        # peeking (one round trip saved). Jobs another worker took first are
+                        # skipped by START; under load the round-robin peek below decides instead.
+                        peeked = [[j.encode() for j in hints.get(q, [])][:free] for q in queues]
+                    elif after_lane and not woken and not hints:
+                        peeked = []  # nothing announced since the lane entry: wait for the next one
+                    else:
+                        share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
+                        async with self.redis.pipeline(transaction=False) as pipe:
+                            for q in queues:
+                                pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
+                            peeked = await pipe.execute()
+                    idle = after_lane = False
+                    if not any(peeked):
+                        idle = True
+                        if burst and not self._inflight:
+                            return
+                        await self._wait_for_work(burst)
+                        if time.monotonic() - last_discovery > 0.5:
+                            last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
+                        continue
+                    taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
+                    started_by_queue = await _gather([self._records_for(q).start(ids) for q, ids in taken])
+                    # rotate so the next round starts with the next queue
+                    self._queues = self._queues[1:] + self._queues[:1]
+                    backoff = 0.1
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", self.name, exc, backoff)
+                    self.metrics.reconnect()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                for (q, _), started in zip(taken, started_by_queue, strict=True):
+                    for job in started:
+                        self._spawn(job, q, self._run_job(job))
+                self.metrics.inflight(len(self._inflight))
+        finally:
+            await self._stop_lane_pop()
+
+    async def _wait_for_work(self, burst: bool) -> None:
+        """Wait (at most a second) for a wake-up, a lane entry, a stop, or in burst mode a free slot."""
+        waiter = asyncio.create_task(self._wake.wait())
+        stop = asyncio.create_task(self._stopping.wait())
+        slot = asyncio.create_task(self._slot_free.wait()) if burst else None
+        pending = {waiter, stop} | ({slot} if slot else set())
+        if not burst and self._lane_pop is None:
+            self._lane_pop = asyncio.create_task(self._pop_lane(), name="lane")
+        await asyncio.wait(
+            pending | ({self._lane_pop} if self._lane_pop else set()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+        )
+        for t in pending:
+            t.cancel()  # the lane pop stays pending across rounds: cancelling it could drop an entry
+        self._slot_free.clear()
+
+    # ------------------------------------------------------------------ the lane
+
+    async def _pop_lane(self) -> LaneEntry | None:
+        """Wait up to a second for one entry of this queue's lane (``None``: none came)."""
+        try:
+            got = await self.redis.blpop([K.lane(self.queue)], timeout=1)
+        except (redis.RedisError, OSError):
+            await asyncio.sleep(0.1)  # reconnect backoff; the fetch loop reports the outage
+            return None
+        if got is None:
+            return None
+        try:
+            return load_lane_entry(got[1])
+        except PayloadError as exc:
+            log.warning("worker %s: dropped an invalid lane entry (%s)", self.name, exc)
+            return None
+
+    def _popped_lane_entry(self) -> LaneEntry | None:
+        """The entry the lane pop brought, once it is done (then a new pop may start)."""
+        t = self._lane_pop
+        if t is None or not t.done():
+            return None
+        self._lane_pop = None
+        if t.cancelled() or t.exception() is not None:
+            return None
+        return t.result()
+
+    async def _stop_lane_pop(self) -> None:
+        """On the way out: cancel a pending lane pop, or pass on an entry it already brought."""
+        t = self._lane_pop
+        if t is not None and not t.done():
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        entry = self._popped_lane_entry()
+        self._lane_pop = None
+        if entry is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                await self._pass_on(entry)
+
+    async def _pass_on(self, entry: LaneEntry) -> None:
+        """Hand a lane entry this worker cannot take to the other idle workers (a wake-up
+        naming its jobs); the jobs themselves never left their queue."""
+        ids = [j.job_id for j in entry.jobs]
+        await self.redis.publish(K.wake_channel(entry.queue), K.wake_message(entry.queue, ids))
+
+    async def _take_lane_entry(self, entry: LaneEntry, free: int) -> None:
+        """Take the jobs of a lane entry with ``START``; start each fresh, unbudgeted call early.
+
+        A job whose request the entry carries starts *before* ``START`` answers (the
+        light-load latency saving): an unbudgeted one calls the model at once; a budgeted one
+        makes its first reservation at once but waits for ``START`` before calling the model
+        (the reservation id ``<job>:<attempt>:<turn>`` is the same whichever worker makes it,
+        and only the execution ``START`` granted spends it, so the budget stays exact).
+        ``START`` still decides who runs the job: when another worker took it first (it
+        peeked the queue in the fraction of a millisecond between the enqueue and this
+        ``START``), the early call is cancelled and counted as ``lost``. An entry older than
+        ``LANE_EARLY_MAX_AGE`` (by the two hosts' clocks) starts nothing early: its jobs are
+        likely gone, or re-queued as a later attempt (then the early reservation, never
+        spent, would stay charged in full: a waste of budget, never an overshoot).
+        """
+        queue = entry.queue
+        if not K.serves(self.queue, queue):
+            log.warning("worker %s: lane entry for queue %s it does not serve", self.name, queue)
+            return
+        if queue not in self._queues:
+            self._queues.append(queue)
+        jobs = entry.jobs[:free]
+        if len(jobs) < len(entry.jobs):
+            await self._pass_on(LaneEntry(queue=queue, enqueued_at=entry.enqueued_at, jobs=entry.jobs[free:]))
+        early: dict[str, tuple[asyncio.Task[None], asyncio.Future[StartedJob]]] = {}
+        if abs(time.time() - entry.enqueued_at) <= LANE_EARLY_MAX_AGE:
+            loop = asyncio.get_running_loop()
+            for j in jobs:
+                if j.request is not None:
+                    claim: asyncio.Future[StartedJob] = loop.create_future()
+                    task = asyncio.create_task(self._call(j.request, j.job_id, 1, claim))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
-            self.metrics.inflight(len(self._inflight))
+                    early[j.job_id] = (task, claim)
+            if early:
+                await asyncio.sleep(0)  # yield once: the early calls go out before START does
+        try:
+            started = await self._records_for(queue).start([j.job_id.encode() for j in jobs])
+        except BaseException:
+            for task, _ in early.values():
+                task.cancel()
+            raise
+        for job in started:
+            pair = early.pop(job.job_id, None)
+            if pair is not None and job.attempt == 1:
+                self._track(job, queue)
+                pair[1].set_result(job)
+                self.metrics.lane_job("early")
+            else:
+                if pair is not None:  # a re-queued job (attempt > 1): run it from its own record
+                    pair[0].cancel()
+                self._spawn(job, queue, self._run_job(job))
+                self.metrics.lane_job("after_start")
+        for task, _ in early.values():  # another worker took these first
+            task.cancel()
+            self.metrics.lane_job("lost")
+        self.metrics.inflight(len(self._inflight))
 
     # ------------------------------------------------------------------ one job
 
+    def _track(self, job: StartedJob, queue: str) -> None:
+        self._inflight[job.member] = job
+        self._queue_of[job.member] = queue
+
+    def _spawn(self, job: StartedJob, queue: str, coro: Coroutine[Any, Any, None]) -> None:
+        self._track(job, queue)
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _run_job(self, job: StartedJob) -> None:
-        started_at = time.time()
-        ok = True
-        settles: list[tuple[str, str, int]] = []
         try:
             request = self._decode(job)
         except PayloadError as exc:
-            result = self._payload_error(job, str(exc))
-            ok = False
-        else:
-            # The call's last budget settlement rides with this job's FINISH round trip.
-            result = await run_sub_llm(
-                request, self.ctx, job_id=job.job_id, attempt=job.attempt, started_at=started_at, settle_out=settles
-            )
-            ok = result.status != "error"
+            self._record(job, self._payload_error(job, str(exc)), [])
+            return
+        await self._call(request, job.job_id, job.attempt, job)
+
+    async def _call(
+        self, request: SubLLMRequest, job_id: str, attempt: int, job: StartedJob | asyncio.Future[StartedJob]
+    ) -> None:
+        """Run one sub-call; ``job`` is a future when the call started before ``START`` answered."""
+        settles: list[tuple[str, str, int]] = []
+        gate = job if isinstance(job, asyncio.Future) and request.budgeted else None
+        # The call's last budget settlement rides with this job's FINISH round trip.
+        result = await run_sub_llm(
+            request,
+            self.ctx,
+            job_id=job_id,
+            attempt=attempt,
+            started_at=time.time(),
+            settle_out=settles,
+            gate=gate,
+        )
+        if isinstance(job, asyncio.Future):
+            job = await job
+        self._record(job, result, settles)
+
+    def _record(self, job: StartedJob, result: SubLLMResult, settles: list[tuple[str, str, int]]) -> None:
+        ok = result.status != "error"
         summary = {
             "status": result.status,
             "completion_tokens": result.completion_tokens,

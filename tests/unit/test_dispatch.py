@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import fakeredis
 import pytest
@@ -12,9 +13,9 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from common import keys as K
-from common.rqjobs import SUB_LLM_FUNC, decode_job_data
-from common.schemas import SubLLMResult, load_request
-from producer.dispatch import BatchSpec, Dispatcher
+from common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
+from common.schemas import SubLLMResult, load_lane_entry, load_request
+from producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
 
 
 @pytest.fixture
@@ -48,6 +49,47 @@ async def test_enqueued_jobs_are_ordinary_rq_jobs(server: fakeredis.FakeServer) 
     assert 0 < sync.ttl(job.key) <= 6  # an unstarted job expires with its deadline
     func, args, _ = decode_job_data(sync.hget(job.key, "data"))
     assert func == SUB_LLM_FUNC and args[0]["prompt"] == "p1"
+
+
+def next_message(pubsub: Any) -> str:
+    """The next published message (the subscription's confirmation comes back as ``None``)."""
+    for _ in range(3):
+        msg = pubsub.get_message(timeout=1)
+        if msg is not None:
+            return str(msg["data"].decode())
+    raise AssertionError("no message published")
+
+
+async def test_small_batches_go_to_the_lane_with_their_requests(server: fakeredis.FakeServer) -> None:
+    r = fakeredis.aioredis.FakeRedis(server=server)
+    sync = fakeredis.FakeRedis(server=server)
+    pubsub = sync.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(K.wake_channel("rlmq.sub.m"))
+    long = "x" * (LANE_MAX_PROMPT + 1)
+    prompts = ["p0", long] + [f"p{i}" for i in range(2, LANE_MAX_JOBS)]
+    d = Dispatcher(r)
+    await d.enqueue(spec(), prompts, list(range(LANE_MAX_JOBS)))
+    entry = load_lane_entry(sync.lpop(K.lane("rlmq.sub.m")))
+    assert entry.queue == "rlmq.sub.m" and [j.job_id for j in entry.jobs] == [f"r1-b1-{i}" for i in range(8)]
+    assert entry.jobs[0].request is not None and entry.jobs[0].request.prompt == "p0"
+    assert entry.jobs[1].request is None  # too long to copy: the worker reads the job hash
+    # the first batch on a queue names it to the workers, without waking anyone
+    assert next_message(pubsub) == K.wake_message("rlmq.sub.m", announce_only=True)
+    # a larger batch wakes the workers instead, naming its jobs
+    await d.enqueue(spec(batch_id="b2"), [f"q{i}" for i in range(9)], list(range(9)))
+    assert sync.llen(K.lane("rlmq.sub.m")) == 0
+    assert K.parse_wake_message(next_message(pubsub)) == ("rlmq.sub.m", [f"r1-b2-{i}" for i in range(9)], False)
+
+
+def test_short_job_data_is_stored_uncompressed_and_rq_reads_both() -> None:
+    sync = fakeredis.FakeRedis()
+    for prompt in ("short", "long " * 400):
+        data = encode_job_data(SUB_LLM_FUNC, [{"prompt": prompt}])
+        assert data.startswith(b"[") == (len(prompt) < COMPRESS_MIN_BYTES)
+        sync.hset(f"rq:job:j{len(prompt)}", mapping={"data": data, "status": "queued", "created_at": ""})
+        job = Job.fetch(f"j{len(prompt)}", connection=sync, serializer=JSONSerializer)
+        assert job.func_name == SUB_LLM_FUNC and job.args == [{"prompt": prompt}]
+        assert decode_job_data(data) == (SUB_LLM_FUNC, [{"prompt": prompt}], {})
 
 
 def fake_result(i: int, content: str, batch: str = "b1") -> str:

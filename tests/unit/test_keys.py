@@ -58,3 +58,14 @@ def test_queue_named_from_model_the_same_on_both_sides() -> None:
 
 def test_namespace() -> None:
     assert K.namespace("a", "b") == "rlmq:a:b"
+
+
+@pytest.mark.parametrize(("ids", "announce_only"), [(None, False), (["r-b-0", "r-b-1"], False), (None, True)])
+def test_wake_message_round_trip(ids: list[str] | None, announce_only: bool) -> None:
+    text = K.wake_message("rlmq.sub.m@host-1", ids, announce_only=announce_only)
+    assert K.parse_wake_message(text) == ("rlmq.sub.m@host-1", ids or [], announce_only)
+
+
+def test_lane_and_wake_channel_are_per_model_queue() -> None:
+    assert K.lane("rlmq.sub.m@host-1") == K.lane("rlmq.sub.m") == "rlmq:lane:rlmq.sub.m"
+    assert K.wake_channel("rlmq.sub.m@host-1") == "rlmq:wake:rlmq.sub.m"

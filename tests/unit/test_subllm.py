@@ -351,6 +351,37 @@ async def test_final_settlement_can_be_deferred_to_the_caller(
     assert snap is not None and (snap.charged, snap.used) == (12, 12)
 
 
+async def test_gate_holds_the_first_model_call_after_the_reservation(
+    llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger
+) -> None:
+    """A worker that starts a job before its START answered passes the answer as ``gate``:
+    the reservation goes ahead, the model call waits; cancelled at the gate, no call at all."""
+    await ledger.open(ROLLOUT, 100)
+    req = make_request(budgeted=True, max_completion_tokens=40)
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(run_sub_llm(req, ctx, job_id="j", gate=gate))
+
+    async def reserved() -> bool:
+        snap = await ledger.snapshot(ROLLOUT)
+        return snap is not None and snap.grants == 1
+
+    while not await reserved():
+        await asyncio.sleep(0)  # yield to the sub-call until its reservation is in the ledger
+    assert llm.calls == 0
+    gate.set_result(None)
+    result = await task
+    assert result.status == "ok" and llm.calls == 1
+
+    lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(run_sub_llm(make_request(), ctx, job_id="k", gate=lost))
+    for _ in range(50):
+        await asyncio.sleep(0)  # let it run up to the gate
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert llm.calls == 1
+
+
 async def test_tool_loop_with_allowed_tool(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
     llm.script = [
         tool_call("grep", {"text": "alpha\nbeta\nalphabet", "pattern": "^alpha"}),
