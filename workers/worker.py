@@ -194,6 +194,9 @@ class SubLLMWorker:
                     await t
             with contextlib.suppress(Exception):
                 await self._flush_once()
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
             self._register_death(rq_worker)
             await self.redis.aclose()
