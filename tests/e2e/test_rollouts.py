@@ -176,12 +176,15 @@ def test_rlmq_run_on_a_dataset_written_by_someone_else(fleet: LocalFleet, tmp_pa
     assert set(rows[0]) == {"id", "final_answer", "answer", "correct", "stop_reason", "metrics", "error"}
     assert "accuracy: 2/2" in proc.stdout
     assert (tmp_path / "run" / "report.html").is_file() and (tmp_path / "run" / "trajectories.jsonl").is_file()
+    # Named, the queue limits the worker count to its own workers: a worker another test
+    # module killed stays listed (as RQ lists any dead worker) until its key expires.
+    queue = queue_name_for_model(fleet.model)
     info = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "rq"), "info", "--url", str(fleet.redis_url)],
+        [os.path.join(os.path.dirname(sys.executable), "rq"), "info", "--url", str(fleet.redis_url), queue],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert info.returncode == 0, info.stderr
-    assert queue_name_for_model(fleet.model) in info.stdout
+    assert queue in info.stdout
     assert "2 workers" in info.stdout, info.stdout
     tenant_queue = Queue(
         f"{queue_name_for_model(fleet.model)}@someone-else", connection=redis.Redis.from_url(str(fleet.redis_url))
