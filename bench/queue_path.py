@@ -16,7 +16,8 @@ Scenarios (names for ``--only``):
 * ``rlmq`` / ``rlmq-budget``: producer (``Dispatcher.run_batch``) -> Redis -> ``rlmq worker``
   processes -> model -> reply list; with ``budget`` every rollout has a ledger
   (``BudgetLedger.open``) and every sub-call reserves and settles tokens.
-* ``light``: one prompt at a time: a direct model call vs rlmq (unbudgeted and budgeted).
+* ``light``: one prompt at a time: a direct model call vs rlmq (unbudgeted and budgeted),
+  interleaved round by round in one process.
 * ``slow``: one worker process, a model taking 2 s per call, 10,000 sub-calls at
   concurrency 1,000 (``--quick``: 0.5 s, 1,000 at 200).
 * ``sweep``: throughput and latency against concurrency (the PNG).
@@ -114,7 +115,84 @@ def _wait_for_go() -> None:
         raise SystemExit("orchestrator went away")
 
 
+LIGHT_PATHS = ("direct", "rlmq", "rlmq-budget")
+
+
+async def _light(a: argparse.Namespace) -> dict[str, Any]:
+    """One prompt at a time, the three paths interleaved in one process.
+
+    Round ``i`` runs one direct model call (``workers.model.ChatClient``, the worker's own
+    client, in this process), one one-prompt ``llm_batch`` through rlmq and one through
+    rlmq with a budget, in an order rotated every round, so a noisy phase of the shared
+    machine hits all three alike. Latency: the call's wall time; for rlmq the whole
+    ``Dispatcher.run_batch`` (enqueue to the result parsed).
+    """
+    from common.connection import async_client
+    from common.ledger import BudgetLedger
+    from producer.dispatch import BatchSpec, Dispatcher
+    from workers.model import ChatClient
+
+    chat = ChatClient(a.base_url, "bench", retries=0)
+    redis = async_client(a.redis_url)
+    dispatcher = Dispatcher(redis)
+    plain, budgeted = f"{a.tag}light", f"{a.tag}lightb"
+    await BudgetLedger(redis, ttl=3600).open(budgeted, 10**12)
+    seq = 0
+
+    async def one(path: str, p: str) -> bool:
+        nonlocal seq
+        if path == "direct":
+            await chat.chat(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=CAP)
+            return True
+        seq += 1
+        spec = BatchSpec(
+            rollout_id=budgeted if path == "rlmq-budget" else plain,
+            batch_id=f"l{seq}",
+            model=a.model,
+            queue=a.queue,
+            timeout=a.timeout,
+            parallelism=1,
+            budgeted=path == "rlmq-budget",
+            max_completion_tokens=CAP,
+        )
+        return (await dispatcher.run_batch(spec, [p]))[0].status == "ok"
+
+    async def rounds(n: int, lat: dict[str, list[float]]) -> int:
+        errors = 0
+        for i in range(n):
+            for k in range(len(LIGHT_PATHS)):
+                path = LIGHT_PATHS[(i + k) % len(LIGHT_PATHS)]
+                t0 = time.perf_counter()
+                ok = await one(path, prompt(i))
+                lat[path].append(time.perf_counter() - t0)
+                errors += not ok
+        return errors
+
+    await rounds(a.warmup, {x: [] for x in LIGHT_PATHS})
+    _wait_for_go()
+    lat: dict[str, list[float]] = {x: [] for x in LIGHT_PATHS}
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    errors = await rounds(a.n, lat)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    await chat.close()
+    await redis.aclose()
+    return {
+        "n": a.n,
+        "wall": wall,
+        "latencies": lat["rlmq"],
+        "light": lat,
+        "errors": errors,
+        "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
+        "maxrss_mb": r1.ru_maxrss / 1024,
+        "warmup_errors": 0,
+    }
+
+
 async def _client(a: argparse.Namespace) -> dict[str, Any]:
+    if a.role == "light":
+        return await _light(a)
     close: list[Callable[[], Awaitable[Any]]] = []
     call_batch: BatchFn
     if a.role == "openai":
@@ -456,6 +534,16 @@ class Bench:
             "redis_bytes_out_per_call": d["net_out"] / n,
             "redis_commands": {k: round(v / n, 3) for k, v in d["calls"].items()},
         }
+        if "light" in out:
+            paths = out["light"]
+            row["paths"] = {
+                k: {"n": len(v), "p50_ms": pct(v, 50) * 1000, "p99_ms": pct(v, 99) * 1000} for k, v in paths.items()
+            }
+            for k, v in paths.items():
+                if k != "direct":  # each round's own difference to the direct call of that round
+                    diffs = [x - d for x, d in zip(v, paths["direct"], strict=True)]
+                    row["paths"][k]["paired_added_p50_ms"] = pct(diffs, 50) * 1000
+                    row["paths"][k]["paired_added_p99_ms"] = pct(diffs, 99) * 1000
         if counts is not None:
             top = sum(v for (lua, _), v in counts.items() if not lua)
             inner = sum(v for (lua, _), v in counts.items() if lua)
@@ -535,7 +623,7 @@ class Bench:
     def scenario_sizes(self) -> dict[str, int]:
         if self.quick:
             return {"n": 1000, "n_openai": 400, "n_rq": 100, "light": 60, "census": 256}
-        return {"n": 20000, "n_openai": 4000, "n_rq": 600, "light": 400, "census": 1024}
+        return {"n": 20000, "n_openai": 4000, "n_rq": 600, "light": 1000, "census": 1024}
 
     def run(self) -> None:
         a = self.args
@@ -574,14 +662,9 @@ class Bench:
                         budgeted=budgeted, census=True,
                     )["census"]  # fmt: skip
                 if want("light"):
-                    self._say("light: one prompt at a time")
-                    self.light["direct"] = self.run_client("direct", n=sz["light"], rollouts=1, batch=1, warmup=20)
-                    self.light["rlmq"] = self.run_client(
-                        "rlmq", n=sz["light"], rollouts=1, batch=1, worker_pids=pids, warmup=20
-                    )
-                    self.light["rlmq-budget"] = self.run_client(
-                        "rlmq", n=sz["light"], rollouts=1, batch=1, worker_pids=pids, warmup=20, budgeted=True
-                    )
+                    self._say("light: one prompt at a time, direct / rlmq / rlmq budgeted interleaved")
+                    row = self.run_client("light", n=sz["light"], rollouts=1, batch=1, worker_pids=pids, warmup=30)
+                    self.light = row.pop("paths")
                 if want("sweep"):
                     levels = [(1, 16), (4, 64)] if self.quick else [(1, 8), (1, 64), (4, 64), (8, 64), (16, 64)]
                     for r, b in levels:
@@ -645,6 +728,8 @@ class Bench:
                         "p99_ms": x["p99_ms"],
                         "added_p50_ms": x["p50_ms"] - d["p50_ms"],
                         "added_p99_ms": x["p99_ms"] - d["p99_ms"],
+                        "paired_added_p50_ms": x.get("paired_added_p50_ms", float("nan")),
+                        "paired_added_p99_ms": x.get("paired_added_p99_ms", float("nan")),
                     }
             light["direct"] = {"p50_ms": d["p50_ms"], "p99_ms": d["p99_ms"]}
         budget: dict[str, Any] = {}
@@ -739,7 +824,10 @@ def print_table(doc: dict[str, Any]) -> None:
         print("\nLight load (one prompt at a time), ms")
         for key, x in doc["light"].items():
             extra = (
-                f"  added p50 {x['added_p50_ms']:.2f}  added p99 {x['added_p99_ms']:.2f}" if "added_p50_ms" in x else ""
+                f"  added p50 {x['added_p50_ms']:.2f}  added p99 {x['added_p99_ms']:.2f}"
+                f"  (per round: p50 {x['paired_added_p50_ms']:.2f}  p99 {x['paired_added_p99_ms']:.2f})"
+                if "added_p50_ms" in x
+                else ""
             )
             print(f"  {key:12} p50 {x['p50_ms']:.2f}  p99 {x['p99_ms']:.2f}{extra}")
     if doc["budget"]:
