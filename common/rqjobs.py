@@ -6,9 +6,11 @@ and a stock ``rq worker`` all see ordinary RQ jobs; ``tests/unit/test_rqjobs.py`
 them back through RQ's ``Job.fetch`` to prove it. Doing it here instead of through
 ``Queue.enqueue_many`` saves most of RQ's per-job Python and Redis work (see bench/).
 
-rlmq adds three fields RQ ignores: ``rlmq_reply`` (the batch's reply list),
-``rlmq_meta`` (JSON: rollout id, batch id, index, for error results written by the
-reaper) and ``rlmq_attempts`` (incremented when an abandoned job is re-queued).
+rlmq adds fields RQ ignores: ``rlmq_reply`` (the batch's reply list), ``rlmq_meta``
+(JSON: rollout id, batch id, index, for error results written by the reaper),
+``rlmq_attempts`` (incremented when an abandoned job is re-queued) and ``rlmq_started``
+(the attempt a worker last started; see ``workers.records.START_LUA``). The producer
+writes only the first two, so an enqueue applied twice leaves the others as they were.
 """
 
 from __future__ import annotations

@@ -39,7 +39,11 @@ IDLE_LIST_TTL = 3600
 # ARGV[1] worker name, ARGV[2] now as RQ timestamp text, ARGV[3] now (unix s),
 # ARGV[4] heartbeat ttl (s), then per candidate: ARGV[3+2i] job id, ARGV[4+2i] execution id.
 # A candidate no longer in the queue (another worker took it) is skipped; one whose hash
-# has expired (its producer gave up) is dropped from the queue and skipped.
+# has expired (its producer gave up) is dropped from the queue and skipped; so is one whose
+# current attempt has started before (rlmq_started = that attempt): a copy re-queued by an
+# enqueue that was applied twice (a client retry after a lost reply). Only the reaper starts
+# a new attempt (it increments rlmq_attempts), so one attempt never runs twice at once and
+# its budget reservations are never shared by two executions.
 # When the candidates are still the head of the queue (the usual case) one LTRIM takes them all;
 # ZADD / SADD run once per call.
 # Returns, per job taken: {job id, execution id, data, attempts, reply key, enqueued_at}.
@@ -65,11 +69,13 @@ for i = 1, n do
   local jid = ARGV[3 + 2 * i]
   local eid = ARGV[4 + 2 * i]
   if at_head or redis.call('LREM', KEYS[1], 1, jid) == 1 then
-    local f = redis.call('HMGET', jkey, 'data', 'rlmq_attempts', 'rlmq_reply', 'enqueued_at', 'status')
-    if f[1] and f[5] == 'queued' then
+    local f = redis.call('HMGET', jkey, 'data', 'rlmq_attempts', 'rlmq_reply', 'enqueued_at', 'status',
+                         'rlmq_started')
+    local attempt = tostring((tonumber(f[2]) or 0) + 1)
+    if f[1] and f[5] == 'queued' and f[6] ~= attempt then
       local member = jid .. ':' .. eid
       redis.call('HSET', jkey, 'status', 'started', 'worker_name', ARGV[1], 'started_at', ARGV[2],
-                 'last_heartbeat', ARGV[2])
+                 'last_heartbeat', ARGV[2], 'rlmq_started', attempt)
       redis.call('PERSIST', jkey)
       redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', ARGV[3], 'last_heartbeat', ARGV[3],
                  'worker_name', ARGV[1])

@@ -94,6 +94,23 @@ async def test_two_workers_never_take_the_same_job(real_redis: redis.Redis, ared
     assert len(got_a) == 50 and got_b == []
 
 
+async def test_an_enqueue_applied_twice_never_runs_one_attempt_twice(real_redis: redis.Redis, aredis: Redis) -> None:
+    """A client retry can apply an enqueue pipeline a second time (its first reply lost): the
+    job is queued again while its first copy runs. START refuses the copy (the attempt has
+    started), so the two can never share one attempt's budget reservations."""
+    spec = await enqueue(aredis, 2)
+    a = Records(aredis, QUEUE, "wa")
+    first = await a.start(await head(aredis, 2))
+    assert [j.job_id for j in first] == ["r1-b1-0", "r1-b1-1"]
+    await Dispatcher(aredis).enqueue(spec, ["p0", "p1"], [0, 1])  # the same pipeline again
+    assert real_redis.llen(K.rq_queue(QUEUE)) == 2
+    b = Records(aredis, QUEUE, "wb")
+    assert await b.start(await head(aredis, 2)) == []
+    assert real_redis.llen(K.rq_queue(QUEUE)) == 0  # the copies are gone from the queue
+    # The real execution still finishes and delivers.
+    assert await a.finish([FinishedJob(j, True, '{"x":1}', rq_return_value(None)) for j in first]) == 2
+
+
 async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 1)
     dead = Records(aredis, QUEUE, "dead", heartbeat_ttl=1, max_attempts=2)
