@@ -9,8 +9,9 @@ them back through RQ's ``Job.fetch`` to prove it. Doing it here instead of throu
 rlmq adds fields RQ ignores: ``rlmq_reply`` (the batch's reply list), ``rlmq_meta``
 (JSON: rollout id, batch id, index, for error results written by the reaper),
 ``rlmq_attempts`` (incremented when an abandoned job is re-queued) and ``rlmq_started``
-(the attempt a worker last started; see ``workers.records.START_LUA``). The producer
-writes only the first two, so an enqueue applied twice leaves the others as they were.
+(``created_at/attempt`` of the execution a worker last started; see
+``workers.records.START_LUA``). The producer writes only the first two, so an enqueue
+applied twice leaves the others as they were.
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ IDLE_LIST_TTL = 3600
 # ARGV[4] heartbeat ttl (s), then per candidate: ARGV[3+2i] job id, ARGV[4+2i] execution id.
 # A candidate no longer in the queue (another worker took it) is skipped; one whose hash
 # has expired (its producer gave up) is dropped from the queue and skipped; so is one whose
-# current attempt has started before (rlmq_started = that attempt): a copy re-queued by an
-# enqueue that was applied twice (a client retry after a lost reply). Only the reaper starts
-# a new attempt (it increments rlmq_attempts), so one attempt never runs twice at once and
-# its budget reservations are never shared by two executions.
+# current attempt of its current enqueue has started before (rlmq_started = created_at/attempt):
+# a copy re-queued by an enqueue applied twice (a client retry after a lost reply resends the
+# same created_at). Only the reaper starts a new attempt (it increments rlmq_attempts) and a
+# new enqueue of the same job id has a new created_at, so one attempt never runs twice at
+# once and its budget reservations are never shared by two executions.
 # When the candidates are still the head of the queue (the usual case) one LTRIM takes them all;
 # ZADD / SADD run once per call.
 # Returns, per job taken: {job id, execution id, data, attempts, reply key, enqueued_at}.
@@ -70,12 +71,12 @@ for i = 1, n do
   local eid = ARGV[4 + 2 * i]
   if at_head or redis.call('LREM', KEYS[1], 1, jid) == 1 then
     local f = redis.call('HMGET', jkey, 'data', 'rlmq_attempts', 'rlmq_reply', 'enqueued_at', 'status',
-                         'rlmq_started')
-    local attempt = tostring((tonumber(f[2]) or 0) + 1)
-    if f[1] and f[5] == 'queued' and f[6] ~= attempt then
+                         'rlmq_started', 'created_at')
+    local mark = (f[7] or '') .. '/' .. ((tonumber(f[2]) or 0) + 1)
+    if f[1] and f[5] == 'queued' and f[6] ~= mark then
       local member = jid .. ':' .. eid
       redis.call('HSET', jkey, 'status', 'started', 'worker_name', ARGV[1], 'started_at', ARGV[2],
-                 'last_heartbeat', ARGV[2], 'rlmq_started', attempt)
+                 'last_heartbeat', ARGV[2], 'rlmq_started', mark)
       redis.call('PERSIST', jkey)
       redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', ARGV[3], 'last_heartbeat', ARGV[3],
                  'worker_name', ARGV[1])

@@ -99,16 +99,22 @@ async def test_an_enqueue_applied_twice_never_runs_one_attempt_twice(real_redis:
     job is queued again while its first copy runs. START refuses the copy (the attempt has
     started), so the two can never share one attempt's budget reservations."""
     spec = await enqueue(aredis, 2)
+    ids = ["r1-b1-0", "r1-b1-1"]
+    written = {jid: real_redis.hgetall(K.rq_job(jid)) for jid in ids}  # what the pipeline wrote
     a = Records(aredis, QUEUE, "wa")
     first = await a.start(await head(aredis, 2))
-    assert [j.job_id for j in first] == ["r1-b1-0", "r1-b1-1"]
-    await Dispatcher(aredis).enqueue(spec, ["p0", "p1"], [0, 1])  # the same pipeline again
-    assert real_redis.llen(K.rq_queue(QUEUE)) == 2
+    assert [j.job_id for j in first] == ids
+    for jid in ids:  # the same pipeline applied again: the same fields, the ids queued again
+        real_redis.hset(K.rq_job(jid), mapping=written[jid])
+    real_redis.rpush(K.rq_queue(QUEUE), *ids)
     b = Records(aredis, QUEUE, "wb")
     assert await b.start(await head(aredis, 2)) == []
     assert real_redis.llen(K.rq_queue(QUEUE)) == 0  # the copies are gone from the queue
     # The real execution still finishes and delivers.
     assert await a.finish([FinishedJob(j, True, '{"x":1}', rq_return_value(None)) for j in first]) == 2
+    # A new enqueue of the same job ids (a rollout id used again) is a new job: it runs.
+    await Dispatcher(aredis).enqueue(spec, ["p0", "p1"], [0, 1])
+    assert [j.job_id for j in await b.start(await head(aredis, 2))] == ["r1-b1-0", "r1-b1-1"]
 
 
 async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis: redis.Redis, aredis: Redis) -> None:
