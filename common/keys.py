@@ -118,7 +118,7 @@ def wake_message(queue: str, ids: list[str] | None = None, *, announce_only: boo
 
     ``<queue>``: wake up and look at the queues; ``<queue>`` newline ``<id> <id> ...``:
     wake up, these jobs are waiting; ``<queue>`` newline: serve this queue from now on,
-    nothing to wake up for (its small batches go to idle workers, :func:`idle_workers`).
+    nothing to wake up for (its jobs went to the :func:`lane`).
     """
     if announce_only:
         return queue + "\n"
@@ -131,19 +131,13 @@ def parse_wake_message(text: str) -> tuple[str, list[str], bool]:
     return queue, rest.split(), bool(sep) and not rest
 
 
-def idle_workers(queue: str) -> str:
-    """List of the idle workers of ``queue`` and its tenants, most recently idle first.
+def lane(queue: str) -> str:
+    """List of small batches announced to the idle workers of ``queue`` and its tenants.
 
-    A worker pushes its name when it runs out of work; a producer's ``ROUTE`` script pops
-    the first name and hands that worker a small batch (:func:`worker_channel`). A name can
-    be stale (the worker got busy, or died): the route skips names nobody listens for, and a
-    busy worker passes what it cannot take on to the others."""
-    return namespace("idle", queue.split("@", 1)[0])
-
-
-def worker_channel(queue: str, worker_name: str) -> str:
-    """Pub/sub channel on which one worker of ``queue`` receives the small batches routed to it."""
-    return namespace("wake", queue.split("@", 1)[0], worker_name)
+    Each entry is a :class:`common.schemas.LaneEntry`; one ``BLPOP`` hands it to exactly
+    one idle worker. The list is a hint, never the record: the jobs are also on their RQ
+    queue, so an entry that is lost or popped late costs latency, never a job."""
+    return namespace("lane", queue.split("@", 1)[0])
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from common import keys as K
 from common.errors import PayloadError
@@ -55,35 +55,20 @@ WAKE_HINT_MAX_JOBS = 32
 """Batches up to this size name their job ids in the wake-up message."""
 
 LANE_MAX_JOBS = 8
-"""Batches up to this size go to one idle worker, the most recently idle one, instead of
-waking them all: no herd of woken workers racing for one job, the warmest process serves
-it, and the entry carries the requests, so that worker starts an unbudgeted call while its
-``START`` is on the way (see :mod:`workers.worker`)."""
+"""Batches up to this size are announced on the queue's lane instead of by a wake-up: one
+``BLPOP`` hands the entry to exactly one idle worker (no herd of woken workers racing for
+one job), and the entry carries the requests, so that worker can start an unbudgeted call
+while its ``START`` is on the way (see :mod:`workers.worker`)."""
 
 LANE_MAX_PROMPT = 8192
 """Prompts longer than this (characters) are not copied into the lane entry."""
 
-ROUTE_MAX_TRIES = 8
-"""Idle-worker names one route pops at most before it falls back to waking every worker."""
+LANE_KEEP = 64
+"""The lane keeps only its newest entries: when no worker is idle nobody pops it, and the
+busy workers take the jobs from their RQ queue anyway."""
 
-# Contract: hand a small batch (its lane entry) to the most recently idle worker of its queue.
-# KEYS[1] the queue's idle-worker list (common.keys.idle_workers; most recently idle first).
-# ARGV[1] the worker channel prefix (common.keys.worker_channel without the name),
-# ARGV[2] the lane entry (LaneEntry JSON), ARGV[3] the queue's shared wake channel,
-# ARGV[4] the wake message naming the batch's jobs, ARGV[5] at most this many names to try.
-# Pops names until a worker receives the entry: PUBLISH counts receivers, so the name of a
-# worker that is gone receives nothing and is dropped. When no idle worker is left, the wake
-# message goes to every worker instead (the jobs are on their queue whatever happens here).
-# Returns 1 when one worker got the entry, 0 when every worker was woken instead.
-ROUTE_LUA = """
-for i = 1, tonumber(ARGV[5]) do
-  local name = redis.call('LPOP', KEYS[1])
-  if not name then break end
-  if redis.call('PUBLISH', ARGV[1] .. name, ARGV[2]) > 0 then return 1 end
-end
-redis.call('PUBLISH', ARGV[3], ARGV[4])
-return 0
-"""
+LANE_TTL_MS = 10_000
+"""Milliseconds a lane lives after its last entry."""
 
 
 def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
@@ -120,7 +105,6 @@ class Dispatcher:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         self._queues_registered: dict[str, float] = {}
-        self._route = redis.register_script(ROUTE_LUA)
 
     async def enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> float:
         """Enqueue slots ``indices`` of ``prompts`` in one pipeline; returns the enqueue time."""
@@ -179,20 +163,15 @@ class Dispatcher:
             if announce:
                 pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
                 self._queues_registered[spec.queue] = now
-            route_args: list[str | int] | None = None
             if lane_jobs is not None:
+                # One idle worker pops the entry; busy ones take the jobs off the queue.
+                lane = K.lane(spec.queue)
+                entry = LaneEntry(queue=spec.queue, enqueued_at=now, jobs=lane_jobs)
+                pipe.rpush(lane, entry.model_dump_json(exclude_defaults=True))
+                pipe.ltrim(lane, -LANE_KEEP, -1)
+                pipe.pexpire(lane, LANE_TTL_MS)
                 if announce:  # name the (tenant) queue to busy workers without waking anyone
                     pipe.publish(K.wake_channel(spec.queue), K.wake_message(spec.queue, announce_only=True))
-                # The most recently idle worker gets the batch; busy ones take jobs off the queue.
-                entry = LaneEntry(queue=spec.queue, enqueued_at=now, jobs=lane_jobs)
-                route_args = [
-                    K.worker_channel(spec.queue, ""),
-                    entry.model_dump_json(exclude_defaults=True),
-                    K.wake_channel(spec.queue),
-                    K.wake_message(spec.queue, ids),
-                    ROUTE_MAX_TRIES,
-                ]
-                pipe.evalsha(self._route.sha, 1, K.idle_workers(spec.queue), *route_args)
             else:
                 # Wakes idle workers and names new tenants; batches up to WAKE_HINT_MAX_JOBS
                 # also name their jobs, so an idle worker takes them without peeking first.
@@ -200,13 +179,7 @@ class Dispatcher:
                     K.wake_channel(spec.queue),
                     K.wake_message(spec.queue, ids if len(ids) <= WAKE_HINT_MAX_JOBS else None),
                 )
-            outcomes = await pipe.execute(raise_on_error=False)
-        for o in outcomes:
-            if isinstance(o, NoScriptError) and route_args is not None:
-                # Redis lost its script cache (restarted?): everything else went through; route again.
-                await self._route(keys=[K.idle_workers(spec.queue)], args=route_args)
-            elif isinstance(o, Exception):
-                raise o
+            await pipe.execute()
         return now
 
     async def run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:

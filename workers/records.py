@@ -30,9 +30,6 @@ from common import keys as K
 from common.ledger import LEDGER_LUA, BudgetLedger
 from common.rqjobs import utcnow_str
 
-IDLE_LIST_TTL = 3600
-"""Seconds a queue's idle-worker list lives after a worker last put its name on it."""
-
 # Contract: move candidate jobs from the queue into the started state, atomically.
 # KEYS[1] queue list, KEYS[2] started registry (zset), KEYS[3] worker executions set,
 # then per candidate i (i = 1..n): KEYS[3+2i-1] job hash, KEYS[3+2i] execution hash.
@@ -341,14 +338,8 @@ class Records:
             for r in rows
         ]
 
-    async def finish(self, done: list[FinishedJob], *, idle_list: str | None = None) -> int:
+    async def finish(self, done: list[FinishedJob]) -> int:
         """Record the end of ``done`` and push their results to their reply lists.
-
-        Args:
-            done: the finished jobs (their last budget settlements go first, same round trip).
-            idle_list: when given, this worker's name is put first on that idle-worker list
-                (:func:`common.keys.idle_workers`) in the same round trip, before the results
-                are delivered: the producer that reads a result finds this worker idle.
 
         Returns how many were delivered (the others were taken back by the reaper).
         """
@@ -368,19 +359,14 @@ class Records:
             j = d.job
             keys += [K.rq_job(j.job_id), K.rq_execution(j.job_id, j.execution_id), K.rq_results(j.job_id), j.reply_key]
             argv += [j.job_id, j.execution_id, "1" if d.ok else "0", d.result_json, d.rq_payload]
-        settles = [s for d in done for s in d.settles] if self.ledger is not None else []
-        if not settles and idle_list is None:
+        settles = [s for d in done for s in d.settles]
+        if not settles or self.ledger is None:
             return int(await self._finish(keys=keys, args=argv))
         # Settlements first, then FINISH, in one round trip on one connection: by the time a
         # producer sees a result, the ledger has already released what its last call did not use.
         for attempt in (1, 2):
             async with self.redis.pipeline(transaction=False) as pipe:
-                if settles and self.ledger is not None:
-                    self.ledger.add_settles(pipe, settles)
-                if idle_list is not None:
-                    pipe.lrem(idle_list, 0, self.worker_name)
-                    pipe.lpush(idle_list, self.worker_name)
-                    pipe.expire(idle_list, IDLE_LIST_TTL)
+                self.ledger.add_settles(pipe, settles)
                 pipe.evalsha(self._finish.sha, len(keys), *keys, *argv)
                 outcomes: list[Any] = await pipe.execute(raise_on_error=False)
             if attempt == 1 and any(isinstance(o, NoScriptError) for o in outcomes):

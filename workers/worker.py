@@ -9,15 +9,13 @@ LLM call. This worker runs on one asyncio loop:
   of 8. It takes jobs with ``LRANGE`` then the ``START`` script (which removes them from the
   queue and marks them started atomically: a worker dying while it waits loses nothing), and
   when every queue is empty it waits for a wake-up the producer publishes after enqueueing
-  (``rlmq:wake:<queue>``), for a small batch routed to it, or one second;
-* the *lane* is how small batches (up to 8 prompts) reach an idle worker: a worker that runs
-  out of work puts its name first on its queue's idle list (``rlmq:idle:<queue>``), and the
-  producer's ``ROUTE`` script pops the first name and publishes the batch (its lane entry,
-  requests included) on that worker's own channel (``rlmq:wake:<queue>:<worker>``). One
-  worker, the most recently idle and so the warmest, gets it instead of a herd of woken
-  workers racing for one job; a job's first budget reservation and, when unbudgeted, its
-  model call start while its ``START`` is on the way (``START`` still decides who runs the
-  job; a lost race cancels the early call). This is the light-load path (``bench/README.md``);
+  (``rlmq:wake:<queue>``), for an entry of the queue's *lane*, or one second;
+* the *lane* (``rlmq:lane:<queue>``, a list) is how small batches (up to 8 prompts) reach
+  an idle worker: one ``BLPOP`` hands the entry to exactly one worker instead of waking
+  them all, and the entry carries the requests, so a job's first budget reservation and,
+  when unbudgeted, its model call start while its ``START`` is on the way (``START`` still
+  decides who runs the job; a lost race cancels the early call). This is the light-load
+  path (see ``bench/README.md``);
 * each job runs :func:`workers.subllm.run_sub_llm` as its own task;
 * the *flush* task records finished jobs and pushes their results to their reply lists
   in one ``FINISH`` script call per flush (whatever finished meanwhile: natural batching
@@ -60,7 +58,7 @@ from common.rqjobs import SUB_LLM_FUNC, decode_job_data
 from common.schemas import LaneEntry, SubLLMRequest, SubLLMResult, load_lane_entry, load_request
 from common.settings import Settings
 from workers.model import ChatClient
-from workers.records import IDLE_LIST_TTL, FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value
+from workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value
 from workers.subllm import SubLLMContext, run_sub_llm
 from workers.tools import ToolRegistry
 
@@ -137,9 +135,7 @@ class SubLLMWorker:
         self._queues: list[str] = [self.queue]
         self._wake = asyncio.Event()
         self._hints: dict[str, list[str]] = {}  # queue -> job ids named by wake-ups (idle fast path)
-        self._lane_entries: list[LaneEntry] = []  # small batches routed to this worker
-        self._lane_arrived = asyncio.Event()
-        self._idle_registered = False  # this worker's name is on its queue's idle list
+        self._lane_pop: asyncio.Task[LaneEntry | None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._done: list[FinishedJob] = []
         self._done_event = asyncio.Event()
@@ -283,23 +279,18 @@ class SubLLMWorker:
         self._queues = [q for q in self._queues if q in found] + [q for q in found if q not in self._queues]
 
     async def _wake_listener(self) -> None:
-        """Set the wake event on every ``rlmq:wake:<queue>`` message; queue the small batches
-        routed to this worker (``rlmq:wake:<queue>:<worker>``).
+        """Set the wake event on every ``rlmq:wake:<queue>`` message.
 
         Producers publish the name of the (tenant) queue they just enqueued on, so a new
         tenant is served at once instead of at the next discovery."""
         backoff = 0.1
-        mine = K.worker_channel(self.queue, self.name).encode()
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(K.wake_channel(self.queue), mine)
+                await pubsub.subscribe(K.wake_channel(self.queue))
                 backoff = 0.1
                 async for msg in pubsub.listen():
                     data = msg.get("data")
-                    if msg.get("channel") == mine:
-                        self._lane_entry_arrived(data)
-                        continue
                     text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
                     queue, ids, announce_only = K.parse_wake_message(text)
                     if not K.serves(self.queue, queue):
@@ -307,7 +298,7 @@ class SubLLMWorker:
                     if queue not in self._queues:
                         self._queues.append(queue)  # a new tenant: serve it from the next round on
                     if announce_only:
-                        continue  # its small batches are routed to idle workers
+                        continue  # its jobs went to the lane (an idle worker pops them)
                     if ids:  # a small batch named its jobs: an idle worker takes them directly
                         self._hints.setdefault(queue, []).extend(ids)
                     self._wake.set()
@@ -326,27 +317,23 @@ class SubLLMWorker:
         try:
             while not self._stopping.is_set():
                 free = self.concurrency - len(self._inflight)
-                entry = self._lane_entries.pop(0) if self._lane_entries else None
-                if not self._lane_entries:
-                    self._lane_arrived.clear()
+                entry = self._popped_lane_entry()
                 if free <= 0:
-                    if entry is not None:  # routed to this worker while it was full
+                    if entry is not None:  # popped just before this worker filled up
                         with contextlib.suppress(redis.RedisError, OSError):
                             await self._pass_on(entry)
                         continue
                     self._slot_free.clear()
                     slot = asyncio.create_task(self._slot_free.wait())
-                    lane = asyncio.create_task(self._lane_arrived.wait())
-                    await asyncio.wait({slot, lane}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                     slot.cancel()
-                    lane.cancel()
                     continue
                 try:
                     if time.monotonic() - last_discovery > 1.0:
                         await self._discover_queues()
                         last_discovery = time.monotonic()
                     if entry is not None:
-                        self._idle_registered = False
                         await self._take_lane_entry(entry, free)
                         idle, after_lane, backoff = False, True, 0.1
                         continue
@@ -378,7 +365,6 @@ class SubLLMWorker:
                             last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
                         continue
                     taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
-                    self._idle_registered = False
                     started_by_queue = await _gather([self._records_for(q).start(ids) for q, ids in taken])
                     # rotate so the next round starts with the next queue
                     self._queues = self._queues[1:] + self._queues[:1]
@@ -395,57 +381,62 @@ class SubLLMWorker:
                         self._spawn(job, q, self._run_job(job))
                 self.metrics.inflight(len(self._inflight))
         finally:
-            await self._leave_lane()
+            await self._stop_lane_pop()
 
     async def _wait_for_work(self, burst: bool) -> None:
-        """Wait (at most a second) for a wake-up, a routed small batch, a stop, or in burst
-        mode a free slot. A worker with nothing in flight first puts its name on the idle list."""
-        if not burst and not self._inflight:
-            await self._register_idle()
+        """Wait (at most a second) for a wake-up, a lane entry, a stop, or in burst mode a free slot."""
         waiter = asyncio.create_task(self._wake.wait())
         stop = asyncio.create_task(self._stopping.wait())
-        lane = asyncio.create_task(self._lane_arrived.wait())
         slot = asyncio.create_task(self._slot_free.wait()) if burst else None
-        pending = {waiter, stop, lane} | ({slot} if slot else set())
-        await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        pending = {waiter, stop} | ({slot} if slot else set())
+        if not burst and self._lane_pop is None:
+            self._lane_pop = asyncio.create_task(self._pop_lane(), name="lane")
+        await asyncio.wait(
+            pending | ({self._lane_pop} if self._lane_pop else set()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+        )
         for t in pending:
-            t.cancel()
+            t.cancel()  # the lane pop stays pending across rounds: cancelling it could drop an entry
         self._slot_free.clear()
 
     # ------------------------------------------------------------------ the lane
 
-    async def _register_idle(self) -> None:
-        """Put this worker's name first on its queue's idle list (once per idle spell), so
-        the next small batch comes here: the most recently idle worker is the warmest."""
-        if self._idle_registered or self._stopping.is_set():
-            return
-        key = K.idle_workers(self.queue)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lrem(key, 0, self.name)
-            pipe.lpush(key, self.name)
-            pipe.expire(key, IDLE_LIST_TTL)
-            await pipe.execute()
-        self._idle_registered = True
-
-    def _lane_entry_arrived(self, data: object) -> None:
-        """A small batch routed to this worker (its name was popped off the idle list)."""
-        self._idle_registered = False
+    async def _pop_lane(self) -> LaneEntry | None:
+        """Wait up to a second for one entry of this queue's lane (``None``: none came)."""
         try:
-            entry = load_lane_entry(data if isinstance(data, (str, bytes)) else str(data))
+            got = await self.redis.blpop([K.lane(self.queue)], timeout=1)
+        except (redis.RedisError, OSError):
+            await asyncio.sleep(0.1)  # reconnect backoff; the fetch loop reports the outage
+            return None
+        if got is None:
+            return None
+        try:
+            return load_lane_entry(got[1])
         except PayloadError as exc:
             log.warning("worker %s: dropped an invalid lane entry (%s)", self.name, exc)
-            return
-        self._lane_entries.append(entry)
-        self._lane_arrived.set()
+            return None
 
-    async def _leave_lane(self) -> None:
-        """On the way out: take this worker's name off the idle list and pass on whatever
-        was routed to it and not taken."""
-        with contextlib.suppress(redis.RedisError, OSError):
-            await self.redis.lrem(K.idle_workers(self.queue), 0, self.name)
-            for entry in self._lane_entries:
+    def _popped_lane_entry(self) -> LaneEntry | None:
+        """The entry the lane pop brought, once it is done (then a new pop may start)."""
+        t = self._lane_pop
+        if t is None or not t.done():
+            return None
+        self._lane_pop = None
+        if t.cancelled() or t.exception() is not None:
+            return None
+        return t.result()
+
+    async def _stop_lane_pop(self) -> None:
+        """On the way out: cancel a pending lane pop, or pass on an entry it already brought."""
+        t = self._lane_pop
+        if t is not None and not t.done():
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        entry = self._popped_lane_entry()
+        self._lane_pop = None
+        if entry is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
                 await self._pass_on(entry)
-        self._lane_entries.clear()
 
     async def _pass_on(self, entry: LaneEntry) -> None:
         """Hand a lane entry this worker cannot take to the other idle workers (a wake-up
@@ -616,12 +607,8 @@ class SubLLMWorker:
         by_queue: dict[str, list[FinishedJob]] = {}
         for d in batch:
             by_queue.setdefault(self._queue_of.get(d.job.member, self.queue), []).append(d)
-        # The worker's last jobs: its name goes on the idle list in the same round trip, ahead
-        # of their results, so the producer's next small batch comes back to this warm worker.
-        register = len(batch) == len(self._inflight) and not self._idle_registered and not self._stopping.is_set()
-        idle_list = K.idle_workers(self.queue) if register and len(by_queue) == 1 else None
         try:
-            await _gather([self._records_for(q).finish(b, idle_list=idle_list) for q, b in by_queue.items()])
+            await _gather([self._records_for(q).finish(b) for q, b in by_queue.items()])
         except BaseException:
             self._done = batch + self._done
             self._done_event.set()
@@ -631,8 +618,6 @@ class SubLLMWorker:
             self._queue_of.pop(d.job.member, None)
         self.metrics.inflight(len(self._inflight))
         self._slot_free.set()
-        if idle_list is not None:
-            self._idle_registered = True
 
     # ------------------------------------------------------------------ heartbeat & reaper
 

@@ -1,15 +1,15 @@
-"""The lane: a small batch goes to the most recently idle worker, whose calls start before START answers.
+"""The lane: a small batch reaches exactly one idle worker, whose calls start before START answers.
 
 In-process workers on a real Redis, the scripted model (a test double) in-process too. The
 races the lane must survive are set up, not waited for: a rival takes the job with ``START``
-(as a busy worker peeking the queue would) while the idle worker's own ``START`` is held.
+(as a busy worker peeking the queue would) before the idle worker pops the lane entry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -21,7 +21,7 @@ from common import keys as K
 from common.ledger import BudgetLedger
 from common.metrics import Metrics
 from common.settings import load_settings
-from producer.dispatch import LANE_MAX_JOBS, BatchSpec, Dispatcher
+from producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
 from producer.mock_llm import MockLLMServer
 from tests.faults.conftest import await_until
 from workers.records import Records, StartedJob
@@ -66,27 +66,11 @@ def lane_jobs(w: SubLLMWorker, outcome: str) -> float:
     return value or 0.0
 
 
-def idle_names(sync: redis.Redis) -> list[str]:
-    return [n.decode() for n in sync.lrange(K.idle_workers(QUEUE), 0, -1)]
-
-
-async def until_idle(sync: redis.Redis, *names: str) -> None:
-    await await_until(lambda: asyncio.to_thread(lambda: set(names) <= set(idle_names(sync))), 30, f"{names} idle")
-
-
-@contextlib.contextmanager
-def held_start(monkeypatch: pytest.MonkeyPatch, worker: SubLLMWorker) -> Iterator[asyncio.Event]:
-    """Hold ``worker``'s START calls until the returned event is set."""
-    release = asyncio.Event()
-    real_start = Records.start
-
-    async def start(self: Records, job_ids: list[bytes]) -> list[StartedJob]:
-        if self.worker_name == worker.name:
-            await release.wait()
-        return await real_start(self, job_ids)
-
-    monkeypatch.setattr(Records, "start", start)
-    yield release
+def blocked_on_lane(sync: redis.Redis, n: int) -> bool:
+    """``n`` clients of this database wait in ``BLPOP`` (the idle workers on the lane)."""
+    db = sync.connection_pool.connection_kwargs.get("db", 0)
+    clients = sync.client_list()
+    return sum(1 for c in clients if int(c["db"]) == db and "b" in c["flags"] and c["cmd"] == "blpop") >= n
 
 
 def spec(rollout: str, **kw: object) -> BatchSpec:
@@ -102,38 +86,30 @@ async def test_a_small_batch_goes_to_one_idle_worker_and_its_call_starts_early(
 ) -> None:
     a = make_worker(redis_url, model, "lane-a")
     b = make_worker(redis_url, model, "lane-b")
-    dispatcher = Dispatcher(aredis)
     async with running(a, b):
-        await until_idle(real_redis, "lane-a", "lane-b")
-        first = idle_names(real_redis)[0]  # the most recently idle
-        results = await dispatcher.run_batch(spec("lane1"), ["Who keeps the key? The key is kept by Ada."])
-        # its name went back first on the idle list with its FINISH, before the result came
-        assert idle_names(real_redis)[0] == first
-        again = await dispatcher.run_batch(spec("lane1", batch_id="b2"), ["Who keeps the key? Ada."])
-    assert results[0].status == "ok" and again[0].status == "ok", (results, again)
-    # one worker, the most recently idle, took both, from the lane, calling the model once each
-    assert results[0].worker == again[0].worker == first
-    assert sorted(lane_jobs(w, "early") for w in (a, b)) == [0.0, 2.0]
+        await await_until(lambda: asyncio.to_thread(blocked_on_lane, real_redis, 2), 30, "both workers idle")
+        s = spec("lane1")
+        results = await Dispatcher(aredis).run_batch(s, ["Who keeps the key? The key is kept by Ada."])
+    assert results[0].status == "ok", results[0]
+    # exactly one of the two took it, from the lane, and called the model once
+    assert sorted(lane_jobs(w, "early") for w in (a, b)) == [0.0, 1.0]
     assert lane_jobs(a, "lost") + lane_jobs(b, "lost") == 0
-    assert model.stats["requests"] == 2
+    assert model.stats["requests"] == 1
     job = Job.fetch(results[0].job_id, connection=real_redis, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED
-    assert job.worker_name == first
+    assert job.worker_name == results[0].worker
 
 
 async def test_an_early_call_is_cancelled_when_another_worker_took_the_job(
-    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer, monkeypatch: pytest.MonkeyPatch
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer
 ) -> None:
+    s = spec("lane2")
+    await Dispatcher(aredis).enqueue(s, ["[[mock:sleep:30]] Who keeps the key? Ada does."], [0])
+    rival = await Records(aredis, QUEUE, "rival").start([b"lane2-b1-0"])
+    assert [j.job_id for j in rival] == ["lane2-b1-0"]
     w = make_worker(redis_url, model, "lane-late")
     async with running(w):
-        await until_idle(real_redis, "lane-late")
-        with held_start(monkeypatch, w) as release:
-            await Dispatcher(aredis).enqueue(spec("lane2"), ["[[mock:sleep:30]] Who keeps the key? Ada does."], [0])
-            await await_until(lambda: asyncio.sleep(0, bool(w._tasks)), 30, "the early call")
-            rival = await Records(aredis, QUEUE, "rival").start([b"lane2-b1-0"])
-            assert [j.job_id for j in rival] == ["lane2-b1-0"]
-            release.set()
-            await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
+        await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
         # The early call (its model answer is 30 s away) ends now: cancelled, not drained.
         await await_until(lambda: asyncio.sleep(0, not w._tasks), 10, "the early call to be cancelled")
         assert not w._inflight
@@ -149,51 +125,50 @@ async def test_a_budgeted_call_never_reaches_the_model_before_start(
 ) -> None:
     ledger = BudgetLedger(aredis)
     await ledger.open("lane3", 1000)
+    s = spec("lane3", budgeted=True, max_completion_tokens=100)
+    await Dispatcher(aredis).enqueue(s, ["Who keeps the key? Ada does."], [0])
+    await Records(aredis, QUEUE, "rival").start([b"lane3-b1-0"])
     w = make_worker(redis_url, model, "lane-budget")
+    # Hold this worker's START until its early reservation is in the ledger, so the call is
+    # known to wait for START, not merely to have lost the race to it.
+    release = asyncio.Event()
+    real_start = Records.start
+
+    async def held_start(self: Records, job_ids: list[bytes]) -> list[StartedJob]:
+        if self.worker_name == w.name:
+            await release.wait()
+        return await real_start(self, job_ids)
+
+    monkeypatch.setattr(Records, "start", held_start)
 
     async def reserved() -> bool:
         snap = await ledger.snapshot("lane3")
         return snap is not None and snap.grants == 1
 
     async with running(w):
-        await until_idle(real_redis, "lane-budget")
-        # START is held until the early reservation is in the ledger and a rival has the job,
-        # so the call is known to wait for START, not merely to have lost the race to it.
-        with held_start(monkeypatch, w) as release:
-            s = spec("lane3", budgeted=True, max_completion_tokens=100)
-            await Dispatcher(aredis).enqueue(s, ["Who keeps the key? Ada does."], [0])
-            await await_until(reserved, 30, "the early reservation")
-            await Records(aredis, QUEUE, "rival").start([b"lane3-b1-0"])
-            release.set()
-            await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
+        await await_until(reserved, 30, "the early reservation")
+        release.set()
+        await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
     assert model.stats["requests"] == 0
     # The early reservation is the one the owner of the job makes: the same id, one grant.
     grant = await ledger.reserve("lane3", "lane3-b1-0:1:1", 100)
     assert (grant.tokens, grant.charged) == (100, 100)
 
 
-async def test_a_worker_that_is_full_passes_a_routed_batch_on(
+async def test_a_small_batch_is_served_even_when_every_worker_is_busy(
     real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer
 ) -> None:
-    """A worker whose name is still on the idle list but which filled up meanwhile (here from
-    a large batch's wake-up) hands a small batch routed to it on to every worker."""
+    """Nobody pops the lane while the only worker is full; the jobs still run from the queue,
+    and the lane keeps only its newest entries."""
     w = make_worker(redis_url, model, "lane-full", worker_concurrency=1)
     dispatcher = Dispatcher(aredis)
-    pubsub = aredis.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(K.wake_channel(QUEUE))
     async with running(w):
-        await until_idle(real_redis, "lane-full")
-        big = [f"[[mock:sleep:{1 if i == 0 else 0}]] Who? Ada {i}." for i in range(LANE_MAX_JOBS + 1)]
-        large = asyncio.create_task(dispatcher.run_batch(spec("lane4", parallelism=64), big))
+        slow = asyncio.create_task(dispatcher.run_batch(spec("lane4"), ["[[mock:sleep:1]] Who? Ada."]))
         await await_until(lambda: asyncio.sleep(0, len(w._inflight) == 1), 30, "the worker to be full")
-        assert idle_names(real_redis) == ["lane-full"]  # still listed: it got work by a wake-up
-        small = asyncio.create_task(dispatcher.run_batch(spec("lane5"), ["Who keeps the key? Ada does."]))
-
-        async def passed_on() -> bool:
-            msg = await pubsub.get_message(timeout=1)
-            return msg is not None and K.parse_wake_message(msg["data"].decode()) == (QUEUE, ["lane5-b1-0"], False)
-
-        await await_until(passed_on, 30, "the routed batch to be passed on")
-        assert (await small)[0].status == "ok"
-        assert all(r.status == "ok" for r in await large)
-    await pubsub.aclose()
+        for i in range(LANE_KEEP + 5):
+            await dispatcher.enqueue(spec(f"lane4x{i}"), ["filler"], [0])
+        assert real_redis.llen(K.lane(QUEUE)) == LANE_KEEP
+        assert 0 < real_redis.pttl(K.lane(QUEUE)) <= 10_000
+        quick = await dispatcher.run_batch(spec("lane5"), ["Who keeps the key? Ada does."])
+        assert quick[0].status == "ok", quick[0]
+        assert (await slow)[0].status == "ok"

@@ -60,32 +60,25 @@ def next_message(pubsub: Any) -> str:
     raise AssertionError("no message published")
 
 
-async def test_small_batches_go_to_the_most_recently_idle_worker(server: fakeredis.FakeServer) -> None:
+async def test_small_batches_go_to_the_lane_with_their_requests(server: fakeredis.FakeServer) -> None:
     r = fakeredis.aioredis.FakeRedis(server=server)
     sync = fakeredis.FakeRedis(server=server)
-    shared = sync.pubsub(ignore_subscribe_messages=True)
-    shared.subscribe(K.wake_channel("rlmq.sub.m"))
-    warm = sync.pubsub(ignore_subscribe_messages=True)
-    warm.subscribe(K.worker_channel("rlmq.sub.m", "warm"))
-    # "gone" is first but nobody listens on its channel any more; "warm" is next
-    sync.rpush(K.idle_workers("rlmq.sub.m"), "gone", "warm", "cold")
+    pubsub = sync.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(K.wake_channel("rlmq.sub.m"))
     long = "x" * (LANE_MAX_PROMPT + 1)
     prompts = ["p0", long] + [f"p{i}" for i in range(2, LANE_MAX_JOBS)]
     d = Dispatcher(r)
     await d.enqueue(spec(), prompts, list(range(LANE_MAX_JOBS)))
-    assert next_message(shared) == K.wake_message("rlmq.sub.m", announce_only=True)  # first batch on a queue
-    entry = load_lane_entry(next_message(warm))
+    entry = load_lane_entry(sync.lpop(K.lane("rlmq.sub.m")))
     assert entry.queue == "rlmq.sub.m" and [j.job_id for j in entry.jobs] == [f"r1-b1-{i}" for i in range(8)]
     assert entry.jobs[0].request is not None and entry.jobs[0].request.prompt == "p0"
     assert entry.jobs[1].request is None  # too long to copy: the worker reads the job hash
-    assert sync.lrange(K.idle_workers("rlmq.sub.m"), 0, -1) == [b"cold"]
-    # nobody idle listens: every worker is woken instead, with the job ids
-    sync.delete(K.idle_workers("rlmq.sub.m"))
-    await d.enqueue(spec(batch_id="b2"), ["q0"], [0])
-    assert K.parse_wake_message(next_message(shared)) == ("rlmq.sub.m", ["r1-b2-0"], False)
-    # a larger batch wakes the workers, naming its jobs
-    await d.enqueue(spec(batch_id="b3"), [f"q{i}" for i in range(9)], list(range(9)))
-    assert K.parse_wake_message(next_message(shared)) == ("rlmq.sub.m", [f"r1-b3-{i}" for i in range(9)], False)
+    # the first batch on a queue names it to the workers, without waking anyone
+    assert next_message(pubsub) == K.wake_message("rlmq.sub.m", announce_only=True)
+    # a larger batch wakes the workers instead, naming its jobs
+    await d.enqueue(spec(batch_id="b2"), [f"q{i}" for i in range(9)], list(range(9)))
+    assert sync.llen(K.lane("rlmq.sub.m")) == 0
+    assert K.parse_wake_message(next_message(pubsub)) == ("rlmq.sub.m", [f"r1-b2-{i}" for i in range(9)], False)
 
 
 def test_short_job_data_is_stored_uncompressed_and_rq_reads_both() -> None:

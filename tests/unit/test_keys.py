@@ -66,7 +66,6 @@ def test_wake_message_round_trip(ids: list[str] | None, announce_only: bool) -> 
     assert K.parse_wake_message(text) == ("rlmq.sub.m@host-1", ids or [], announce_only)
 
 
-def test_idle_list_and_wake_channels_are_per_model_queue() -> None:
-    assert K.idle_workers("rlmq.sub.m@host-1") == K.idle_workers("rlmq.sub.m") == "rlmq:idle:rlmq.sub.m"
+def test_lane_and_wake_channel_are_per_model_queue() -> None:
+    assert K.lane("rlmq.sub.m@host-1") == K.lane("rlmq.sub.m") == "rlmq:lane:rlmq.sub.m"
     assert K.wake_channel("rlmq.sub.m@host-1") == "rlmq:wake:rlmq.sub.m"
-    assert K.worker_channel("rlmq.sub.m@host-1", "h.1.ab") == "rlmq:wake:rlmq.sub.m:h.1.ab"
