@@ -445,13 +445,14 @@ class SubLLMWorker:
         await self.redis.publish(K.wake_channel(entry.queue), K.wake_message(entry.queue, ids))
 
     async def _take_lane_entry(self, entry: LaneEntry, free: int) -> None:
-        """Take the jobs of a lane entry with ``START``; start each fresh, unbudgeted call early.
+        """Take the jobs of a lane entry with ``START``, starting each fresh one while ``START`` is on the way.
 
         A job whose request the entry carries starts *before* ``START`` answers (the
         light-load latency saving): an unbudgeted one calls the model at once; a budgeted one
         makes its first reservation at once but waits for ``START`` before calling the model
         (the reservation id ``<job>:<attempt>:<turn>`` is the same whichever worker makes it,
-        and only the execution ``START`` granted spends it, so the budget stays exact).
+        ``START`` never grants one attempt twice, and only the execution ``START`` granted
+        spends it, so the budget stays exact).
         ``START`` still decides who runs the job: when another worker took it first (it
         peeked the queue in the fraction of a millisecond between the enqueue and this
         ``START``), the early call is cancelled and counted as ``lost``. An entry older than
