@@ -40,16 +40,16 @@ COMPRESS_MIN_BYTES = 1024
 on a short prompt, and RQ reads uncompressed data as well (``Job.restore`` falls back)."""
 
 
-def encode_job_data(func: str, args: list[Any], *, args_json: str | None = None) -> bytes:
+def encode_job_data(func: str, args: list[Any] | None = None, *, args_json: str | None = None) -> bytes:
     """RQ's ``data`` field with the JSON serializer: ``[func, null, args, {}]``, zlib-compressed
     from ``COMPRESS_MIN_BYTES`` on.
 
     Args:
         func: the job function's import path.
-        args: its positional arguments (JSON-able); ignored when ``args_json`` is given.
+        args: its positional arguments (JSON-able); give either these or ``args_json``.
         args_json: the arguments already encoded as a JSON array (saves encoding them twice).
     """
-    text = args_json if args_json is not None else json.dumps(args, separators=(",", ":"))
+    text = args_json if args_json is not None else json.dumps(args or [], separators=(",", ":"))
     raw = f"[{json.dumps(func)},null,{text},{{}}]".encode()
     return zlib.compress(raw, 1) if len(raw) >= COMPRESS_MIN_BYTES else raw
 
@@ -76,7 +76,7 @@ def decode_job_data(raw: bytes) -> tuple[str, list[Any], dict[str, Any]]:
 def job_hash(
     *,
     queue: str,
-    args: list[Any],
+    args: list[Any] | None = None,
     description: str,
     timeout: int,
     result_ttl: int,
@@ -92,15 +92,14 @@ def job_hash(
 
     Args:
         queue: RQ queue name (``origin``).
-        args: positional arguments of the job function (JSON-able).
+        args: positional arguments of the job function (JSON-able); not needed with ``data``.
         description: what rq-dashboard shows; keep it short (never the prompt).
         timeout: RQ job timeout, seconds.
         result_ttl / failure_ttl: seconds RQ keeps the finished / failed job.
         ttl: seconds the job may wait in the queue before it expires unstarted.
         reply_key: the batch's reply list.
         meta: rollout id, batch id, index (for results the reaper writes).
-        data: the ``data`` field already encoded by :func:`encode_job_data` (then ``args`` is
-            not used).
+        data: the ``data`` field already encoded by :func:`encode_job_data`.
     """
     stamp = now or utcnow_str()
     return {

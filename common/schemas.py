@@ -63,8 +63,9 @@ class LaneEntry(_Strict):
     """A small batch announced on its queue's lane (``common.keys.lane``) for an idle worker.
 
     ``enqueued_at`` is the producer's Unix time (seconds). The jobs are on ``queue`` as
-    well: the worker that pops the entry still takes them with ``START``, and may start the
-    model call of an unbudgeted job while ``START`` is on its way (see ``workers.worker``).
+    well: the worker that pops the entry still takes them with ``START``, and starts each
+    call (a budgeted one: its first reservation) while ``START`` is on its way (see
+    ``workers.worker``).
     """
 
     v: Literal[1] = 1

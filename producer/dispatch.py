@@ -57,8 +57,8 @@ WAKE_HINT_MAX_JOBS = 32
 LANE_MAX_JOBS = 8
 """Batches up to this size are announced on the queue's lane instead of by a wake-up: one
 ``BLPOP`` hands the entry to exactly one idle worker (no herd of woken workers racing for
-one job), and the entry carries the requests, so that worker can start an unbudgeted call
-while its ``START`` is on the way (see :mod:`workers.worker`)."""
+one job), and the entry carries the requests, so that worker starts each call (a budgeted
+one: its first reservation) while its ``START`` is on the way (see :mod:`workers.worker`)."""
 
 LANE_MAX_PROMPT = 8192
 """Prompts longer than this (characters) are not copied into the lane entry."""
@@ -139,10 +139,7 @@ class Dispatcher:
                     key,
                     mapping=job_hash(  # type: ignore[arg-type]  # str keys are fine for redis-py
                         queue=spec.queue,
-                        args=[],
-                        data=encode_job_data(
-                            SUB_LLM_FUNC, [], args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"
-                        ),
+                        data=encode_job_data(SUB_LLM_FUNC, args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"),
                         description=(
                             f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.model}"
                         ),
