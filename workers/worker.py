@@ -318,11 +318,16 @@ class SubLLMWorker:
             while not self._stopping.is_set():
                 free = self.concurrency - len(self._inflight)
                 entry = self._popped_lane_entry()
+                if entry is not None and (free <= 0 or not (idle or after_lane)):
+                    # Popped by a pop left waiting from an idle spell, but this worker has found
+                    # queued work since: taking the entry's jobs now would put them ahead of older
+                    # jobs on their queue. They stay in queue order; the others are woken.
+                    if K.serves(self.queue, entry.queue) and entry.queue not in self._queues:
+                        self._queues.append(entry.queue)
+                    with contextlib.suppress(redis.RedisError, OSError):
+                        await self._pass_on(entry)
+                    entry = None
                 if free <= 0:
-                    if entry is not None:  # popped just before this worker filled up
-                        with contextlib.suppress(redis.RedisError, OSError):
-                            await self._pass_on(entry)
-                        continue
                     self._slot_free.clear()
                     slot = asyncio.create_task(self._slot_free.wait())
                     await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
@@ -439,10 +444,10 @@ class SubLLMWorker:
                 await self._pass_on(entry)
 
     async def _pass_on(self, entry: LaneEntry) -> None:
-        """Hand a lane entry this worker cannot take to the other idle workers (a wake-up
-        naming its jobs); the jobs themselves never left their queue."""
-        ids = [j.job_id for j in entry.jobs]
-        await self.redis.publish(K.wake_channel(entry.queue), K.wake_message(entry.queue, ids))
+        """Wake the other workers for a lane entry this worker does not take. The wake-up
+        does not name the jobs: they never left their queue, and a woken worker takes them
+        in queue order, behind any older ones."""
+        await self.redis.publish(K.wake_channel(entry.queue), K.wake_message(entry.queue))
 
     async def _take_lane_entry(self, entry: LaneEntry, free: int) -> None:
         """Take the jobs of a lane entry with ``START``, starting each fresh one while ``START`` is on the way.
