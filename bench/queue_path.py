@@ -1,6 +1,6 @@
 """The queue-path benchmark: rlmq against in-process fan-out and stock RQ, in one run.
 
-``python -m bench.queue_path [--quick] [--only NAMES]``
+``python -m bench.queue_path [--quick] [--only NAMES] [--out STEM]``
 
 Everything runs on 127.0.0.1 against one scripted model server (``rlmq mock-llm --port 0``,
 its own process) and one dedicated embedded Redis (:class:`common.redis_server.EmbeddedRedis`),
@@ -28,7 +28,9 @@ from the OS (``psutil`` / ``INFO cpu``); Redis commands from ``INFO commandstats
 (which count the commands Lua scripts run too), split into top-level and in-script by a
 short ``MONITOR`` census. The numbers are printed as a table and saved to
 ``bench/results/queue_path.json`` (+ ``.png`` when matplotlib is installed: ``pip install
--e '.[bench]'``). Nothing here asserts a timing.
+-e '.[bench]'``); ``--quick`` and ``--only`` runs to their own files beside it, ``--out``
+anywhere. Nothing here asserts a timing (``tests/e2e/test_bench_smoke.py`` runs a small
+one in CI and checks only that every figure is there).
 """
 
 from __future__ import annotations
@@ -730,6 +732,10 @@ class Bench:
                         "added_p99_ms": x["p99_ms"] - d["p99_ms"],
                         "paired_added_p50_ms": x.get("paired_added_p50_ms", float("nan")),
                         "paired_added_p99_ms": x.get("paired_added_p99_ms", float("nan")),
+                        # the added p50 in direct calls: hops cost what the direct call's own
+                        # wake-ups and round trips cost, so this ratio is what stays put when
+                        # the shared box speeds up or slows down
+                        "added_p50_per_direct_p50": (x["p50_ms"] - d["p50_ms"]) / d["p50_ms"],
                     }
             light["direct"] = {"p50_ms": d["p50_ms"], "p99_ms": d["p99_ms"]}
         budget: dict[str, Any] = {}
@@ -775,12 +781,13 @@ class Bench:
             **summ,
         }
         print_table(doc)
-        name = "queue_path_quick" if self.quick else "queue_path"
-        path = os.path.join(RESULTS_DIR, f"{name}.json")
+        stem = self.args.out or os.path.join(RESULTS_DIR, results_name(self.quick, self.args.only))
+        os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+        path = f"{stem}.json"
         with open(path, "w") as fh:
             json.dump(doc, fh, indent=2, sort_keys=False)
         print(f"\nsaved {path}")
-        png = plot(doc, os.path.join(RESULTS_DIR, f"{name}.png"))
+        png = plot(doc, f"{stem}.png")
         if png:
             print(f"saved {png}")
         return doc
@@ -825,7 +832,8 @@ def print_table(doc: dict[str, Any]) -> None:
         for key, x in doc["light"].items():
             extra = (
                 f"  added p50 {x['added_p50_ms']:.2f}  added p99 {x['added_p99_ms']:.2f}"
-                f"  (per round: p50 {x['paired_added_p50_ms']:.2f}  p99 {x['paired_added_p99_ms']:.2f})"
+                f"  (per round: p50 {x['paired_added_p50_ms']:.2f}  p99 {x['paired_added_p99_ms']:.2f};"
+                f"  added p50 = {x['added_p50_per_direct_p50']:.2f}x the direct p50)"
                 if "added_p50_ms" in x
                 else ""
             )
@@ -843,6 +851,15 @@ def print_table(doc: dict[str, Any]) -> None:
             f" worker peak RSS {s['worker_peak_rss_mb']:.0f} MB, worker CPU {s['worker_cpu_ms_per_call']:.3f} ms/call,"
             f" errors {s['errors']}"
         )
+
+
+def results_name(quick: bool, only: str | None) -> str:
+    """File stem under ``bench/results``: ``queue_path`` for the full run, ``queue_path_quick``
+    for ``--quick``; a subset (``--only``) gets its own, so it never overwrites a full run."""
+    name = "queue_path_quick" if quick else "queue_path"
+    if only:
+        name += "_only_" + "_".join(sorted(x.strip().replace("-", "_") for x in only.split(",") if x.strip()))
+    return name
 
 
 def plot(doc: dict[str, Any], path: str) -> str | None:
@@ -888,6 +905,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rq-workers", type=int, default=2, help="stock RQ SimpleWorker processes (default 2)")
     p.add_argument("--rollouts", type=int, default=4, help="concurrent rollouts (default 4)")
     p.add_argument("--batch", type=int, default=64, help="prompts per llm_batch (default 64)")
+    p.add_argument(
+        "--out",
+        help="path stem of the results (STEM.json, STEM.png); default bench/results/queue_path"
+        "[_quick][_only_<scenarios>]",
+    )
     # client-role flags (internal)
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
