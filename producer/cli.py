@@ -17,6 +17,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from common.aio import run as run_loop
+from common.aio import sigint_latch
 from common.errors import RlmqError
 from common.schemas import DatasetRow, read_dataset
 from common.settings import Settings, load_settings
@@ -310,29 +311,34 @@ def cmd_mock_llm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "demo":
+        return cmd_demo(args)
+    if args.command == "run":
+        return cmd_run(args)
+    if args.command == "worker":
+        return int(importlib.import_module("workers.cli").run(args))
+    if args.command == "mock-llm":
+        return cmd_mock_llm(args)
+    if args.command == "status":
+        return cmd_status(args)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlmq`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:
-        if args.command == "demo":
-            return cmd_demo(args)
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "worker":
-            return int(importlib.import_module("workers.cli").run(args))
-        if args.command == "mock-llm":
-            return cmd_mock_llm(args)
-        if args.command == "status":
-            return cmd_status(args)
+        with sigint_latch():  # a Ctrl-C is never lost, whatever runs when it comes
+            return _dispatch(args)
     except KeyboardInterrupt:
         print("interrupted; everything started was stopped", file=sys.stderr)
         return 130
     except RlmqError as exc:
         print(f"rlmq: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    return 2
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common import keys as K
+from common.aio import cancel_and_wait
 from common.connection import async_client
 from common.errors import ConfigError, RlmqError
 from common.ledger import BudgetLedger
@@ -181,9 +182,7 @@ class RLMEnv:
     async def close(self) -> None:
         """Stop the interception server and close connections; idempotent."""
         if self._refresher:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+            await cancel_and_wait([self._refresher])
             self._refresher = None
         if self._server:
             await self._server.stop()

@@ -50,6 +50,7 @@ from rq import Worker as RQWorker
 from rq.serializers import JSONSerializer
 
 from common import keys as K
+from common.aio import cancel_and_wait
 from common.connection import async_client, sync_client
 from common.errors import PayloadError
 from common.ledger import BudgetLedger
@@ -77,6 +78,15 @@ async def _gather(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
 LANE_EARLY_MAX_AGE = 1.0
 """Seconds: a lane entry older than this (producer's clock against the worker's) starts no
 call before ``START``; its jobs have most likely been taken from the queue already."""
+
+
+def _cancel_early(pair: tuple[asyncio.Task[None], asyncio.Future[StartedJob]]) -> None:
+    """Stop an early lane call that will not run: cancel its task and its ``START`` future
+    too, so the call ends at its next wait for ``START`` even if a Redis command it was in
+    swallowed the task's cancellation (see :func:`common.aio.cancel_and_wait`)."""
+    task, claim = pair
+    task.cancel()
+    claim.cancel()
 
 
 def default_worker_name() -> str:
@@ -187,11 +197,7 @@ class SubLLMWorker:
             await self._fetch_loop(burst)
             await self._drain(grace)
         finally:
-            for t in aux:
-                t.cancel()
-            for t in aux:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            await cancel_and_wait(aux)
             with contextlib.suppress(Exception):
                 await self._flush_once()
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -232,9 +238,7 @@ class SubLLMWorker:
         if self._tasks:
             log.info("worker %s: waiting up to %.0f s for %d in-flight sub-calls", self.name, grace, len(self._tasks))
             _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await cancel_and_wait(pending)
         await self._flush_once()
         for queue, members in self._members_by_queue().items():
             requeued, failed = await self._records_for(queue).reap(members, hand_back=True)
@@ -434,9 +438,7 @@ class SubLLMWorker:
         """On the way out: cancel a pending lane pop, or pass on an entry it already brought."""
         t = self._lane_pop
         if t is not None and not t.done():
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            await cancel_and_wait([t])
         entry = self._popped_lane_entry()
         self._lane_pop = None
         if entry is not None:
@@ -489,8 +491,8 @@ class SubLLMWorker:
         try:
             started = await self._records_for(queue).start([j.job_id.encode() for j in jobs])
         except BaseException:
-            for task, _ in early.values():
-                task.cancel()
+            for early_call in early.values():
+                _cancel_early(early_call)
             raise
         for job in started:
             pair = early.pop(job.job_id, None)
@@ -500,11 +502,11 @@ class SubLLMWorker:
                 self.metrics.lane_job("early")
             else:
                 if pair is not None:  # a re-queued job (attempt > 1): run it from its own record
-                    pair[0].cancel()
+                    _cancel_early(pair)
                 self._spawn(job, queue, self._run_job(job))
                 self.metrics.lane_job("after_start")
-        for task, _ in early.values():  # another worker took these first
-            task.cancel()
+        for early_call in early.values():  # another worker took these first
+            _cancel_early(early_call)
             self.metrics.lane_job("lost")
         self.metrics.inflight(len(self._inflight))
 

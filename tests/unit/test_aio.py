@@ -1,0 +1,108 @@
+"""``common.aio.run``: Ctrl-C ends the run even when a library swallows the cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from common.aio import SigintLatch, cancel_and_wait, run, sigint_latch
+
+
+def test_ctrl_c_ends_a_run_whose_first_cancellation_was_swallowed() -> None:
+    cancels = 0
+
+    async def main() -> str:
+        nonlocal cancels
+        loop = asyncio.get_running_loop()
+        loop.call_soon(os.kill, os.getpid(), signal.SIGINT)
+        while True:
+            try:
+                await asyncio.Event().wait()  # forever, unless cancelled
+            except asyncio.CancelledError:
+                cancels += 1
+                if cancels == 1:
+                    continue  # what a library that swallows a cancellation does
+                raise
+
+    with pytest.raises(KeyboardInterrupt):
+        run(main())
+    assert cancels == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_is_reported_even_when_the_run_then_returns() -> None:
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(os.kill, os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "finished anyway"  # swallowed, and the run ends normally
+        return "never"
+
+    with pytest.raises(KeyboardInterrupt):
+        run(main())
+
+
+def test_a_run_without_ctrl_c_returns_its_result() -> None:
+    async def main() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    assert run(main()) == 7
+
+
+async def test_cancel_and_wait_ends_a_loop_that_swallowed_its_cancellation() -> None:
+    """What redis-py does now and then inside a command, a worker's ``while True`` loop
+    would otherwise survive: one ``cancel()`` and an ``await`` then wait forever."""
+    swallowed = 0
+
+    async def loop_forever() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if swallowed == 0:
+                    swallowed += 1
+                    continue
+                raise
+
+    async def fails() -> None:
+        raise RuntimeError("ended badly before the stop")
+
+    tasks = [asyncio.create_task(loop_forever()), asyncio.create_task(fails())]
+    await asyncio.sleep(0)  # both start: the first waits, the second has failed
+    await cancel_and_wait(tasks)
+    assert swallowed == 1
+    assert tasks[0].cancelled() and isinstance(tasks[1].exception(), RuntimeError)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
+def test_a_ctrl_c_dropped_by_a_finalizer_still_stops_the_next_run() -> None:
+    """Python drops an exception raised while a ``__del__`` runs: a Ctrl-C landing there
+    (the demo once lost one in a redis-py pool's finalizer) must still stop the command."""
+
+    class Finalized:
+        def __init__(self, latch: SigintLatch) -> None:
+            self.latch = latch
+
+        def __del__(self) -> None:
+            self.latch(signal.SIGINT, None)  # what Python runs when SIGINT lands in here
+
+    started = False
+
+    async def main() -> None:
+        nonlocal started
+        started = True
+
+    with sigint_latch() as latch:
+        Finalized(latch)  # collected at once: its KeyboardInterrupt is printed and dropped
+        assert latch.count == 1
+        with pytest.raises(KeyboardInterrupt):
+            run(main())
+    assert not started
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
