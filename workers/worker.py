@@ -282,6 +282,15 @@ class SubLLMWorker:
         # keep the round-robin position of known queues; new ones join at the end
         self._queues = [q for q in self._queues if q in found] + [q for q in found if q not in self._queues]
 
+    def _adopt(self, queue: str) -> bool:
+        """Whether this worker serves ``queue`` (its own or one of its tenants); a tenant it
+        did not know yet joins the round-robin from the next round on."""
+        if not K.serves(self.queue, queue):
+            return False
+        if queue not in self._queues:
+            self._queues.append(queue)
+        return True
+
     async def _wake_listener(self) -> None:
         """Set the wake event on every ``rlmq:wake:<queue>`` message.
 
@@ -297,10 +306,8 @@ class SubLLMWorker:
                     data = msg.get("data")
                     text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
                     queue, ids, announce_only = K.parse_wake_message(text)
-                    if not K.serves(self.queue, queue):
+                    if not self._adopt(queue):
                         continue
-                    if queue not in self._queues:
-                        self._queues.append(queue)  # a new tenant: serve it from the next round on
                     if announce_only:
                         continue  # its jobs went to the lane (an idle worker pops them)
                     if ids:  # a small batch named its jobs: an idle worker takes them directly
@@ -326,8 +333,7 @@ class SubLLMWorker:
                     # Popped by a pop left waiting from an idle spell, but this worker has found
                     # queued work since: taking the entry's jobs now would put them ahead of older
                     # jobs on their queue. They stay in queue order; the others are woken.
-                    if K.serves(self.queue, entry.queue) and entry.queue not in self._queues:
-                        self._queues.append(entry.queue)
+                    self._adopt(entry.queue)
                     with contextlib.suppress(redis.RedisError, OSError):
                         await self._pass_on(entry)
                     entry = None
@@ -468,11 +474,9 @@ class SubLLMWorker:
         spent, would stay charged in full: a waste of budget, never an overshoot).
         """
         queue = entry.queue
-        if not K.serves(self.queue, queue):
+        if not self._adopt(queue):
             log.warning("worker %s: lane entry for queue %s it does not serve", self.name, queue)
             return
-        if queue not in self._queues:
-            self._queues.append(queue)
         jobs = entry.jobs[:free]
         if len(jobs) < len(entry.jobs):
             await self._pass_on(LaneEntry(queue=queue, enqueued_at=entry.enqueued_at, jobs=entry.jobs[free:]))
