@@ -8,6 +8,7 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY producer ./producer
 COPY workers ./workers
+COPY rlmq ./rlmq
 RUN pip install '.[dashboard]' && rlmq --help >/dev/null && python -c "import rq_dashboard.cli, prometheus_client"
 # scripted model, rq-dashboard, producer metrics
 EXPOSE 8000 9181 9101

@@ -2,15 +2,15 @@
 
 ``python -m bench.lane [--quick]``
 
-Two measurements, each against a private ``redis-server`` (``common.redis_server.EmbeddedRedis``)
+Two measurements, each against a private ``redis-server`` (``rlmq.common.redis_server.EmbeddedRedis``)
 and the scripted model (``rlmq mock-llm``, a test double) on 127.0.0.1, with ``rlmq worker``
-processes (``producer.local.LocalFleet``):
+processes (``rlmq.producer.local.LocalFleet``):
 
 * **waste**: rollouts at once × prompts per batch, all batches small enough for the lane
   (a batch of up to 8 goes to the most recently idle worker, whose call may start before its
   ``START`` answers; a busy worker taking the same job in between costs one wasted model
   call). Wasted calls = the model server's own request count minus the sub-calls answered.
-* **latency**: one prompt at a time, a direct call (``workers.model.ChatClient``) and a
+* **latency**: one prompt at a time, a direct call (``rlmq.workers.model.ChatClient``) and a
   one-prompt ``llm_batch`` through rlmq alternating, with the model answering after 0, 10 and
   50 ms: how much rlmq adds as the processes idle longer between hops.
 
@@ -30,10 +30,10 @@ import time
 import urllib.request
 from typing import Any
 
-from common import keys as K
-from common.aio import run as run_loop
-from common.redis_server import EmbeddedRedis
-from producer.local import LocalFleet
+from rlmq.common import keys as K
+from rlmq.common.aio import run as run_loop
+from rlmq.common.redis_server import EmbeddedRedis
+from rlmq.producer.local import LocalFleet
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lane.json")
 MODEL = "bench-lane"
@@ -46,8 +46,8 @@ def model_requests(base_url: str) -> int:
 
 
 async def waste(redis_url: str, base_url: str, rollouts: int, batch: int, calls: int) -> dict[str, Any]:
-    from common.connection import async_client
-    from producer.dispatch import BatchSpec, Dispatcher
+    from rlmq.common.connection import async_client
+    from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
     redis = async_client(redis_url)
     dispatcher = Dispatcher(redis)
@@ -75,9 +75,9 @@ async def waste(redis_url: str, base_url: str, rollouts: int, batch: int, calls:
 
 
 async def latency(redis_url: str, base_url: str, rounds: int) -> dict[str, Any]:
-    from common.connection import async_client
-    from producer.dispatch import BatchSpec, Dispatcher
-    from workers.model import ChatClient
+    from rlmq.common.connection import async_client
+    from rlmq.producer.dispatch import BatchSpec, Dispatcher
+    from rlmq.workers.model import ChatClient
 
     chat = ChatClient(base_url, "bench", retries=0)
     redis = async_client(redis_url)

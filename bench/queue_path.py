@@ -3,7 +3,7 @@
 ``python -m bench.queue_path [--quick] [--only NAMES] [--out STEM]``
 
 Everything runs on 127.0.0.1 against one scripted model server (``rlmq mock-llm --port 0``,
-its own process) and one dedicated embedded Redis (:class:`common.redis_server.EmbeddedRedis`),
+its own process) and one dedicated embedded Redis (:class:`rlmq.common.redis_server.EmbeddedRedis`),
 so other users of the machine's Redis neither disturb nor are disturbed by it.
 
 Scenarios (names for ``--only``):
@@ -12,7 +12,7 @@ Scenarios (names for ``--only``):
   ``RLMEnv`` does it: each rollout's ``llm_batch`` runs its prompts with a per-batch
   semaphore of 5 (the reference default) / unbounded. One client process.
 * ``rq``: stock RQ ``SimpleWorker`` processes running one async job per call
-  (``workers.job.run_sub_llm``); the producer is rlmq's dispatcher.
+  (``rlmq.workers.job.run_sub_llm``); the producer is rlmq's dispatcher.
 * ``rlmq`` / ``rlmq-budget``: producer (``Dispatcher.run_batch``) -> Redis -> ``rlmq worker``
   processes -> model -> reply list; with ``budget`` every rollout has a ledger
   (``BudgetLedger.open``) and every sub-call reserves and settles tokens.
@@ -53,7 +53,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from common.aio import run as run_loop
+from rlmq.common.aio import run as run_loop
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 LOG_DIR = os.path.join(tempfile.gettempdir(), "rlmq-bench-logs")  # worker / stock-RQ logs
@@ -123,16 +123,16 @@ LIGHT_PATHS = ("direct", "rlmq", "rlmq-budget")
 async def _light(a: argparse.Namespace) -> dict[str, Any]:
     """One prompt at a time, the three paths interleaved in one process.
 
-    Round ``i`` runs one direct model call (``workers.model.ChatClient``, the worker's own
+    Round ``i`` runs one direct model call (``rlmq.workers.model.ChatClient``, the worker's own
     client, in this process), one one-prompt ``llm_batch`` through rlmq and one through
     rlmq with a budget, in an order rotated every round, so a noisy phase of the shared
     machine hits all three alike. Latency: the call's wall time; for rlmq the whole
     ``Dispatcher.run_batch`` (enqueue to the result parsed).
     """
-    from common.connection import async_client
-    from common.ledger import BudgetLedger
-    from producer.dispatch import BatchSpec, Dispatcher
-    from workers.model import ChatClient
+    from rlmq.common.connection import async_client
+    from rlmq.common.ledger import BudgetLedger
+    from rlmq.producer.dispatch import BatchSpec, Dispatcher
+    from rlmq.workers.model import ChatClient
 
     chat = ChatClient(a.base_url, "bench", retries=0)
     redis = async_client(a.redis_url)
@@ -230,7 +230,7 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
 
         call_batch = call_batch_openai
     elif a.role == "direct":
-        from workers.model import ChatClient
+        from rlmq.workers.model import ChatClient
 
         chat = ChatClient(a.base_url, "bench", retries=0)
         close.append(chat.close)
@@ -245,10 +245,10 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
 
         call_batch = call_batch_direct
     else:  # rlmq producer (also the producer of the stock-RQ scenario)
-        import producer.dispatch as dispatch
-        from common.connection import async_client
-        from common.ledger import BudgetLedger
-        from producer.dispatch import BatchSpec, Dispatcher
+        import rlmq.producer.dispatch as dispatch
+        from rlmq.common.connection import async_client
+        from rlmq.common.ledger import BudgetLedger
+        from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
         arrivals: dict[tuple[str, str, int], float] = {}
         original = dispatch.load_result
@@ -417,7 +417,7 @@ def monitor(redis_url: str) -> Iterator[Counter[tuple[bool, str]]]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        from producer.local import ProcessGroup
+        from rlmq.producer.local import ProcessGroup
 
         self.args = args
         self.quick = args.quick
@@ -437,8 +437,8 @@ class Bench:
     # ---------------------------------------------------------------- infrastructure
 
     def start(self) -> None:
-        from common.redis_server import EmbeddedRedis
-        from producer.local import start_mock_llm
+        from rlmq.common.redis_server import EmbeddedRedis
+        from rlmq.producer.local import start_mock_llm
 
         self.redis = EmbeddedRedis().start()
         self.redis_url = self.redis.url
@@ -472,8 +472,8 @@ class Bench:
         census: bool = False,
     ) -> dict[str, Any]:
         """Run one measured client subprocess; returns its figures merged with the probes'."""
-        from common import keys as K
-        from producer.local import child_env
+        from rlmq.common import keys as K
+        from rlmq.producer.local import child_env
 
         argv = [
             sys.executable, "-m", "bench.queue_path", "--role", role, "--n", str(n), "--rollouts", str(rollouts),
@@ -561,7 +561,7 @@ class Bench:
 
     @contextlib.contextmanager
     def rlmq_workers(self, workers: int, concurrency: int, base_url: str | None = None) -> Iterator[list[int]]:
-        from producer.local import LocalFleet
+        from rlmq.producer.local import LocalFleet
 
         fleet = LocalFleet(
             redis_url=self.redis_url,
@@ -581,8 +581,8 @@ class Bench:
     def rq_workers(self, workers: int) -> Iterator[list[int]]:
         import redis
 
-        from common import keys as K
-        from producer.local import ProcessGroup, child_env
+        from rlmq.common import keys as K
+        from rlmq.producer.local import ProcessGroup, child_env
 
         rq_bin = os.path.join(os.path.dirname(sys.executable), "rq")
         if not os.path.exists(rq_bin):
@@ -684,7 +684,7 @@ class Bench:
             self.run_slow()
 
     def run_slow(self) -> None:
-        from producer.local import ProcessGroup, start_mock_llm
+        from rlmq.producer.local import ProcessGroup, start_mock_llm
 
         latency, n, conc = (0.5, 1000, 200) if self.quick else (2.0, 10_000, 1000)
         self._say(f"slow: one worker, model latency {latency:g} s, {n} sub-calls at concurrency {conc}")

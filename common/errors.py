@@ -14,7 +14,7 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
 A spent budget, a missed deadline or a timed-out cell are not exceptions: they are results
 (``SubLLMResult.status`` / ``error_kind``, ``CellResult.timed_out``) the root model sees.
 
-``python -m common.errors`` prints this tree from the classes themselves.
+``python -m rlmq.common.errors`` prints this tree from the classes themselves.
 """
 
 from __future__ import annotations

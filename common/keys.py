@@ -134,7 +134,7 @@ def parse_wake_message(text: str) -> tuple[str, list[str], bool]:
 def lane(queue: str) -> str:
     """List of small batches announced to the idle workers of ``queue`` and its tenants.
 
-    Each entry is a :class:`common.schemas.LaneEntry`; one ``BLPOP`` hands it to exactly
+    Each entry is a :class:`rlmq.common.schemas.LaneEntry`; one ``BLPOP`` hands it to exactly
     one idle worker. The list is a hint, never the record: the jobs are also on their RQ
     queue, so an entry that is lost or popped late costs latency, never a job."""
     return namespace("lane", queue.split("@", 1)[0])

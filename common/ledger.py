@@ -32,7 +32,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from common.keys import RolloutKeys
+from rlmq.common.keys import RolloutKeys
 
 # KEYS[1] budget hash, KEYS[2] reservations hash (one rollout: both share its hash tag).
 # ARGV[1] TTL seconds, then per operation i three arguments: ARGV[3i-1] kind ('r' reserve,

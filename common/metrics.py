@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from common.schemas import ResultRow, SubLLMResult
+from rlmq.common.schemas import ResultRow, SubLLMResult
 
 # Sub-calls wait in the queue from milliseconds (idle fleet) to minutes (a burst).
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

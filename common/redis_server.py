@@ -17,7 +17,7 @@ from types import TracebackType
 
 import redis
 
-from common.errors import EmbeddedRedisError
+from rlmq.common.errors import EmbeddedRedisError
 
 
 def find_redis_server() -> str:

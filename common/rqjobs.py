@@ -10,7 +10,7 @@ rlmq adds fields RQ ignores: ``rlmq_reply`` (the batch's reply list), ``rlmq_met
 (JSON: rollout id, batch id, index, for error results written by the reaper),
 ``rlmq_attempts`` (incremented when an abandoned job is re-queued) and ``rlmq_started``
 (``created_at/attempt`` of the execution a worker last started; see
-``workers.records.START_LUA``). The producer writes only the first two, so an enqueue
+``rlmq.workers.records.START_LUA``). The producer writes only the first two, so an enqueue
 applied twice leaves the others as they were.
 """
 
@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 # The job function, by import path: the producer never imports the workers package.
-SUB_LLM_FUNC = "workers.job.run_sub_llm"
+SUB_LLM_FUNC = "rlmq.workers.job.run_sub_llm"
 
 
 def utcformat(dt: datetime) -> str:

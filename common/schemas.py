@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from common.errors import PayloadError
+from rlmq.common.errors import PayloadError
 
 StopReason = Literal["answer_ready", "max_turns", "no_tool_call", "error"]
 SubCallStatus = Literal["ok", "rejected", "error"]
@@ -60,12 +60,12 @@ class LaneJob(_Strict):
 
 
 class LaneEntry(_Strict):
-    """A small batch announced on its queue's lane (``common.keys.lane``) for an idle worker.
+    """A small batch announced on its queue's lane (``rlmq.common.keys.lane``) for an idle worker.
 
     ``enqueued_at`` is the producer's Unix time (seconds). The jobs are on ``queue`` as
     well: the worker that pops the entry still takes them with ``START``, and starts each
     call (a budgeted one: its first reservation) while ``START`` is on its way (see
-    ``workers.worker``).
+    ``rlmq.workers.worker``).
     """
 
     v: Literal[1] = 1

@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from common.errors import ConfigError
-from common.keys import queue_name_for_model, tenant_queue
+from rlmq.common.errors import ConfigError
+from rlmq.common.keys import queue_name_for_model, tenant_queue
 
 Verbosity = Literal["light", "medium", "heavy"]
 

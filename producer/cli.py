@@ -16,15 +16,15 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from common.aio import run as run_loop
-from common.aio import sigint_latch
-from common.errors import RlmqError
-from common.schemas import DatasetRow, read_dataset
-from common.settings import Settings, load_settings
+from rlmq.common.aio import run as run_loop
+from rlmq.common.aio import sigint_latch
+from rlmq.common.errors import RlmqError
+from rlmq.common.schemas import DatasetRow, read_dataset
+from rlmq.common.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from common.metrics import Metrics
-    from producer.env import RolloutResult
+    from rlmq.common.metrics import Metrics
+    from rlmq.producer.env import RolloutResult
 
 
 def _rollout_flags(p: argparse.ArgumentParser) -> None:
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _rollout_flags(run)
 
     worker = sub.add_parser("worker", help="one worker process serving one model")
-    importlib.import_module("workers.cli").add_arguments(worker)
+    importlib.import_module("rlmq.workers.cli").add_arguments(worker)
 
     mock = sub.add_parser("mock-llm", help="the scripted OpenAI-compatible model (a test double)")
     mock.add_argument("--host", default="127.0.0.1")
@@ -146,7 +146,7 @@ async def evaluate(
     """
     from tqdm import tqdm
 
-    from producer.env import RLMEnv
+    from rlmq.producer.env import RLMEnv
 
     out = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
     bar = tqdm(total=len(rows), desc="rollouts", unit="rollout", disable=quiet, file=sys.stderr)
@@ -177,7 +177,7 @@ def start_metrics(args: argparse.Namespace) -> Metrics | None:
     """The process's :class:`~common.metrics.Metrics`, serving on ``--metrics-port`` if given."""
     if args.metrics_port is None:
         return None
-    from common.metrics import Metrics
+    from rlmq.common.metrics import Metrics
 
     metrics = Metrics()
     port = metrics.serve(args.metrics_port, host=args.metrics_host)
@@ -187,7 +187,7 @@ def start_metrics(args: argparse.Namespace) -> Metrics | None:
 
 def public_argv(argv: list[str]) -> list[str]:
     """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
-    from producer.report import mask_url
+    from rlmq.producer.report import mask_url
 
     out: list[str] = []
     hide = False
@@ -209,7 +209,7 @@ def save_run(
     args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
 ) -> None:
     """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
-    from producer.report import default_run_dir, write_run
+    from rlmq.producer.report import default_run_dir, write_run
 
     folder = args.run_dir or default_run_dir(args.command)
     meta = {
@@ -225,8 +225,8 @@ def save_run(
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from producer.demo import needle_rows
-    from producer.local import LocalFleet
+    from rlmq.producer.demo import needle_rows
+    from rlmq.producer.local import LocalFleet
 
     settings0 = load_settings()
     rows = [DatasetRow.model_validate(r) for r in needle_rows(args.rollouts, min_chars=args.min_chars)]
@@ -253,7 +253,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from producer.local import LocalFleet
+    from rlmq.producer.local import LocalFleet
 
     rows = read_dataset(args.dataset)
     sub_model = args.sub_model or args.model
@@ -290,9 +290,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from common.connection import sync_client
-    from common.errors import ConfigError
-    from producer.status import redact_url, run_status
+    from rlmq.common.connection import sync_client
+    from rlmq.common.errors import ConfigError
+    from rlmq.producer.status import redact_url, run_status
 
     url = args.redis_url or load_settings().redis_url
     if not url:
@@ -305,7 +305,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
-    from producer.mock_llm import serve
+    from rlmq.producer.mock_llm import serve
 
     serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
     return 0
@@ -317,7 +317,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return cmd_run(args)
     if args.command == "worker":
-        return int(importlib.import_module("workers.cli").run(args))
+        return int(importlib.import_module("rlmq.workers.cli").run(args))
     if args.command == "mock-llm":
         return cmd_mock_llm(args)
     if args.command == "status":

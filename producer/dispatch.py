@@ -1,7 +1,7 @@
 """Batch dispatch: a batch's prompts become RQ jobs; results come back on its reply list.
 
 The producer side of the queue path. One pipeline enqueues the jobs (job hashes written
-exactly as RQ writes them, see :mod:`common.rqjobs`), then the batch waits on its own
+exactly as RQ writes them, see :mod:`rlmq.common.rqjobs`), then the batch waits on its own
 reply list (``BLPOP``, then ``LPOP count`` to drain what else arrived) until every slot
 has a result or the deadline passes; missing slots become error results, so a batch never
 hangs. A duplicate result for a slot (a job re-run after its worker was presumed dead) is
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common import keys as K
-from common.errors import PayloadError
-from common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
-from common.schemas import LaneEntry, LaneJob, SubLLMRequest, SubLLMResult, load_result
+from rlmq.common import keys as K
+from rlmq.common.errors import PayloadError
+from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
+from rlmq.common.schemas import LaneEntry, LaneJob, SubLLMRequest, SubLLMResult, load_result
 
 
 @dataclass
@@ -58,7 +58,7 @@ LANE_MAX_JOBS = 8
 """Batches up to this size are announced on the queue's lane instead of by a wake-up: one
 ``BLPOP`` hands the entry to exactly one idle worker (no herd of woken workers racing for
 one job), and the entry carries the requests, so that worker starts each call (a budgeted
-one: its first reservation) while its ``START`` is on the way (see :mod:`workers.worker`)."""
+one: its first reservation) while its ``START`` is on the way (see :mod:`rlmq.workers.worker`)."""
 
 LANE_MAX_PROMPT = 8192
 """Prompts longer than this (characters) are not copied into the lane entry."""

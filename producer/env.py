@@ -5,12 +5,12 @@ The constructor follows the verifiers ``RLMEnv`` as simplified in March 2026
 ``sub_llm_max_completion_tokens``, one interception server per environment on 127.0.0.1
 with an OS-assigned port). What differs: sub-LLM calls leave the trainer process as RQ
 jobs served by ``rlmq worker`` processes, and the sub-LLM budget is a hard guarantee
-enforced in Redis (:mod:`common.ledger`), not a counter that parallel calls overshoot.
+enforced in Redis (:mod:`rlmq.common.ledger`), not a counter that parallel calls overshoot.
 
 One rollout: the root model gets the scaffold and the row's question, and calls
 ``call_python_repl(code)``; each call runs in the rollout's persistent REPL
-(:mod:`producer.repl`), where ``llm_batch`` posts to the interception server
-(:mod:`producer.interception`), which dispatches the batch (:mod:`producer.dispatch`).
+(:mod:`rlmq.producer.repl`), where ``llm_batch`` posts to the interception server
+(:mod:`rlmq.producer.interception`), which dispatches the batch (:mod:`rlmq.producer.dispatch`).
 The rollout stops on ``answer["ready"]``, after ``max_turns`` root turns, on a root reply
 without a tool call, or on an error; the stop reason is recorded.
 """
@@ -29,19 +29,19 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from common import keys as K
-from common.aio import cancel_and_wait
-from common.connection import async_client
-from common.errors import ConfigError, RlmqError
-from common.ledger import BudgetLedger
-from common.metrics import Metrics
-from common.schemas import DatasetRow, ResultRow, StopReason, SubLLMResult
-from common.settings import Settings, Verbosity
-from producer.dispatch import BatchSpec, Dispatcher
-from producer.interception import InterceptionServer
-from producer.repl import Repl
-from producer.root import RootModel
-from producer.scaffold import REPL_TOOL, root_system_prompt, sub_system_prompt
+from rlmq.common import keys as K
+from rlmq.common.aio import cancel_and_wait
+from rlmq.common.connection import async_client
+from rlmq.common.errors import ConfigError, RlmqError
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.metrics import Metrics
+from rlmq.common.schemas import DatasetRow, ResultRow, StopReason, SubLLMResult
+from rlmq.common.settings import Settings, Verbosity
+from rlmq.producer.dispatch import BatchSpec, Dispatcher
+from rlmq.producer.interception import InterceptionServer
+from rlmq.producer.repl import Repl
+from rlmq.producer.root import RootModel
+from rlmq.producer.scaffold import REPL_TOOL, root_system_prompt, sub_system_prompt
 
 
 def normalize_answer(text: str | None) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from common.schemas import BatchRequest
+from rlmq.common.schemas import BatchRequest
 
 BatchHandler = Callable[[list[str]], Awaitable[tuple[list[str], str]]]
 """Runs a batch for one rollout: prompts -> (results in order, summary text)."""

@@ -17,15 +17,15 @@ import time
 from types import TracebackType
 from typing import Any
 
-from common.errors import RlmqError
-from common.redis_server import EmbeddedRedis
+from rlmq.common.errors import RlmqError
+from rlmq.common.redis_server import EmbeddedRedis
 
 _PORT_LINE = re.compile(r"http://[\d.]+:(\d+)/v1")
 
 
 def rlmq_command(*args: str) -> list[str]:
     """The argv that runs ``rlmq <args>`` with this interpreter."""
-    return [sys.executable, "-m", "producer", *args]
+    return [sys.executable, "-m", "rlmq", *args]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -188,7 +188,7 @@ class LocalFleet:
         """
         import redis
 
-        from common import keys as K
+        from rlmq.common import keys as K
 
         queue = K.queue_name_for_model(self.model)
         client = redis.Redis.from_url(str(self.redis_url))

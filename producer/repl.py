@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from common.errors import ReplError, ReplStartupError
-from producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
+from rlmq.common.errors import ReplError, ReplStartupError
+from rlmq.producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
 
 __all__ = ["CellResult", "Repl", "truncate_output"]
 

@@ -1,6 +1,6 @@
 """The REPL child: a standalone, stdlib-only program that runs model-written cells.
 
-Started by :class:`producer.repl.Repl` as::
+Started by :class:`rlmq.producer.repl.Repl` as::
 
     python -I repl_child.py <cmd_fd> <reply_fd>
 

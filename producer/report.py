@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from producer.env import RolloutResult
+from rlmq.producer.env import RolloutResult
 
 # Cut lengths in the HTML report (characters); the run folder's JSONL files keep everything.
 MAX_PROMPT = 4000

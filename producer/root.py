@@ -1,7 +1,7 @@
 """The root model's chat calls: ``openai.AsyncOpenAI`` with rlmq's one retry layer.
 
 rlmq has one retry layer for model calls: ``tenacity``, configured here for the root
-model and in :mod:`workers.model` for sub-LLMs, with the same policy (429 / 408 / 409 /
+model and in :mod:`rlmq.workers.model` for sub-LLMs, with the same policy (429 / 408 / 409 /
 5xx / connection errors / timeouts, exponential backoff with jitter, ``Retry-After``
 honoured). The openai client's own retries are therefore set to zero.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import openai
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from common.errors import ModelError
+from rlmq.common.errors import ModelError
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.settings import Verbosity
+from rlmq.common.settings import Verbosity
 
 REPL_TOOL: dict[str, Any] = {
     "type": "function",

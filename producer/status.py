@@ -22,7 +22,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from common import keys as K
+from rlmq.common import keys as K
 
 _RQ_QUEUE_PREFIX = K.rq_queue("")
 _RQ_WORKER_PREFIX = K.rq_worker("")

@@ -1,9 +1,10 @@
 """Shared fixtures.
 
-Unit tests run on fakeredis. Integration and end-to-end tests need a real Redis: the one
-named by ``RLMQ_TEST_REDIS_URL``, else ``127.0.0.1:6379`` (database 13) when it answers,
-else an embedded ``redis-server`` started for the session, the same default ``rlmq demo``
-uses. When none can be had the tests fail loudly; they never skip.
+Unit tests run on fakeredis. Integration and end-to-end tests need a real Redis: a private,
+embedded ``redis-server`` on a free port, started for the session (the same default
+``rlmq demo`` uses), or the one named by ``RLMQ_TEST_REDIS_URL``. No other Redis is ever
+touched: a Redis on 127.0.0.1:6379 may be someone's own, and the tests flush their database.
+When none can be had the tests fail loudly; they never skip.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from common.redis_server import EmbeddedRedis, redis_answers
+from rlmq.common.redis_server import EmbeddedRedis, redis_answers
 
 
 @pytest.fixture(scope="session")
@@ -25,10 +26,6 @@ def redis_url() -> Iterator[str]:
         if not redis_answers(url):
             pytest.fail(f"RLMQ_TEST_REDIS_URL={url} does not answer")
         yield url
-        return
-    local = "redis://127.0.0.1:6379/13"
-    if redis_answers(local):
-        yield local
         return
     server = EmbeddedRedis().start()  # raises EmbeddedRedisError: the test fails, never skips
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from common.aio import run as run_loop
-from common.settings import load_settings
+from rlmq.common.aio import run as run_loop
+from rlmq.common.settings import load_settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM / SIGINT (or, with ``--burst``, until idle)."""
-    from common.metrics import Metrics
-    from workers.worker import SubLLMWorker
+    from rlmq.common.metrics import Metrics
+    from rlmq.workers.worker import SubLLMWorker
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -1,8 +1,8 @@
 """The RQ job function of a sub-LLM call, for stock RQ workers.
 
 rlmq's producer enqueues every sub-LLM call as an ordinary RQ job whose function is
-``workers.job.run_sub_llm`` (by import path) with one JSON argument, a
-:class:`~common.schemas.SubLLMRequest`. rlmq's own worker (:mod:`workers.worker`) runs
+``rlmq.workers.job.run_sub_llm`` (by import path) with one JSON argument, a
+:class:`~common.schemas.SubLLMRequest`. rlmq's own worker (:mod:`rlmq.workers.worker`) runs
 these jobs hundreds at a time without calling this function. A stock
 ``rq worker --serializer rq.serializers.JSONSerializer`` can run them too, one at a
 time, through this function (the benchmark's baseline); it reads its model server from
@@ -18,14 +18,14 @@ from typing import Any
 from redis.asyncio import Redis
 from rq import get_current_job
 
-from common import keys as K
-from common.ledger import BudgetLedger
-from common.schemas import load_request
-from common.settings import load_settings
-from workers.model import ChatClient
-from workers.subllm import SubLLMContext
-from workers.subllm import run_sub_llm as _run
-from workers.tools import ToolRegistry
+from rlmq.common import keys as K
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.schemas import load_request
+from rlmq.common.settings import load_settings
+from rlmq.workers.model import ChatClient
+from rlmq.workers.subllm import SubLLMContext
+from rlmq.workers.subllm import run_sub_llm as _run
+from rlmq.workers.tools import ToolRegistry
 
 
 def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ Retries (with ``tenacity``):
   HTTP date) is honoured, capped at ``backoff_max``;
 * at most ``retries`` retries, and never a sleep past the call's ``deadline``: when the
   next wait would cross it, the client gives up at once;
-* giving up raises :class:`common.errors.ModelError` with the last HTTP status (``None``
+* giving up raises :class:`rlmq.common.errors.ModelError` with the last HTTP status (``None``
   when no response came back) and a message saying what happened, e.g. ``"model server
   answered 503 Service Unavailable after 4 attempts"``.
 
@@ -46,7 +46,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base, wait_random_exponential
 
-from common.errors import ModelError
+from rlmq.common.errors import ModelError
 
 __all__ = ["ChatClient", "ChatResponse", "estimate_tokens"]
 

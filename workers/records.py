@@ -26,9 +26,9 @@ from typing import Any, cast
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from common import keys as K
-from common.ledger import LEDGER_LUA, BudgetLedger
-from common.rqjobs import utcnow_str
+from rlmq.common import keys as K
+from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
+from rlmq.common.rqjobs import utcnow_str
 
 # Contract: move candidate jobs from the queue into the started state, atomically.
 # KEYS[1] queue list, KEYS[2] started registry (zset), KEYS[3] worker executions set,
@@ -408,7 +408,7 @@ class Records:
         """
         if not members:
             return (0, 0)
-        from common.schemas import SubLLMResult  # local: only this rare path needs it
+        from rlmq.common.schemas import SubLLMResult  # local: only this rare path needs it
 
         job_ids = [m.rsplit(":", 1)[0] for m in members]
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -8,7 +8,7 @@ the model with ``max_tokens`` = that grant, then settles the reservation with wh
 server reported. There is no unbudgeted forced final-answer call: when the budget runs out
 mid-loop, the loop ends with the best answer it already has.
 
-Settling (see :mod:`common.ledger`):
+Settling (see :mod:`rlmq.common.ledger`):
 
 * a response with ``usage``: settle with ``usage.completion_tokens``;
 * a response without ``usage``: settle with the whole grant (the server may have
@@ -45,11 +45,11 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from common.errors import ModelError, PayloadError
-from common.ledger import BudgetLedger, Grant
-from common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
-from workers.model import ChatClient, ChatResponse
-from workers.tools import ToolRegistry
+from rlmq.common.errors import ModelError, PayloadError
+from rlmq.common.ledger import BudgetLedger, Grant
+from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
+from rlmq.workers.model import ChatClient, ChatResponse
+from rlmq.workers.tools import ToolRegistry
 
 __all__ = ["SubLLMContext", "run_sub_llm"]
 

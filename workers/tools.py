@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from common.errors import ConfigError, PayloadError
+from rlmq.common.errors import ConfigError, PayloadError
 
 __all__ = ["ToolRegistry", "count_words", "grep"]
 

@@ -16,7 +16,7 @@ LLM call. This worker runs on one asyncio loop:
   when unbudgeted, its model call start while its ``START`` is on the way (``START`` still
   decides who runs the job; a lost race cancels the early call). This is the light-load
   path (see ``bench/README.md``);
-* each job runs :func:`workers.subllm.run_sub_llm` as its own task;
+* each job runs :func:`rlmq.workers.subllm.run_sub_llm` as its own task;
 * the *flush* task records finished jobs and pushes their results to their reply lists
   in one ``FINISH`` script call per flush (whatever finished meanwhile: natural batching
   under load, immediate at light load);
@@ -27,7 +27,7 @@ LLM call. This worker runs on one asyncio loop:
 
 RQ's records stay truthful: ``rq info`` and rq-dashboard list the worker (registered with
 RQ's own ``Worker.register_birth``), the queue depth, and each job as queued, started,
-finished or failed (see :mod:`workers.records`).
+finished or failed (see :mod:`rlmq.workers.records`).
 """
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ from rq import Queue
 from rq import Worker as RQWorker
 from rq.serializers import JSONSerializer
 
-from common import keys as K
-from common.aio import cancel_and_wait
-from common.connection import async_client, sync_client
-from common.errors import PayloadError
-from common.ledger import BudgetLedger
-from common.metrics import Metrics
-from common.rqjobs import SUB_LLM_FUNC, decode_job_data
-from common.schemas import LaneEntry, SubLLMRequest, SubLLMResult, load_lane_entry, load_request
-from common.settings import Settings
-from workers.model import ChatClient
-from workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value
-from workers.subllm import SubLLMContext, run_sub_llm
-from workers.tools import ToolRegistry
+from rlmq.common import keys as K
+from rlmq.common.aio import cancel_and_wait
+from rlmq.common.connection import async_client, sync_client
+from rlmq.common.errors import PayloadError
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.metrics import Metrics
+from rlmq.common.rqjobs import SUB_LLM_FUNC, decode_job_data
+from rlmq.common.schemas import LaneEntry, SubLLMRequest, SubLLMResult, load_lane_entry, load_request
+from rlmq.common.settings import Settings
+from rlmq.workers.model import ChatClient
+from rlmq.workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value
+from rlmq.workers.subllm import SubLLMContext, run_sub_llm
+from rlmq.workers.tools import ToolRegistry
 
 log = logging.getLogger("rlmq.worker")
 T = TypeVar("T")
@@ -83,7 +83,7 @@ call before ``START``; its jobs have most likely been taken from the queue alrea
 def _cancel_early(pair: tuple[asyncio.Task[None], asyncio.Future[StartedJob]]) -> None:
     """Stop an early lane call that will not run: cancel its task and its ``START`` future
     too, so the call ends at its next wait for ``START`` even if a Redis command it was in
-    swallowed the task's cancellation (see :func:`common.aio.cancel_and_wait`)."""
+    swallowed the task's cancellation (see :func:`rlmq.common.aio.cancel_and_wait`)."""
     task, claim = pair
     task.cancel()
     claim.cancel()
@@ -103,7 +103,7 @@ class SubLLMWorker:
             (seconds), ``job_max_attempts``, ``result_ttl``, ``model_timeout``,
             ``model_retries``, ``allowed_sub_tools`` are used.
         client_factory: builds the model client (a seam for tests); defaults to
-            :class:`workers.model.ChatClient` on ``settings.base_url``.
+            :class:`rlmq.workers.model.ChatClient` on ``settings.base_url``.
         name: RQ worker name; default ``host.pid.xxxx``.
         metrics: Prometheus metrics to update (in-flight, outcomes, tokens, latencies).
 
@@ -119,7 +119,7 @@ class SubLLMWorker:
         name: str | None = None,
         metrics: Metrics | None = None,
     ) -> None:
-        from common.errors import ConfigError
+        from rlmq.common.errors import ConfigError
 
         if not settings.redis_url:
             raise ConfigError("the worker needs --redis-url or REDIS_URL")

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.schemas import DatasetRow
-from common.settings import load_settings
-from producer.env import RLMEnv
-from producer.local import LocalFleet
-from producer.mock_llm import root_code_directive
+from rlmq.common.schemas import DatasetRow
+from rlmq.common.settings import load_settings
+from rlmq.producer.env import RLMEnv
+from rlmq.producer.local import LocalFleet
+from rlmq.producer.mock_llm import root_code_directive
 
 pytestmark = pytest.mark.e2e
 
@@ -32,7 +32,7 @@ def tool_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         redis_url=redis_url,
         model=f"tools-{uuid.uuid4().hex[:6]}",
         workers=1,
-        worker_args=["--allow-tool", "workers.tools.count_words"],
+        worker_args=["--allow-tool", "rlmq.workers.tools.count_words"],
         log_dir=str(logs),
     ) as fleet:
         yield fleet
@@ -42,7 +42,7 @@ async def test_an_allowed_sub_tool_runs_in_the_sub_llm_loop(tool_fleet: LocalFle
     settings = load_settings(redis_url=tool_fleet.redis_url, base_url=tool_fleet.base_url, model=tool_fleet.model)
     row = DatasetRow(id="tools", question="Tools. " + root_code_directive(TOOL_CODE), context="x")
     async with RLMEnv(
-        settings=settings, sub_tools=["workers.tools.count_words"], include_sub_llm_in_trajectory=True
+        settings=settings, sub_tools=["rlmq.workers.tools.count_words"], include_sub_llm_in_trajectory=True
     ) as env:
         res = await env.rollout(row, model=tool_fleet.model)
     assert res.row.stop_reason == "answer_ready", res.row.error
@@ -59,7 +59,7 @@ async def test_an_allowed_sub_tool_runs_in_the_sub_llm_loop(tool_fleet: LocalFle
 async def test_a_tool_the_worker_does_not_allow_never_reaches_the_model(tool_fleet: LocalFleet) -> None:
     settings = load_settings(redis_url=tool_fleet.redis_url, base_url=tool_fleet.base_url, model=tool_fleet.model)
     row = DatasetRow(id="no-tools", question="Tools. " + root_code_directive(TOOL_CODE), context="x")
-    async with RLMEnv(settings=settings, sub_tools=["workers.tools.grep"]) as env:
+    async with RLMEnv(settings=settings, sub_tools=["rlmq.workers.tools.grep"]) as env:
         res = await env.rollout(row, model=tool_fleet.model)
     assert res.row.stop_reason == "answer_ready", res.row.error
     first, second = str(res.row.final_answer).split(" || ")

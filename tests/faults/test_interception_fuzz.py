@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer.interception import InterceptionServer
+from rlmq.producer.interception import InterceptionServer
 
 
 class Served:

@@ -10,8 +10,8 @@ folder's). Fixed there: the script now writes the counters it computed with one 
 
 from __future__ import annotations
 
-from common.connection import async_client
-from common.ledger import BudgetLedger
+from rlmq.common.connection import async_client
+from rlmq.common.ledger import BudgetLedger
 
 
 async def test_settle_with_the_whole_grant(redis_url: str) -> None:

@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.redis_server import EmbeddedRedis
-from producer.repl import Repl
+from rlmq.common.redis_server import EmbeddedRedis
+from rlmq.producer.repl import Repl
 from tests.faults.conftest import process_gone, wait_until
 
 ROOT = os.geteuid() == 0
@@ -153,7 +153,7 @@ async def test_no_secret_and_no_writes_outside(repl: Repl, tmp_path) -> None:  #
 
 async def test_socket_to_redis_is_refused_but_llm_batch_works() -> None:
     """With the interception server's Unix socket, the REPL gets no network at all."""
-    from producer.interception import InterceptionServer
+    from rlmq.producer.interception import InterceptionServer
 
     server = InterceptionServer()
     await server.start()
@@ -227,7 +227,7 @@ def test_network_isolation_without_root_through_a_user_namespace() -> None:
     runuser = shutil.which("runuser")
     py = shutil.which("python3.11", path="/usr/bin:/usr/local/bin") or shutil.which("python3", path="/usr/bin")
     assert runuser and py, "needs runuser and a system python3"
-    here = os.path.dirname(os.path.abspath(__import__("producer.repl_child").repl_child.__file__))
+    here = os.path.dirname(os.path.abspath(__import__("rlmq.producer.repl_child").producer.repl_child.__file__))
     nobody = pwd.getpwnam("nobody").pw_uid
     with EmbeddedRedis() as server:
         proc = subprocess.run(

@@ -25,15 +25,15 @@ import redis
 from rq import Queue
 from rq.registry import StartedJobRegistry
 
-import producer.dispatch as dispatch_mod
-from common import keys as K
-from common.connection import async_client
-from common.ledger import BudgetLedger
-from common.schemas import DatasetRow, SubLLMResult
-from common.settings import Settings, load_settings
-from producer.env import RLMEnv
-from producer.local import LocalFleet
-from producer.mock_llm import root_code_directive
+import rlmq.producer.dispatch as dispatch_mod
+from rlmq.common import keys as K
+from rlmq.common.connection import async_client
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.schemas import DatasetRow, SubLLMResult
+from rlmq.common.settings import Settings, load_settings
+from rlmq.producer.env import RLMEnv
+from rlmq.producer.local import LocalFleet
+from rlmq.producer.mock_llm import root_code_directive
 from tests.faults.conftest import (
     HEARTBEAT_TTL,
     await_until,
@@ -184,7 +184,7 @@ async def test_sigterm_finishes_in_flight_jobs(fault_fleet: LocalFleet) -> None:
 
 async def test_shutdown_past_grace_hands_jobs_back(fault_fleet: LocalFleet) -> None:
     """A worker whose grace period runs out hands its in-flight jobs back; another runs them."""
-    from workers.worker import SubLLMWorker
+    from rlmq.workers.worker import SubLLMWorker
 
     fleet = fault_fleet
     sync = redis.Redis.from_url(str(fleet.redis_url))

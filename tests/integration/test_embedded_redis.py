@@ -7,9 +7,9 @@ import shutil
 import pytest
 import redis
 
-from common import redis_server
-from common.errors import EmbeddedRedisError
-from common.redis_server import EmbeddedRedis, find_redis_server, redis_answers
+from rlmq.common import redis_server
+from rlmq.common.errors import EmbeddedRedisError
+from rlmq.common.redis_server import EmbeddedRedis, find_redis_server, redis_answers
 
 
 def test_embedded_redis_starts_answers_and_stops() -> None:

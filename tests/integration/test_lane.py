@@ -17,15 +17,15 @@ from redis.asyncio import Redis
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from common import keys as K
-from common.ledger import BudgetLedger
-from common.metrics import Metrics
-from common.settings import load_settings
-from producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
-from producer.mock_llm import MockLLMServer
+from rlmq.common import keys as K
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.metrics import Metrics
+from rlmq.common.settings import load_settings
+from rlmq.producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
+from rlmq.producer.mock_llm import MockLLMServer
+from rlmq.workers.records import Records, StartedJob
+from rlmq.workers.worker import SubLLMWorker
 from tests.faults.conftest import await_until
-from workers.records import Records, StartedJob
-from workers.worker import SubLLMWorker
 
 pytestmark = pytest.mark.integration
 MODEL = "lane-test"

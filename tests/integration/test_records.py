@@ -14,10 +14,10 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegist
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from common import keys as K
-from common.schemas import load_result
-from producer.dispatch import BatchSpec, Dispatcher
-from workers.records import FinishedJob, Records, rq_exc_string, rq_return_value
+from rlmq.common import keys as K
+from rlmq.common.schemas import load_result
+from rlmq.producer.dispatch import BatchSpec, Dispatcher
+from rlmq.workers.records import FinishedJob, Records, rq_exc_string, rq_return_value
 
 pytestmark = pytest.mark.integration
 QUEUE = "rlmq.sub.records-test"
@@ -173,7 +173,7 @@ async def test_expired_unstarted_job_is_dropped(real_redis: redis.Redis, aredis:
 
 
 async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_redis: redis.Redis, aredis: Redis) -> None:
-    from common.ledger import BudgetLedger
+    from rlmq.common.ledger import BudgetLedger
 
     ledger = BudgetLedger(aredis, ttl=60)
     await ledger.open("r1", 100)

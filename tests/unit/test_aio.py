@@ -1,4 +1,4 @@
-"""``common.aio.run``: Ctrl-C ends the run even when a library swallows the cancellation."""
+"""``rlmq.common.aio.run``: Ctrl-C ends the run even when a library swallows the cancellation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from common.aio import SigintLatch, cancel_and_wait, run, sigint_latch
+from rlmq.common.aio import SigintLatch, cancel_and_wait, run, sigint_latch
 
 
 def test_ctrl_c_ends_a_run_whose_first_cancellation_was_swallowed() -> None:

@@ -12,10 +12,10 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from common import keys as K
-from common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
-from common.schemas import SubLLMResult, load_lane_entry, load_request
-from producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
+from rlmq.common import keys as K
+from rlmq.common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
+from rlmq.common.schemas import SubLLMResult, load_lane_entry, load_request
+from rlmq.producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
 
 
 @pytest.fixture

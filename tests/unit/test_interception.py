@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from producer.interception import InterceptionServer
+from rlmq.producer.interception import InterceptionServer
 
 
 @pytest.fixture

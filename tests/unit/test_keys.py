@@ -10,9 +10,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.results import Result
 
-from common import keys as K
-from common.errors import ConfigError
-from common.settings import load_settings
+from rlmq.common import keys as K
+from rlmq.common.errors import ConfigError
+from rlmq.common.settings import load_settings
 
 
 def test_rq_keys_match_rq() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.ledger import BudgetLedger
+from rlmq.common.ledger import BudgetLedger
 
 
 def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:

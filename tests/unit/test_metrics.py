@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.metrics import Metrics
-from common.schemas import ResultRow, SubLLMResult
+from rlmq.common.metrics import Metrics
+from rlmq.common.schemas import ResultRow, SubLLMResult
 
 
 def result(status: str = "ok", **kw: object) -> SubLLMResult:

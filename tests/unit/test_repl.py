@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from common.errors import ReplError, ReplStartupError
-from producer.repl import Repl, truncate_output
+from rlmq.common.errors import ReplError, ReplStartupError
+from rlmq.producer.repl import Repl, truncate_output
 
 TOKEN = "tok-123"
 UNUSED_URL = "http://127.0.0.1:9/unused"

@@ -21,16 +21,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from common.errors import ConfigError, ModelError, PayloadError
-from common.keys import RolloutKeys
-from common.ledger import BudgetLedger
-from common.schemas import SubLLMRequest
-from workers.model import ChatClient
-from workers.subllm import SubLLMContext, run_sub_llm
-from workers.tools import ToolRegistry, count_words, grep
+from rlmq.common.errors import ConfigError, ModelError, PayloadError
+from rlmq.common.keys import RolloutKeys
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.schemas import SubLLMRequest
+from rlmq.workers.model import ChatClient
+from rlmq.workers.subllm import SubLLMContext, run_sub_llm
+from rlmq.workers.tools import ToolRegistry, count_words, grep
 
 ROLLOUT = "r1"
-TOOLS = ["workers.tools.count_words", "workers.tools:grep"]
+TOOLS = ["rlmq.workers.tools.count_words", "rlmq.workers.tools:grep"]
 
 # --------------------------------------------------------------------------- scripted server
 
@@ -206,7 +206,7 @@ async def test_unbudgeted_without_ledger_sends_the_cap(llm: ScriptedLLM, client:
 async def test_usage_totals_over_turns(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
     llm.script = [tool_call("count_words", {"text": "a b c"}, tokens=12), answer("three", tokens=5)]
     ctx.include_messages = True
-    result = await run_sub_llm(make_request(sub_tools=["workers.tools.count_words"]), ctx, job_id="j")
+    result = await run_sub_llm(make_request(sub_tools=["rlmq.workers.tools.count_words"]), ctx, job_id="j")
     assert result.status == "ok" and result.content == "three"
     assert result.turns == 2 and result.tool_calls == 1
     assert result.completion_tokens == 17
@@ -258,7 +258,9 @@ async def test_budget_runs_out_mid_loop_keeps_best_answer(
         tool_call("count_words", {"text": "x y z"}, tokens=60),
         answer("never asked for", tokens=5),
     ]
-    req = make_request(budgeted=True, max_completion_tokens=60, max_turns=5, sub_tools=["workers.tools.count_words"])
+    req = make_request(
+        budgeted=True, max_completion_tokens=60, max_turns=5, sub_tools=["rlmq.workers.tools.count_words"]
+    )
     result = await run_sub_llm(req, ctx, job_id="j")
     assert result.status == "ok"
     assert result.content == "Partial: two words so far."
@@ -274,7 +276,7 @@ async def test_budget_runs_out_mid_loop_without_text_is_rejected(
 ) -> None:
     await ledger.open(ROLLOUT, 50)
     llm.script = [tool_call("count_words", {"text": "x"}, tokens=50)]
-    req = make_request(budgeted=True, max_completion_tokens=50, sub_tools=["workers.tools.count_words"])
+    req = make_request(budgeted=True, max_completion_tokens=50, sub_tools=["rlmq.workers.tools.count_words"])
     result = await run_sub_llm(req, ctx, job_id="j")
     assert result.status == "rejected"
     assert "ran out before a final answer: 50/50" in result.content
@@ -337,7 +339,9 @@ async def test_final_settlement_can_be_deferred_to_the_caller(
     FINISH); until then the grant stays charged in full, and turns before it settle at once."""
     await ledger.open(ROLLOUT, 100)
     llm.script = [tool_call("count_words", {"text": "a b"}, tokens=5), answer("done", tokens=7)]
-    req = make_request(budgeted=True, max_completion_tokens=40, sub_tools=["workers.tools.count_words"], max_turns=3)
+    req = make_request(
+        budgeted=True, max_completion_tokens=40, sub_tools=["rlmq.workers.tools.count_words"], max_turns=3
+    )
     out: list[tuple[str, str, int]] = []
     result = await run_sub_llm(req, ctx, job_id="j", settle_out=out)
     assert result.status == "ok" and result.content == "done"
@@ -387,7 +391,7 @@ async def test_tool_loop_with_allowed_tool(llm: ScriptedLLM, ctx: SubLLMContext)
         tool_call("grep", {"text": "alpha\nbeta\nalphabet", "pattern": "^alpha"}),
         answer("Lines 1 and 3."),
     ]
-    req = make_request(sub_tools=["workers.tools.count_words", "workers.tools.grep"], max_turns=3)
+    req = make_request(sub_tools=["rlmq.workers.tools.count_words", "rlmq.workers.tools.grep"], max_turns=3)
     result = await run_sub_llm(req, ctx, job_id="j")
     assert result.status == "ok" and result.content == "Lines 1 and 3."
     assert (result.turns, result.tool_calls) == (2, 1)
@@ -400,7 +404,7 @@ async def test_tool_loop_with_allowed_tool(llm: ScriptedLLM, ctx: SubLLMContext)
 
 async def test_tool_calls_on_last_turn_end_the_loop(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
     llm.script = [tool_call("count_words", {"text": "a"}), tool_call("count_words", {"text": "b"})]
-    req = make_request(sub_tools=["workers.tools.count_words"], max_turns=2)
+    req = make_request(sub_tools=["rlmq.workers.tools.count_words"], max_turns=2)
     result = await run_sub_llm(req, ctx, job_id="j")
     assert result.status == "ok"
     assert "used all 2 turn(s)" in result.content
@@ -409,14 +413,14 @@ async def test_tool_calls_on_last_turn_end_the_loop(llm: ScriptedLLM, ctx: SubLL
 
 async def test_model_calling_a_tool_not_offered_gets_a_tool_error(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
     llm.script = [tool_call("grep", {"text": "a", "pattern": "a"}), answer("ok")]
-    req = make_request(sub_tools=["workers.tools.count_words"])
+    req = make_request(sub_tools=["rlmq.workers.tools.count_words"])
     result = await run_sub_llm(req, ctx, job_id="j")
     assert result.status == "ok"
     assert llm.requests[1]["messages"][-1]["content"].startswith("[tool error] unknown tool 'grep'")
 
 
 async def test_disallowed_tool_is_a_payload_error(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
-    req = make_request(sub_tools=["workers.tools.count_words", "os.system"])
+    req = make_request(sub_tools=["rlmq.workers.tools.count_words", "os.system"])
     result = await run_sub_llm(req, ctx, job_id="j")
     assert (result.status, result.error_kind) == ("error", "payload")
     assert "os.system" in result.content
@@ -425,8 +429,8 @@ async def test_disallowed_tool_is_a_payload_error(llm: ScriptedLLM, ctx: SubLLMC
 
 async def test_tool_registry() -> None:
     reg = ToolRegistry.from_paths(TOOLS)
-    assert reg.paths == ["workers.tools.count_words", "workers.tools.grep"]
-    (schema,) = reg.schemas(["workers.tools:grep"])
+    assert reg.paths == ["rlmq.workers.tools.count_words", "rlmq.workers.tools.grep"]
+    (schema,) = reg.schemas(["rlmq.workers.tools:grep"])
     fn = schema["function"]
     assert schema["type"] == "function" and fn["name"] == "grep"
     assert fn["description"].startswith("Find the lines")
@@ -436,7 +440,7 @@ async def test_tool_registry() -> None:
     assert params["properties"]["max_lines"]["type"] == "integer"
     assert "regular expression" in params["properties"]["pattern"]["description"]
     assert await reg.call("count_words", '{"text": "one two  three"}') == "3"
-    assert await reg.call("workers.tools.grep", '{"text": "a\\nb", "pattern": "z"}') == "(no matching lines)"
+    assert await reg.call("rlmq.workers.tools.grep", '{"text": "a\\nb", "pattern": "z"}') == "(no matching lines)"
     bad = await reg.call("count_words", '{"text": 5, "extra": 1}')
     assert bad.startswith("[tool error] count_words: invalid arguments")
     assert (await reg.call("count_words", "{not json")).startswith("[tool error]")
@@ -445,11 +449,11 @@ async def test_tool_registry() -> None:
     with pytest.raises(PayloadError, match="os.system"):
         reg.check_allowed(["count_words", "os.system"])
     with pytest.raises(ConfigError):
-        ToolRegistry.from_paths(["workers.tools.no_such_tool"])
+        ToolRegistry.from_paths(["rlmq.workers.tools.no_such_tool"])
     with pytest.raises(ConfigError):
         ToolRegistry.from_paths(["no_such_package_xyz.mod:f"])
     with pytest.raises(ConfigError):
-        ToolRegistry.from_paths(["common.keys.PREFIX"])  # not callable
+        ToolRegistry.from_paths(["rlmq.common.keys.PREFIX"])  # not callable
     assert count_words("a b") == 2 and grep("x\ny", "y") == "2: y"
 
 
@@ -596,7 +600,7 @@ async def test_parallel_calls_never_exceed_the_budget(
 def test_retry_after_parsing() -> None:
     from email.utils import formatdate
 
-    from workers.model import _parse_retry_after
+    from rlmq.workers.model import _parse_retry_after
 
     assert _parse_retry_after("2") == 2.0
     assert _parse_retry_after(" 0.5 ") == 0.5
