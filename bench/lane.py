@@ -4,7 +4,7 @@
 
 Two measurements, each against a private ``redis-server`` (``rlmq.common.redis_server.EmbeddedRedis``)
 and the scripted model (``rlmq mock-llm``, a test double) on 127.0.0.1, with ``rlmq worker``
-processes (``rlmq.producer.local.LocalFleet``):
+processes (``rlmq.cli.local.LocalFleet``):
 
 * **waste**: rollouts at once × prompts per batch, all batches small enough for the lane
   (a batch of up to 8 goes to the most recently idle worker, whose call may start before its
@@ -30,10 +30,10 @@ import time
 import urllib.request
 from typing import Any
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.aio import run as run_loop
 from rlmq.common.redis_server import EmbeddedRedis
-from rlmq.producer.local import LocalFleet
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "lane.json")
 MODEL = "bench-lane"

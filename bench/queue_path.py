@@ -417,7 +417,7 @@ def monitor(redis_url: str) -> Iterator[Counter[tuple[bool, str]]]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        from rlmq.producer.local import ProcessGroup
+        from rlmq.cli.local import ProcessGroup
 
         self.args = args
         self.quick = args.quick
@@ -437,8 +437,8 @@ class Bench:
     # ---------------------------------------------------------------- infrastructure
 
     def start(self) -> None:
+        from rlmq.cli.local import start_mock_llm
         from rlmq.common.redis_server import EmbeddedRedis
-        from rlmq.producer.local import start_mock_llm
 
         self.redis = EmbeddedRedis().start()
         self.redis_url = self.redis.url
@@ -472,8 +472,8 @@ class Bench:
         census: bool = False,
     ) -> dict[str, Any]:
         """Run one measured client subprocess; returns its figures merged with the probes'."""
+        from rlmq.cli.local import child_env
         from rlmq.common import keys as K
-        from rlmq.producer.local import child_env
 
         argv = [
             sys.executable, "-m", "bench.queue_path", "--role", role, "--n", str(n), "--rollouts", str(rollouts),
@@ -561,7 +561,7 @@ class Bench:
 
     @contextlib.contextmanager
     def rlmq_workers(self, workers: int, concurrency: int, base_url: str | None = None) -> Iterator[list[int]]:
-        from rlmq.producer.local import LocalFleet
+        from rlmq.cli.local import LocalFleet
 
         fleet = LocalFleet(
             redis_url=self.redis_url,
@@ -581,8 +581,8 @@ class Bench:
     def rq_workers(self, workers: int) -> Iterator[list[int]]:
         import redis
 
+        from rlmq.cli.local import ProcessGroup, child_env
         from rlmq.common import keys as K
-        from rlmq.producer.local import ProcessGroup, child_env
 
         rq_bin = os.path.join(os.path.dirname(sys.executable), "rq")
         if not os.path.exists(rq_bin):
@@ -684,7 +684,7 @@ class Bench:
             self.run_slow()
 
     def run_slow(self) -> None:
-        from rlmq.producer.local import ProcessGroup, start_mock_llm
+        from rlmq.cli.local import ProcessGroup, start_mock_llm
 
         latency, n, conc = (0.5, 1000, 200) if self.quick else (2.0, 10_000, 1000)
         self._say(f"slow: one worker, model latency {latency:g} s, {n} sub-calls at concurrency {conc}")

@@ -36,13 +36,13 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rlmq.producer.dispatch as dispatch_mod  # noqa: E402
+from rlmq.cli.local import LocalFleet  # noqa: E402
 from rlmq.common import keys as K  # noqa: E402
 from rlmq.common.redis_server import EmbeddedRedis  # noqa: E402
 from rlmq.common.schemas import DatasetRow, SubLLMResult  # noqa: E402
 from rlmq.common.settings import load_settings  # noqa: E402
 from rlmq.producer.env import RLMEnv  # noqa: E402
-from rlmq.producer.local import LocalFleet  # noqa: E402
-from rlmq.producer.mock_llm import root_code_directive  # noqa: E402
+from rlmq.scripted.server import root_code_directive  # noqa: E402
 
 FAULT_WINDOW = 15.0
 DIRECTIVES = [

@@ -2,6 +2,6 @@
 
 import sys
 
-from rlmq.producer.cli import main
+from rlmq.cli.main import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rlmq.producer.local import LocalFleet
+from rlmq.cli.local import LocalFleet
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 
 pytestmark = pytest.mark.e2e
 MODEL = f"budget-scripted-{uuid.uuid4().hex[:6]}"  # a queue of its own, even on a shared Redis

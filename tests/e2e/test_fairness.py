@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
-from rlmq.producer.local import LocalFleet
 
 pytestmark = pytest.mark.e2e
 BURST = 1500

@@ -11,10 +11,10 @@ import uuid
 import psutil
 import pytest
 
+from rlmq.cli.local import LocalFleet, child_env, rlmq_command
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
-from rlmq.producer.local import LocalFleet, child_env, rlmq_command
 
 pytestmark = pytest.mark.e2e
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from rlmq.cli.demo import needle_rows
+from rlmq.cli.local import LocalFleet
+from rlmq.cli.report import write_run
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
-from rlmq.producer.demo import needle_rows
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
-from rlmq.producer.report import write_run
 
 pytestmark = pytest.mark.e2e
 

@@ -14,13 +14,13 @@ import redis
 from rq import Queue, Worker
 from rq.registry import FinishedJobRegistry
 
+from rlmq.cli.demo import needle_rows
+from rlmq.cli.local import LocalFleet, child_env, rlmq_command
 from rlmq.common.keys import queue_name_for_model
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
-from rlmq.producer.demo import needle_rows
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet, child_env, rlmq_command
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 
 pytestmark = pytest.mark.e2e
 

@@ -20,13 +20,13 @@ import pytest
 import redis
 import trustme
 
+from rlmq.cli.demo import needle_rows
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.redis_server import EmbeddedRedis
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
-from rlmq.producer.demo import needle_rows
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
 
 pytestmark = pytest.mark.e2e
 PASSWORD = f"pw-{uuid.uuid4().hex}"

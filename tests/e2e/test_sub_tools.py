@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 
 pytestmark = pytest.mark.e2e
 

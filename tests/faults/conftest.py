@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import redis
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
-from rlmq.producer.local import LocalFleet
 
 HEARTBEAT_TTL = 2
 """Seconds a worker may be silent before its jobs are taken back (the CLI's minimum)."""

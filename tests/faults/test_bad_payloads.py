@@ -17,10 +17,10 @@ import redis
 from rq import Queue
 from rq.registry import FailedJobRegistry
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
 from rlmq.common.schemas import load_result
-from rlmq.producer.local import LocalFleet
 from tests.faults.conftest import model_stats, wait_until
 
 

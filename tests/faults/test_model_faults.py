@@ -11,13 +11,13 @@ import uuid
 
 import redis
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 from tests.faults.conftest import model_stats, start_named_worker
 
 TIMEOUT = 6.0  # sub-call deadline (s)

@@ -18,12 +18,12 @@ import time
 import psutil
 import redis
 
+from rlmq.cli.local import LocalFleet, child_env
 from rlmq.common import keys as K
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet, child_env
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 from tests.faults.conftest import model_stats, process_gone, start_named_worker, wait_until
 
 TIMEOUT = 4.0
@@ -34,7 +34,7 @@ import asyncio, sys
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 
 redis_url, base_url, model, rid = sys.argv[1:5]
 code = "llm_batch([f'Doomed {{i}}. [[mock:sleep:1]]' for i in range({N})])"

@@ -16,13 +16,13 @@ import uuid
 
 import redis
 
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.redis_server import EmbeddedRedis
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 from tests.faults.conftest import HEARTBEAT_TTL, await_until, start_named_worker, wait_until
 
 TIMEOUT = 5.0

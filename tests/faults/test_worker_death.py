@@ -26,14 +26,14 @@ from rq import Queue
 from rq.registry import StartedJobRegistry
 
 import rlmq.producer.dispatch as dispatch_mod
+from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow, SubLLMResult
 from rlmq.common.settings import Settings, load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.local import LocalFleet
-from rlmq.producer.mock_llm import root_code_directive
+from rlmq.scripted.server import root_code_directive
 from tests.faults.conftest import (
     HEARTBEAT_TTL,
     await_until,

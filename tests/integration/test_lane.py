@@ -22,7 +22,7 @@ from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
-from rlmq.producer.mock_llm import MockLLMServer
+from rlmq.scripted.server import MockLLMServer
 from rlmq.workers.records import Records, StartedJob
 from rlmq.workers.worker import SubLLMWorker
 from tests.faults.conftest import await_until

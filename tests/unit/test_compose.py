@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rlmq.producer.cli import build_parser
+from rlmq.cli.main import build_parser
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*)|(:?\?)([^}]*))?\}")

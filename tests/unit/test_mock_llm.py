@@ -1,4 +1,4 @@
-"""Tests of the scripted model server (producer/mock_llm.py), a test double of an OpenAI server."""
+"""Tests of the scripted model server (rlmq/scripted/server.py), a test double of an OpenAI server."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import aiohttp
 import openai
 import pytest
 
-from rlmq.producer.mock_llm import (
+from rlmq.scripted.server import (
     MODEL_FINGERPRINT,
     NOT_FOUND,
     ROOT_FOLLOW_UP,
@@ -475,7 +475,7 @@ async def test_openai_client_compatibility(server: MockLLMServer) -> None:
 
 def test_serve_subprocess_port_zero() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "rlmq.producer.mock_llm", "--port", "0"]
+    command = [sys.executable, "-m", "rlmq.scripted.server", "--port", "0"]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO) as proc:
         try:
             assert proc.stdout is not None

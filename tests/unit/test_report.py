@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from rlmq.cli.report import default_run_dir, mask_url, public_settings, write_run
 from rlmq.common.schemas import ResultRow
 from rlmq.producer import cli
 from rlmq.producer.env import RolloutResult
-from rlmq.producer.report import default_run_dir, mask_url, public_settings, write_run
 
 EVIL = "<script>alert('x')</script>&"
 

@@ -1,14 +1,12 @@
 """The ``rlmq`` command line: ``demo``, ``run``, ``worker``, ``mock-llm``, ``status``.
 
-``rlmq worker`` lives in the ``workers`` package, which the producer never imports
-statically (it enqueues by import path): the sub-command is resolved by module name
-at run time.
+This module sits above both sides of the queue and imports each plainly: the rollout side
+(``rlmq.producer``) and the worker side (``rlmq.cli.worker`` over ``rlmq.workers``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import tempfile
@@ -16,6 +14,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from rlmq.cli import worker as worker_cli
 from rlmq.common.aio import run as run_loop
 from rlmq.common.aio import sigint_latch
 from rlmq.common.errors import RlmqError
@@ -78,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _rollout_flags(run)
 
     worker = sub.add_parser("worker", help="one worker process serving one model")
-    importlib.import_module("rlmq.workers.cli").add_arguments(worker)
+    worker_cli.add_arguments(worker)
 
     mock = sub.add_parser("mock-llm", help="the scripted OpenAI-compatible model (a test double)")
     mock.add_argument("--host", default="127.0.0.1")
@@ -187,7 +186,7 @@ def start_metrics(args: argparse.Namespace) -> Metrics | None:
 
 def public_argv(argv: list[str]) -> list[str]:
     """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
-    from rlmq.producer.report import mask_url
+    from rlmq.cli.report import mask_url
 
     out: list[str] = []
     hide = False
@@ -209,7 +208,7 @@ def save_run(
     args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
 ) -> None:
     """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
-    from rlmq.producer.report import default_run_dir, write_run
+    from rlmq.cli.report import default_run_dir, write_run
 
     folder = args.run_dir or default_run_dir(args.command)
     meta = {
@@ -225,8 +224,8 @@ def save_run(
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from rlmq.producer.demo import needle_rows
-    from rlmq.producer.local import LocalFleet
+    from rlmq.cli.demo import needle_rows
+    from rlmq.cli.local import LocalFleet
 
     settings0 = load_settings()
     rows = [DatasetRow.model_validate(r) for r in needle_rows(args.rollouts, min_chars=args.min_chars)]
@@ -253,7 +252,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlmq.producer.local import LocalFleet
+    from rlmq.cli.local import LocalFleet
 
     rows = read_dataset(args.dataset)
     sub_model = args.sub_model or args.model
@@ -290,9 +289,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from rlmq.cli.status import redact_url, run_status
     from rlmq.common.connection import sync_client
     from rlmq.common.errors import ConfigError
-    from rlmq.producer.status import redact_url, run_status
 
     url = args.redis_url or load_settings().redis_url
     if not url:
@@ -305,7 +304,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
-    from rlmq.producer.mock_llm import serve
+    from rlmq.scripted.server import serve
 
     serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
     return 0
@@ -317,7 +316,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return cmd_run(args)
     if args.command == "worker":
-        return int(importlib.import_module("rlmq.workers.cli").run(args))
+        return int(worker_cli.run(args))
     if args.command == "mock-llm":
         return cmd_mock_llm(args)
     if args.command == "status":

@@ -90,7 +90,7 @@ Server-wide options: ``latency`` (seconds slept before every chat completion) an
 answered. The handler uses ``json`` and precompiled regexes only, to stay cheap under
 benchmarks.
 
-Run it alone with ``rlmq mock-llm --port P`` or ``python -m rlmq.producer.mock_llm --port 0``
+Run it alone with ``rlmq mock-llm --port P`` or ``python -m rlmq.scripted.server --port 0``
 (prints ``rlmq scripted model (test double) listening on http://127.0.0.1:<port>/v1``).
 """
 
@@ -1008,7 +1008,7 @@ def serve(host: str, port: int, *, latency: float = 0.0, spend_all: bool = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlmq.producer.mock_llm [--host H] [--port P] [--latency S] [--spend-all]``."""
+    """``python -m rlmq.scripted.server [--host H] [--port P] [--latency S] [--spend-all]``."""
     parser = argparse.ArgumentParser(description="rlmq scripted OpenAI-compatible model (a test double)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed at start)")
