@@ -131,6 +131,7 @@ async def _light(a: argparse.Namespace) -> dict[str, Any]:
     """
     from rlmq.common.connection import async_client
     from rlmq.common.ledger import BudgetLedger
+    from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
     from rlmq.workers.model import ChatClient
 
@@ -150,12 +151,10 @@ async def _light(a: argparse.Namespace) -> dict[str, Any]:
         spec = BatchSpec(
             rollout_id=budgeted if path == "rlmq-budget" else plain,
             batch_id=f"l{seq}",
-            model=a.model,
             queue=a.queue,
-            timeout=a.timeout,
+            sub_call_timeout=a.timeout,
             parallelism=1,
-            budgeted=path == "rlmq-budget",
-            max_completion_tokens=CAP,
+            call=SubCallOptions(model=a.model, budgeted=path == "rlmq-budget", max_completion_tokens=CAP),
         )
         return (await dispatcher.run_batch(spec, [p]))[0].status == "ok"
 
@@ -248,6 +247,7 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
         import rlmq.producer.dispatch as dispatch
         from rlmq.common.connection import async_client
         from rlmq.common.ledger import BudgetLedger
+        from rlmq.common.schemas import SubCallOptions
         from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
         arrivals: dict[tuple[str, str, int], float] = {}
@@ -272,12 +272,10 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
             spec = BatchSpec(
                 rollout_id=rollout_ids[r],
                 batch_id=f"b{bno}",
-                model=a.model,
                 queue=a.queue,
-                timeout=a.timeout,
+                sub_call_timeout=a.timeout,
                 parallelism=len(prompts),
-                budgeted=a.budgeted,
-                max_completion_tokens=CAP,
+                call=SubCallOptions(model=a.model, budgeted=a.budgeted, max_completion_tokens=CAP),
             )
             t0 = time.perf_counter()
             results = await dispatcher.run_batch(spec, prompts)

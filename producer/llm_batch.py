@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
-from rlmq.common.schemas import SubLLMResult
+from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.scaffold import sub_system_prompt
@@ -44,16 +44,18 @@ class LlmBatchService:
         return BatchSpec(
             rollout_id=rollout.id,
             batch_id=batch_id,
-            model=rollout.sub_model,
             queue=rollout.queue,
-            timeout=s.sub_call_timeout,
+            sub_call_timeout=s.sub_call_timeout,
             parallelism=s.max_sub_llm_parallelism,
-            max_turns=s.sub_llm_max_turns,
-            system_prompt=sub_system_prompt(s.sub_prompt_verbosity),
-            sub_tools=list(s.sub_tools),
-            max_completion_tokens=s.sub_llm_per_call_max_tokens,
-            budgeted=rollout.budget is not None,
-            include_messages=s.include_sub_llm_in_trajectory,
+            call=SubCallOptions(
+                model=rollout.sub_model,
+                system_prompt=sub_system_prompt(s.sub_prompt_verbosity),
+                sub_tools=list(s.sub_tools),
+                max_turns=s.sub_llm_max_turns,
+                max_completion_tokens=s.sub_llm_per_call_max_tokens,
+                budgeted=rollout.budget is not None,
+                include_messages=s.include_sub_llm_in_trajectory,
+            ),
             result_ttl=s.result_ttl,
             reply_ttl=s.rollout_key_ttl,
         )

@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rlmq.common import keys as K
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
+from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
 from rlmq.scripted.server import MockLLMServer
@@ -74,11 +75,13 @@ def blocked_on_lane(sync: redis.Redis, n: int) -> bool:
 
 
 def spec(rollout: str, **kw: object) -> BatchSpec:
-    base: dict[str, object] = dict(
-        rollout_id=rollout, batch_id="b1", model=MODEL, queue=QUEUE, timeout=30.0, parallelism=8
+    """A batch spec; ``kw`` names fields of the spec or of its :class:`SubCallOptions`."""
+    call = SubCallOptions.model_validate(
+        {"model": MODEL, **{k: v for k, v in kw.items() if k in SubCallOptions.model_fields}}
     )
-    base.update(kw)
-    return BatchSpec(**base)  # type: ignore[arg-type]
+    base: dict[str, object] = dict(rollout_id=rollout, batch_id="b1", queue=QUEUE, sub_call_timeout=30.0, parallelism=8)
+    base.update({k: v for k, v in kw.items() if k not in SubCallOptions.model_fields})
+    return BatchSpec(**base, call=call)  # type: ignore[arg-type]
 
 
 async def test_a_small_batch_goes_to_one_idle_worker_and_its_call_starts_early(
