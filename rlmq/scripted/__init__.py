@@ -18,9 +18,9 @@ Endpoints
     Counters kept by the server itself (``DELETE /stats`` resets them): every request, and
     the tokens it served, in total, per ``user`` field value (rlmq workers send the rollout
     id there; requests without one count under ``""``) and per model. See
-    :meth:`MockLLMServer.stats`. Tokens count when the completion is returned; a client
+    :meth:`ScriptedModelServer.stats`. Tokens count when the completion is returned; a client
     that disconnects first (say during a ``sleep``) cancels the call and nothing is
-    counted but the request (with :class:`MockLLMServer` and :func:`serve`, which enable
+    counted but the request (with :class:`ScriptedModelServer` and :func:`serve`, which enable
     aiohttp's handler cancellation).
 ``GET /health``
     200 ``{"status": "ok"}``.

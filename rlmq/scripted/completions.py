@@ -106,7 +106,7 @@ class _State:
         }
 
 
-_STATE = web.AppKey("rlmq_mock_llm_state", _State)
+_STATE = web.AppKey("rlmq_scripted_model_state", _State)
 _JSON = "application/json"
 
 
@@ -187,7 +187,7 @@ def _completion(state: _State, reply: _Reply, limit: int, spend_all: bool) -> tu
     if reply.tool_calls:
         message["tool_calls"] = [
             {
-                "id": f"call_mock_{next(state.ids)}",
+                "id": f"call_scripted_{next(state.ids)}",
                 "type": "function",
                 "function": {"name": n, "arguments": a},
             }

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rlmq.common.errors import ConfigError
 from rlmq.scripted.answerer import answer_from_chunk
 from rlmq.scripted.completions import (
     _JSON,
@@ -51,7 +52,7 @@ __all__ = [
     "NOT_FOUND",
     "ROOT_FOLLOW_UP",
     "ROOT_TOOL_NAME",
-    "MockLLMServer",
+    "ScriptedModelServer",
     "answer_from_chunk",
     "create_app",
     "main",
@@ -126,7 +127,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         counts.prompt_tokens += prompt_tokens
         counts.completion_tokens += completion_tokens
     result: dict[str, Any] = {
-        "id": f"chatcmpl-mock-{next(state.ids)}",
+        "id": f"chatcmpl-scripted-{next(state.ids)}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
@@ -188,7 +189,7 @@ def create_app(*, latency: float = 0.0, spend_all: bool = False) -> web.Applicat
     model). ``spend_all``: every sub-LLM completion is exactly its limit in tokens (words).
     """
     if latency < 0:
-        raise ValueError("latency must be >= 0 seconds")
+        raise ConfigError("latency must be >= 0 seconds")
     app = web.Application()
     app[_STATE] = _State(latency, spend_all)
     for prefix in ("/v1", ""):
@@ -205,14 +206,14 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/v1"
 
 
-class MockLLMServer:
+class ScriptedModelServer:
     """Async context manager running the scripted server (a test double) in the current event loop.
 
     ``port=0`` lets the OS pick a free port; read it from :attr:`port` or :attr:`url`
     after :meth:`start`. ``latency`` is in seconds; ``spend_all`` makes every sub-LLM
     completion exactly its limit in tokens (words)::
 
-        async with MockLLMServer() as server:
+        async with ScriptedModelServer() as server:
             client = openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0)
     """
 
@@ -247,7 +248,7 @@ class MockLLMServer:
         if runner is not None:
             await runner.cleanup()
 
-    async def __aenter__(self) -> MockLLMServer:
+    async def __aenter__(self) -> ScriptedModelServer:
         await self.start()
         return self
 
@@ -296,7 +297,7 @@ async def _serve(host: str, port: int, latency: float, spend_all: bool) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
             pass
-    async with MockLLMServer(host, port, latency=latency, spend_all=spend_all) as server:
+    async with ScriptedModelServer(host, port, latency=latency, spend_all=spend_all) as server:
         print(LISTEN_LINE.format(url=server.url), flush=True)
         await stop.wait()
 

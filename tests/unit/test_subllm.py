@@ -369,7 +369,10 @@ async def test_gate_holds_the_first_model_call_after_the_reservation(
         snap = await ledger.snapshot(ROLLOUT)
         return snap is not None and snap.grants == 1
 
+    deadline = time.monotonic() + 10
     while not await reserved():
+        if task.done() or time.monotonic() > deadline:  # fail, never hang the suite
+            pytest.fail(f"the sub-call did not reserve within 10 s (done: {task.done()})")
         await asyncio.sleep(0)  # yield to the sub-call until its reservation is in the ledger
     assert llm.calls == 0
     gate.set_result(None)
