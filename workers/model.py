@@ -1,4 +1,4 @@
-"""The model client of a worker: OpenAI-compatible chat completions over one aiohttp session.
+"""The model client of a worker: OpenAI-compatible chat completions, retried, over a transport.
 
 The retry layer of the sub-LLM calls: a failing server sees at most ``retries + 1``
 attempts per call. (The root model's calls go through the ``openai`` client in
@@ -39,20 +39,20 @@ import email.utils
 import json
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
-import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base, wait_random_exponential
 
 from rlmq.common.errors import ConfigError, ModelError
+from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
 __all__ = ["AiohttpTransport", "ChatClient", "ChatResponse", "HttpReply", "Transport", "estimate_tokens"]
+# The transport names are re-exported: a test builds ChatClient(..., transport=...) from here.
 
 _RETRY_STATUSES = frozenset({408, 409, 429})
 _SNIPPET = 300
@@ -225,76 +225,6 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResp
         usage_reported=False,
         message=message,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class HttpReply:
-    """What a :class:`Transport` got back: HTTP status, headers and the whole body (bytes)."""
-
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-
-class Transport(Protocol):
-    """Sends one HTTP POST and returns the reply: the seam between :class:`ChatClient` and the network.
-
-    ``post`` raises :class:`TimeoutError` when no whole reply came within ``timeout``
-    seconds, :class:`ConnectionError` when the connection failed or broke (both are
-    retried), and :class:`~rlmq.common.errors.ModelError` when the request cannot be sent
-    at all (not retried). Any HTTP status is a reply, not an exception.
-    """
-
-    async def post(self, url: str, data: bytes, *, headers: Mapping[str, str], timeout: float) -> HttpReply: ...
-
-    async def close(self) -> None: ...
-
-
-class AiohttpTransport:
-    """The production :class:`Transport`: one aiohttp session with a pooled connector.
-
-    The session is created lazily inside the running event loop on the first request.
-
-    Args:
-        max_connections: size of the connection pool (``aiohttp.TCPConnector(limit=...)``).
-    """
-
-    def __init__(self, max_connections: int = 1024) -> None:
-        self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        session = self._session
-        if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
-            session = self._session = aiohttp.ClientSession(connector=connector)
-        return session
-
-    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
-        timeout = self._timeouts.get(seconds)
-        if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=seconds)
-            if len(self._timeouts) < 16:  # the client's own timeout; deadlines vary per call
-                self._timeouts[seconds] = timeout
-        return timeout
-
-    async def post(self, url: str, data: bytes, *, headers: Mapping[str, str], timeout: float) -> HttpReply:
-        """POST ``data`` to ``url``; see :class:`Transport` for what it raises."""
-        session = self._get_session()
-        try:
-            async with session.post(url, data=data, headers=headers, timeout=self._timeout(timeout)) as resp:
-                return HttpReply(resp.status, resp.headers, await resp.read())
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-        except aiohttp.ClientError as exc:
-            raise ModelError(f"request to the model server at {url} failed ({type(exc).__name__}: {exc})") from exc
-
-    async def close(self) -> None:
-        """Close the HTTP session (idempotent)."""
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
 
 
 class ChatClient:
