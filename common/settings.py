@@ -149,11 +149,12 @@ def load_settings(**overrides: Any) -> Settings:
     import os
 
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     values = {k: v for k, v in overrides.items() if v is not None}
     if "redis_url" not in values and "RLMQ_REDIS_URL" not in os.environ and os.environ.get("REDIS_URL"):
         values["redis_url"] = os.environ["REDIS_URL"]
     try:
         return Settings(**values)
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:  # a bad flag value, or an RLMQ_* variable that is not JSON
         raise ConfigError(str(exc)) from exc

@@ -34,7 +34,7 @@ from rlmq.common.errors import ConfigError, RlmqError
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow, StopReason
-from rlmq.common.settings import Settings, Verbosity
+from rlmq.common.settings import Settings, Verbosity, load_settings
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.llm_batch import LlmBatchService
@@ -89,7 +89,7 @@ class RLMEnv:
         root_prompt_verbosity / sub_prompt_verbosity: light | medium | heavy (default light).
         include_sub_llm_in_trajectory: keep every sub-LLM's conversation in the trajectory.
         settings: the base settings (Redis URL, queue, sub-call deadline, limits); default
-            ``Settings()`` (the environment's ``RLMQ_*`` variables).
+            :func:`~rlmq.common.settings.load_settings` (the ``RLMQ_*`` and ``REDIS_URL`` variables).
         root: the root model client (a seam for tests); built from ``settings`` if ``None``.
         metrics: :class:`~rlmq.common.metrics.Metrics` to update with batches and refused calls.
 
@@ -127,7 +127,9 @@ class RLMEnv:
             raise ConfigError(f"unknown RLMEnv argument(s): {', '.join(sorted(unknown))}; known: {known}")
         given = locals()
         overrides = {name: given[name] for name in _OVERRIDABLE if given[name] is not FROM_SETTINGS}
-        self.settings: Settings = (settings or Settings()).with_overrides(**overrides)
+        if settings is not None and not isinstance(settings, Settings):
+            raise ConfigError(f"settings must be a rlmq Settings, not {type(settings).__name__}")
+        self.settings: Settings = (settings or load_settings()).with_overrides(**overrides)
         self._root = root
         self.metrics = metrics
         self._redis: Redis | None = None

@@ -72,3 +72,16 @@ def test_every_setting_argument_is_a_settings_field() -> None:
 def test_unknown_or_invalid_arguments_are_config_errors(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         RLMEnv(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_environment_is_read_as_load_settings_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("RLMQ_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:7/0")
+    assert RLMEnv().settings.redis_url == "redis://127.0.0.1:7/0"
+    monkeypatch.setenv("RLMQ_SUB_TOOLS", "not json")  # a list setting from the environment is JSON
+    with pytest.raises(ConfigError):
+        RLMEnv()
+    with pytest.raises(ConfigError):
+        RLMEnv(settings={"max_turns": 3})  # type: ignore[arg-type]
