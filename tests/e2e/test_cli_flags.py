@@ -246,7 +246,12 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
     assert cell["timed_out"] and 9 <= cell["seconds"] < 60
     # --sub-call-timeout 4
     batch = next(e for e in traj["deadline"]["trajectory"] if e["type"] == "llm_batch")
-    assert [x["error_kind"] for x in batch["results"]] == ["deadline"] and "(4 s)" in batch["results"][0]["content"]
+    # (the producer's deadline result or the worker's own, whichever came first; both say "deadline")
+    assert [(x["status"], x["error_kind"]) for x in batch["results"]] == [("error", "deadline")]
+    raw = r.hget(K.rq_job(batch["results"][0]["job_id"]), "data")
+    assert isinstance(raw, bytes)
+    late = decode_job_data(raw)[1][0]
+    assert late["deadline"] - late["enqueued_at"] == pytest.approx(4.0)
     # --sub-llm-max-completion-tokens 60 / --sub-llm-per-call-max-tokens 20
     m = rows["budget"]["metrics"]
     assert m["sub_llm_budget_limit"] == 60 and 0 < m["sub_llm_completion_tokens"] <= 60
