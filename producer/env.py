@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import time
 import uuid
 from collections.abc import Iterable
@@ -53,12 +54,6 @@ class _FromSettings(enum.Enum):
 
 
 FROM_SETTINGS: Final = _FromSettings.FROM_SETTINGS
-_OVERRIDABLE = (
-    "max_turns", "sub_llm_max_turns", "sub_llm_max_completion_tokens", "sub_llm_per_call_max_tokens",
-    "root_max_completion_tokens", "max_sub_llm_parallelism", "sub_model", "sub_tools", "max_output_length",
-    "code_execution_timeout", "max_startup_wait_seconds", "pip_install_packages", "root_prompt_verbosity",
-    "sub_prompt_verbosity", "include_sub_llm_in_trajectory",
-)  # fmt: skip
 
 
 class RLMEnv:
@@ -333,3 +328,9 @@ class RLMEnv:
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
         return [r for r in out if r is not None]
+
+
+_OVERRIDABLE: Final = tuple(
+    name for name, p in inspect.signature(RLMEnv.__init__).parameters.items() if p.default is FROM_SETTINGS
+)
+"""The setting arguments of :class:`RLMEnv` (each a :class:`~rlmq.common.settings.Settings` field)."""
