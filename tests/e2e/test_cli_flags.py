@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -135,12 +136,21 @@ class Run:
         try:
             code = self.proc.wait(timeout=RUN_DEADLINE)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.stop()
             pytest.fail(f"rlmq run did not finish within {RUN_DEADLINE:g} s; stderr: {''.join(self.err)[-2000:]}")
         for t in self._threads:
             t.join(10)
         return code
+
+    def stop(self) -> None:
+        """Ctrl-C (so the run stops the workers and Redis it started), then SIGKILL after 60 s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def server_stats(base_url: str) -> dict[str, Any]:
@@ -172,6 +182,7 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
     root_a, sub_a, root_b, sub_b = f"root-a-{tag}", f"sub-a-{tag}", f"root-b-{tag}", f"sub-b-{tag}"
     queue, tenant = f"flags-{tag}", "tenant7"
     group = ProcessGroup(str(tmp_path / "logs"))
+    runs: list[Run] = []
     try:
         root_url = start_mock_llm(group)
         sub_url = start_mock_llm(group)
@@ -204,7 +215,10 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
         missing = run_flags() - {"--help"} - option_strings(argv_a) - option_strings(argv_b)
         assert not missing, f"flags of `rlmq run` this test does not drive: {sorted(missing)}"
 
-        run_a, run_b = Run(rlmq_command(*argv_a)), Run(rlmq_command(*argv_b))
+        run_a = Run(rlmq_command(*argv_a))
+        runs.append(run_a)
+        run_b = Run(rlmq_command(*argv_b))
+        runs.append(run_b)
         # --metrics-port 0 / --metrics-host: the exporter serves while the run runs
         assert run_a.metrics_seen.wait(RUN_DEADLINE), "".join(run_a.err)[-2000:]
         assert run_a.metrics_url is not None and run_a.metrics_url.startswith("http://127.0.0.1:")
@@ -222,6 +236,8 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
         assert root_stats["per_model"][root_a]["requests"] == 3 + 2 + 2 + 2 + 3 + 2 + 1  # root turns of ROWS_A
         assert sub_stats["per_model"][sub_b]["completions"] == 8  # run B: 2 rows x 4 prompts
     finally:
+        for run in runs:
+            run.stop()
         group.stop()
 
 
