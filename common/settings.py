@@ -23,7 +23,8 @@ class Settings(BaseSettings):
     """Every knob of rlmq, for producer and worker alike. Times in seconds, sizes in tokens
     (completion tokens) or characters as named."""
 
-    model_config = SettingsConfigDict(env_prefix="RLMQ_", extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="RLMQ_", extra="forbid", populate_by_name=True, frozen=True)
+    """Frozen: built once and passed down; a changed value is a new object (:meth:`with_overrides`)."""
 
     # --- connections -------------------------------------------------------------------
     redis_url: str | None = None

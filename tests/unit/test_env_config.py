@@ -6,6 +6,7 @@ import inspect
 import os
 
 import pytest
+from pydantic import ValidationError
 
 from rlmq.common.errors import ConfigError
 from rlmq.common.settings import Settings
@@ -85,3 +86,10 @@ def test_the_environment_is_read_as_load_settings_reads_it(monkeypatch: pytest.M
         RLMEnv()
     with pytest.raises(ConfigError):
         RLMEnv(settings={"max_turns": 3})  # type: ignore[arg-type]
+
+
+def test_settings_cannot_change_under_a_running_environment() -> None:
+    env = RLMEnv(settings=Settings(max_turns=3))
+    with pytest.raises(ValidationError):
+        env.settings.max_turns = 0  # type: ignore[misc]
+    assert env.settings.max_turns == 3

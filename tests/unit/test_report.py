@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from rlmq.cli import main as cli
 from rlmq.cli.report import default_run_dir, mask_url, public_settings, write_run
 from rlmq.common.schemas import ResultRow
-from rlmq.producer import cli
 from rlmq.producer.env import RolloutResult
 
 EVIL = "<script>alert('x')</script>&"
