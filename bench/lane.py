@@ -47,6 +47,7 @@ def model_requests(base_url: str) -> int:
 
 async def waste(redis_url: str, base_url: str, rollouts: int, batch: int, calls: int) -> dict[str, Any]:
     from rlmq.common.connection import async_client
+    from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
     redis = async_client(redis_url)
@@ -58,8 +59,8 @@ async def waste(redis_url: str, base_url: str, rollouts: int, batch: int, calls:
         nonlocal answered
         for b in range(max(1, calls // (rollouts * batch))):
             spec = BatchSpec(
-                rollout_id=f"w{rollouts}x{batch}r{r}", batch_id=f"b{b}", model=MODEL, queue=queue, timeout=60,
-                parallelism=batch,
+                rollout_id=f"w{rollouts}x{batch}r{r}", batch_id=f"b{b}", call=SubCallOptions(model=MODEL),
+                queue=queue, sub_call_timeout=60, parallelism=batch,
             )  # fmt: skip
             res = await dispatcher.run_batch(spec, [f"Who has key {r}.{b}.{i}? Ada has it." for i in range(batch)])
             answered += sum(x.status == "ok" for x in res)
@@ -76,6 +77,7 @@ async def waste(redis_url: str, base_url: str, rollouts: int, batch: int, calls:
 
 async def latency(redis_url: str, base_url: str, rounds: int) -> dict[str, Any]:
     from rlmq.common.connection import async_client
+    from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
     from rlmq.workers.model import ChatClient
 
@@ -89,8 +91,8 @@ async def latency(redis_url: str, base_url: str, rounds: int) -> dict[str, Any]:
         t = time.perf_counter()
         await chat.chat(model=MODEL, messages=[{"role": "user", "content": "Who has the key? Ada."}], max_tokens=16)
         direct.append(time.perf_counter() - t)
-        spec = BatchSpec(rollout_id="lat", batch_id=f"b{i}{time.time_ns()}", model=MODEL, queue=queue, timeout=60,
-                         parallelism=1)  # fmt: skip
+        spec = BatchSpec(rollout_id="lat", batch_id=f"b{i}{time.time_ns()}", call=SubCallOptions(model=MODEL),
+                         queue=queue, sub_call_timeout=60, parallelism=1)  # fmt: skip
         t = time.perf_counter()
         await dispatcher.run_batch(spec, ["Who has the key? Ada."])
         through.append(time.perf_counter() - t)

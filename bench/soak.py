@@ -95,7 +95,7 @@ class Soak:
             t0 = time.time()
             results = await real_run(self, spec, prompts)
             soak.batches.append({"start": t0, "end": time.time(), "n": len(prompts), "results": results,
-                                 "rollout": spec.rollout_id, "timeout": spec.timeout,
+                                 "rollout": spec.rollout_id, "timeout": spec.sub_call_timeout,
                                  "slow": {i for i, p in enumerate(prompts) if "[[mock:sleep:30]]" in p}})  # fmt: skip
             return results
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import re
 
+from rlmq.common.errors import ConfigError
+
 PREFIX = "rlmq"
 RQ_PREFIX = "rq"
 
@@ -33,10 +35,10 @@ def check_rollout_id(rollout_id: str) -> str:
     """Return ``rollout_id`` if it is 1-64 characters of ``[A-Za-z0-9_-]``.
 
     Raises:
-        ValueError: otherwise (rollout ids become part of RQ job ids, which RQ restricts).
+        ConfigError: otherwise (rollout ids become part of RQ job ids, which RQ restricts).
     """
     if not _ROLLOUT_ID.fullmatch(rollout_id):
-        raise ValueError(f"invalid rollout id {rollout_id!r}: use 1-64 characters of [A-Za-z0-9_-]")
+        raise ConfigError(f"invalid rollout id {rollout_id!r}: use 1-64 characters of [A-Za-z0-9_-]")
     return rollout_id
 
 

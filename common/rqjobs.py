@@ -2,8 +2,9 @@
 
 The producer enqueues sub-LLM jobs by writing exactly the hash RQ's own
 ``Queue.enqueue`` writes (JSON serializer, never pickle), so ``rq info``, rq-dashboard
-and a stock ``rq worker`` all see ordinary RQ jobs; ``tests/unit/test_rqjobs.py`` reads
-them back through RQ's ``Job.fetch`` to prove it. Doing it here instead of through
+and a stock ``rq worker`` all see ordinary RQ jobs; ``tests/unit/test_dispatch.py``
+(``test_enqueued_jobs_are_ordinary_rq_jobs``, ``test_short_job_data_is_stored_uncompressed_and_rq_reads_both``)
+reads them back through RQ's ``Job.fetch`` to prove it. Doing it here instead of through
 ``Queue.enqueue_many`` saves most of RQ's per-job Python and Redis work (see bench/).
 
 rlmq adds fields RQ ignores: ``rlmq_reply`` (the batch's reply list), ``rlmq_meta``

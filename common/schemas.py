@@ -24,10 +24,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 
 
-class SubLLMRequest(_Strict):
-    """One sub-LLM call, enqueued as one RQ job.
+class SubCallOptions(_Strict):
+    """How the sub-LLM is called: what every sub-call of one batch shares.
 
-    Times are Unix seconds (``time.time()``); token figures are completion tokens.
+    The producer's :class:`~rlmq.producer.dispatch.BatchSpec` holds one; each
+    :class:`SubLLMRequest` of the batch carries these fields (it extends this model, so the
+    job payload stays flat). Token figures are completion tokens.
+    """
+
+    model: str
+    system_prompt: str | None = None
+    sub_tools: list[str] = Field(default_factory=list)
+    max_turns: int = Field(default=5, ge=1, le=100)
+    """Turns of the sub-LLM's own tool loop (``sub_llm_max_turns``)."""
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """Per-call cap on completion tokens (``None``: the server's default)."""
+    budgeted: bool = False
+    """True when the rollout has a ``sub_llm_max_completion_tokens`` ledger in Redis."""
+    temperature: float | None = None
+    include_messages: bool = False
+    """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
+
+
+class SubLLMRequest(SubCallOptions):
+    """One sub-LLM call, enqueued as one RQ job: its batch's :class:`SubCallOptions` and its own slot.
+
+    Times are Unix seconds (``time.time()``).
     """
 
     v: Literal[1] = 1
@@ -35,20 +57,9 @@ class SubLLMRequest(_Strict):
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     index: int = Field(ge=0)
     prompt: str
-    model: str
-    system_prompt: str | None = None
-    sub_tools: list[str] = Field(default_factory=list)
-    max_turns: int = Field(default=5, ge=1, le=100)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    """Per-call cap on completion tokens (``None``: the server's default)."""
-    budgeted: bool = False
-    """True when the rollout has a ``sub_llm_max_completion_tokens`` ledger in Redis."""
     enqueued_at: float
     deadline: float
     """Unix time after which the producer no longer waits for this result."""
-    temperature: float | None = None
-    include_messages: bool = False
-    """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
 
 
 class LaneJob(_Strict):

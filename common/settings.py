@@ -23,7 +23,8 @@ class Settings(BaseSettings):
     """Every knob of rlmq, for producer and worker alike. Times in seconds, sizes in tokens
     (completion tokens) or characters as named."""
 
-    model_config = SettingsConfigDict(env_prefix="RLMQ_", extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="RLMQ_", extra="forbid", populate_by_name=True, frozen=True)
+    """Frozen: built once and passed down; a changed value is a new object (:meth:`with_overrides`)."""
 
     # --- connections -------------------------------------------------------------------
     redis_url: str | None = None
@@ -56,9 +57,16 @@ class Settings(BaseSettings):
     sub_call_timeout: float = Field(default=300.0, gt=0)
     """Deadline of one sub-call, from enqueue to result (seconds)."""
     concurrency: int = Field(default=4, ge=1)
-    """Rollouts run at once by ``rlmq run`` / ``rlmq demo``; for a worker: in-flight sub-calls."""
+    """Rollouts run at once by ``rlmq run`` / ``rlmq demo`` (a worker's in-flight sub-calls are
+    ``worker_concurrency``; ``rlmq worker --concurrency`` sets that one)."""
     root_prompt_verbosity: Verbosity = "light"
     sub_prompt_verbosity: Verbosity = "light"
+    sub_tools: list[str] = Field(default_factory=list)
+    """Dotted import paths of tools the sub-LLMs may call (the workers must allow-list them)."""
+    pip_install_packages: list[str] = Field(default_factory=list)
+    """Packages installed into each rollout's REPL."""
+    include_sub_llm_in_trajectory: bool = False
+    """Keep every sub-LLM's own conversation in the trajectory."""
     rollout_key_ttl: int = Field(default=3600, ge=10)
     max_batch_prompts: int = Field(default=10_000, ge=1)
     max_batch_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
@@ -77,6 +85,24 @@ class Settings(BaseSettings):
     """How long RQ keeps finished jobs (seconds); ``rq info`` and rq-dashboard show them."""
     allowed_sub_tools: list[str] = Field(default_factory=list)
     """Dotted import paths of sub-tools this worker may run (a job asking for others fails)."""
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """A copy with ``overrides`` (field name -> value) applied and the whole validated again.
+
+        Raises:
+            ConfigError: an override names no field, or a value is invalid.
+        """
+        from pydantic import ValidationError
+
+        unknown = sorted(set(overrides) - set(type(self).model_fields))
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        if not overrides:
+            return self
+        try:
+            return type(self).model_validate({**self.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def sub_queue(self) -> str:
         """The queue the producer enqueues sub-LLM jobs on.
@@ -124,11 +150,12 @@ def load_settings(**overrides: Any) -> Settings:
     import os
 
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     values = {k: v for k, v in overrides.items() if v is not None}
     if "redis_url" not in values and "RLMQ_REDIS_URL" not in os.environ and os.environ.get("REDIS_URL"):
         values["redis_url"] = os.environ["REDIS_URL"]
     try:
         return Settings(**values)
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:  # a bad flag value, or an RLMQ_* variable that is not JSON
         raise ConfigError(str(exc)) from exc

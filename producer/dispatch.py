@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from rlmq.common import keys as K
 from rlmq.common.errors import PayloadError
 from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
-from rlmq.common.schemas import LaneEntry, LaneJob, SubLLMRequest, SubLLMResult, load_result
+from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult, load_result
 
 
 @dataclass
@@ -29,24 +29,21 @@ class BatchSpec:
 
     Attributes:
         rollout_id / batch_id: ids (``[A-Za-z0-9_-]``; batch ids without ``-``).
-        model: the sub-model name (sent to the server by the worker).
-        queue: the RQ queue of that model.
-        timeout: seconds from enqueue to the deadline of each sub-call.
+        queue: the RQ queue of the sub-model.
+        sub_call_timeout: seconds from a sub-call's enqueue to its deadline (per sub-call,
+            not for the whole batch: a slot enqueued later gets a later deadline).
         parallelism: at most this many of the batch's sub-calls are queued or running at once.
+        call: how the sub-LLM is called (model, system prompt, tools, turns, token cap, ...);
+            every request of the batch carries these fields.
+        result_ttl / reply_ttl: seconds RQ keeps a finished job / a failed job and the reply list.
     """
 
     rollout_id: str
     batch_id: str
-    model: str
     queue: str
-    timeout: float
+    sub_call_timeout: float
     parallelism: int
-    max_turns: int = 5
-    system_prompt: str | None = None
-    sub_tools: list[str] = field(default_factory=list)
-    max_completion_tokens: int | None = None
-    budgeted: bool = False
-    include_messages: bool = False
+    call: SubCallOptions
     result_ttl: int = 600
     reply_ttl: int = 3600
 
@@ -80,7 +77,7 @@ def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
         job_id=job_id_for(spec, index),
         status="error",
         error_kind="deadline",
-        content=f"[error] sub-LLM call got no result within its deadline ({spec.timeout:g} s)",
+        content=f"[error] sub-LLM call got no result within its deadline ({spec.sub_call_timeout:g} s)",
         error="deadline exceeded",
     )
 
@@ -110,8 +107,9 @@ class Dispatcher:
         """Enqueue slots ``indices`` of ``prompts`` in one pipeline; returns the enqueue time."""
         now = time.time()
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
-        ttl = max(1, int(spec.timeout) + 1)
+        ttl = max(1, int(spec.sub_call_timeout) + 1)
         lane_jobs: list[LaneJob] | None = [] if len(indices) <= LANE_MAX_JOBS else None
+        call = spec.call.model_dump()
         async with self.redis.pipeline(transaction=False) as pipe:
             ids = []
             for i in indices:
@@ -120,15 +118,9 @@ class Dispatcher:
                     batch_id=spec.batch_id,
                     index=i,
                     prompt=prompts[i],
-                    model=spec.model,
-                    system_prompt=spec.system_prompt,
-                    sub_tools=spec.sub_tools,
-                    max_turns=spec.max_turns,
-                    max_completion_tokens=spec.max_completion_tokens,
-                    budgeted=spec.budgeted,
-                    include_messages=spec.include_messages,
                     enqueued_at=now,
-                    deadline=now + spec.timeout,
+                    deadline=now + spec.sub_call_timeout,
+                    **call,
                 )
                 jid = job_id_for(spec, i)
                 ids.append(jid)
@@ -141,7 +133,7 @@ class Dispatcher:
                         queue=spec.queue,
                         data=encode_job_data(SUB_LLM_FUNC, args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"),
                         description=(
-                            f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.model}"
+                            f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.call.model}"
                         ),
                         timeout=ttl,
                         result_ttl=spec.result_ttl,
@@ -183,7 +175,7 @@ class Dispatcher:
         """Run every prompt as one sub-call; return one result per prompt, in order.
 
         At most ``spec.parallelism`` sub-calls of the batch are queued or running at once;
-        the next ones are enqueued as results arrive. Each slot's deadline is ``spec.timeout``
+        the next ones are enqueued as results arrive. Each slot's deadline is ``spec.sub_call_timeout``
         seconds after its enqueue. Never raises for a sub-call's failure: the slot gets an
         error result instead.
         """
@@ -196,7 +188,7 @@ class Dispatcher:
         next_index = min(n, spec.parallelism)
         t0 = await self.enqueue(spec, prompts, list(range(next_index)))
         for i in range(next_index):
-            deadlines[i] = t0 + spec.timeout
+            deadlines[i] = t0 + spec.sub_call_timeout
         pending = n
         while pending:
             now = time.time()
@@ -212,7 +204,7 @@ class Dispatcher:
                 take = list(range(next_index, min(n, next_index + spec.parallelism - len(deadlines))))
                 t = await self.enqueue(spec, prompts, take)
                 for i in take:
-                    deadlines[i] = t + spec.timeout
+                    deadlines[i] = t + spec.sub_call_timeout
                 next_index = take[-1] + 1
             wait = max(0.01, min(deadlines.values()) - time.time()) if deadlines else 0.01
             try:

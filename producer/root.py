@@ -1,9 +1,10 @@
-"""The root model's chat calls: ``openai.AsyncOpenAI`` with rlmq's one retry layer.
+"""The root model's chat calls: ``openai.AsyncOpenAI`` with retries by ``tenacity``.
 
-rlmq has one retry layer for model calls: ``tenacity``, configured here for the root
-model and in :mod:`rlmq.workers.model` for sub-LLMs, with the same policy (429 / 408 / 409 /
-5xx / connection errors / timeouts, exponential backoff with jitter, ``Retry-After``
-honoured). The openai client's own retries are therefore set to zero.
+Retried: HTTP 408, 409, 429 and 5xx, connection errors and timeouts; waits grow
+exponentially with jitter (``wait_exponential_jitter(multiplier=0.5, max=20)``: seconds).
+A ``Retry-After`` header is *not* read here (the sub-LLM client,
+:mod:`rlmq.workers.model`, does honour it). The openai client's own retries are set to
+zero, so a call makes at most ``retries + 1`` attempts, never a product of two layers.
 """
 
 from __future__ import annotations

@@ -55,7 +55,11 @@ def root_system_prompt(
         context: the row's context (only its type and size are described).
         verbosity: light | medium | heavy.
         budget: the sub-LLM completion-token budget (tokens), or ``None`` for none.
-        max_turns: the root's turn limit.
+        max_turns: the root's turn limit; stated with medium and heavy verbosity, as are
+        sub_llm_max_turns (turns of one sub-LLM), max_output_length (characters of a cell's
+            output) and parallelism (sub-LLM calls at once).
+
+    ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
     parts = [
         "You are answering a question about a long input that you cannot see directly. You work in a "

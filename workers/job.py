@@ -7,6 +7,11 @@ these jobs hundreds at a time without calling this function. A stock
 ``rq worker --serializer rq.serializers.JSONSerializer`` can run them too, one at a
 time, through this function (the benchmark's baseline); it reads its model server from
 ``RLMQ_BASE_URL`` / ``RLMQ_API_KEY`` and pushes the result to the batch's reply list.
+
+Two functions are named ``run_sub_llm``: this one, the synchronous RQ job entry point, and
+:func:`rlmq.workers.subllm.run_sub_llm`, the asynchronous sub-call it runs (imported here as
+``_run``). This one's name is part of every job record (``rlmq.common.rqjobs.SUB_LLM_FUNC``),
+so renaming it would make old and new workers of one fleet refuse each other's jobs.
 """
 
 from __future__ import annotations

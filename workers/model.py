@@ -1,9 +1,12 @@
-"""The model client of a worker: OpenAI-compatible chat completions over one aiohttp session.
+"""The model client of a worker: OpenAI-compatible chat completions, retried, over a transport.
 
-**This is rlmq's one retry layer for model calls.** Whatever else talks to a model server
-in rlmq (the producer's ``openai`` client for the root model) has its own retries set to
-zero, so a failing server sees at most ``retries + 1`` attempts per call, never a product
-of two retry layers.
+The retry layer of the sub-LLM calls: a failing server sees at most ``retries + 1``
+attempts per call. (The root model's calls go through the ``openai`` client in
+:mod:`rlmq.producer.root`, which has retries of its own; the two never wrap each other.)
+
+HTTP goes through a :class:`Transport`, as httpx's transports do: :class:`AiohttpTransport`
+in production, an in-memory one in tests (no HTTP server needed). The transport moves bytes;
+status handling, retries, deadlines and parsing stay here.
 
 Why not ``openai.AsyncOpenAI``: a worker runs hundreds of sub-calls at once in one
 process, and on 2 cores ``AsyncOpenAI`` tops out at ~250 calls/s against a zero-latency
@@ -41,14 +44,15 @@ from http import HTTPStatus
 from types import TracebackType
 from typing import Any
 
-import aiohttp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base, wait_random_exponential
 
-from rlmq.common.errors import ModelError
+from rlmq.common.errors import ConfigError, ModelError
+from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
-__all__ = ["ChatClient", "ChatResponse", "estimate_tokens"]
+__all__ = ["AiohttpTransport", "ChatClient", "ChatResponse", "HttpReply", "Transport", "estimate_tokens"]
+# The transport names are re-exported: a test builds ChatClient(..., transport=...) from here.
 
 _RETRY_STATUSES = frozenset({408, 409, 429})
 _SNIPPET = 300
@@ -224,10 +228,9 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResp
 
 
 class ChatClient:
-    """OpenAI-compatible chat-completions client over one aiohttp session.
+    """OpenAI-compatible chat-completions client with retries, over a :class:`Transport`.
 
-    One instance serves every concurrent sub-call of a worker process; the session is
-    created lazily inside the running event loop on the first call.
+    One instance serves every concurrent sub-call of a worker process.
 
     Args:
         base_url: the server's OpenAI base URL, e.g. ``http://127.0.0.1:8000/v1``; requests go
@@ -235,10 +238,15 @@ class ChatClient:
         api_key: sent as ``Authorization: Bearer <api_key>`` when set.
         timeout: seconds one HTTP attempt may take (also capped by the call's deadline).
         retries: retries after the first attempt (so at most ``retries + 1`` attempts).
-        max_connections: size of the connection pool (``aiohttp.TCPConnector(limit=...)``).
+        max_connections: size of the connection pool of the default transport.
         backoff_base: seconds; the first retry waits ``uniform(0, backoff_base)``, the window
             doubling per retry.
         backoff_max: seconds; cap of any single wait, ``Retry-After`` included.
+        transport: how requests are sent (default: an :class:`AiohttpTransport`); a test
+            passes an in-memory one.
+
+    Raises:
+        ConfigError: ``retries`` is negative.
     """
 
     def __init__(
@@ -251,9 +259,10 @@ class ChatClient:
         max_connections: int = 1024,
         backoff_base: float = 0.25,
         backoff_max: float = 10.0,
+        transport: Transport | None = None,
     ) -> None:
         if retries < 0:
-            raise ValueError("retries must be >= 0")
+            raise ConfigError("retries must be >= 0")
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/chat/completions"
         self.timeout = timeout
@@ -264,17 +273,9 @@ class ChatClient:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
-        self._session: aiohttp.ClientSession | None = None
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self.transport: Transport = transport if transport is not None else AiohttpTransport(max_connections)
         self.attempts = 0
         """HTTP attempts made by this client (for metrics and tests)."""
-
-    def _get_session(self) -> aiohttp.ClientSession:
-        session = self._session
-        if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, ttl_dns_cache=300)
-            session = self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
-        return session
 
     async def chat(
         self,
@@ -364,35 +365,23 @@ class ChatClient:
 
     async def _attempt(self, data: bytes, messages: list[dict[str, Any]], deadline: float | None) -> ChatResponse:
         self.attempts += 1
-        timeout = self._timeout
         seconds = self.timeout
         if deadline is not None:
             left = deadline - time.time()
             if left <= 0:
                 raise _Failure("the call's deadline passed before the model answered", None, retryable=False)
-            if left < seconds:
-                seconds = left
-                timeout = aiohttp.ClientTimeout(total=left)
-        session = self._get_session()
+            seconds = min(seconds, left)
         try:
-            async with session.post(self.url, data=data, timeout=timeout) as resp:
-                status = resp.status
-                body = await resp.read()
-                headers = resp.headers
+            reply = await self.transport.post(self.url, data, headers=self._headers, timeout=seconds)
         except TimeoutError:
             raise _Failure(f"model call timed out after {seconds:.3g} s", None, retryable=True) from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        except ConnectionError as exc:
             raise _Failure(
-                f"connection to the model server at {self.url} failed ({type(exc).__name__}: {exc})",
-                None,
-                retryable=True,
+                f"connection to the model server at {self.url} failed ({exc})", None, retryable=True
             ) from None
-        except aiohttp.ClientError as exc:
-            raise _Failure(
-                f"request to the model server at {self.url} failed ({type(exc).__name__}: {exc})",
-                None,
-                retryable=False,
-            ) from None
+        except ModelError as exc:
+            raise _Failure(str(exc), None, retryable=False) from None
+        status, body, headers = reply.status, reply.body, reply.headers
         if 200 <= status < 300:
             return _parse(body, status, messages)
         retryable = status in _RETRY_STATUSES or status >= 500
@@ -406,10 +395,8 @@ class ChatClient:
         )
 
     async def close(self) -> None:
-        """Close the HTTP session (idempotent)."""
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        """Close the transport (idempotent)."""
+        await self.transport.close()
 
     async def __aenter__(self) -> ChatClient:
         return self

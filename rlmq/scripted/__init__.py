@@ -1,5 +1,95 @@
-"""The scripted model: an OpenAI-compatible server that is a test double, not a language model.
+"""A scripted, OpenAI-compatible model server: a **test double**, not a language model.
 
-``rlmq mock-llm`` and ``rlmq demo`` run it; the tests and benchmarks use it as root model and
-sub-LLM. See :mod:`rlmq.scripted.server`.
+``rlmq demo``, the end-to-end tests and the benchmarks use it where a real model server
+(vLLM, SGLang, llama.cpp, OpenAI, ...) would otherwise be needed. It answers to any model
+name, reports ``system_fingerprint: "rlmq-scripted-model"`` in every completion, and says
+"test double" in its start-up line. Its answers come from fixed rules, described below.
+
+Endpoints
+---------
+``POST /v1/chat/completions``
+    An OpenAI chat-completions request (``model``, ``messages``, optional ``tools``,
+    ``max_tokens`` / ``max_completion_tokens``, ``user``; ``stream`` must be false or
+    absent). Answered with an OpenAI-shaped ``chat.completion`` object.
+``GET /v1/models``
+    The model names it answers to: ``rlmq-scripted-model`` plus every name seen so far
+    (it answers to any name).
+``GET /stats``
+    Counters kept by the server itself (``DELETE /stats`` resets them): every request, and
+    the tokens it served, in total, per ``user`` field value (rlmq workers send the rollout
+    id there; requests without one count under ``""``) and per model. See
+    :meth:`ScriptedModelServer.stats`. Tokens count when the completion is returned; a client
+    that disconnects first (say during a ``sleep``) cancels the call and nothing is
+    counted but the request (with :class:`ScriptedModelServer` and :func:`serve`, which enable
+    aiohttp's handler cancellation).
+``GET /health``
+    200 ``{"status": "ok"}``.
+
+Token accounting
+----------------
+A token is a whitespace-separated word: ``len(text.split())``. ``prompt_tokens`` counts the
+words of every message's content. ``completion_tokens`` counts the words of the reply's
+content or, for a tool call, of its ``arguments`` string (the JSON text as sent, so the
+newlines of code, escaped as ``\\n``, do not separate words). The limit is the request's
+``max_completion_tokens`` or ``max_tokens`` (the smaller when both are given;
+:data:`DEFAULT_MAX_TOKENS` when neither is). A longer reply is cut to that many words and
+gets ``finish_reason: "length"``; a cut tool call is returned as plain content (its
+truncated arguments text) without ``tool_calls``, as a real server's tool parser would.
+A limit of 0 or less, or one that is not an integer, is answered with HTTP 400 and an
+OpenAI-style error body. So ``completion_tokens`` never exceeds the limit.
+
+As the ROOT model (a tool named ``call_python_repl`` is offered)
+-----------------------------------------------------------------
+Turn ``k`` is one plus the number of assistant messages in the conversation.
+
+* Turn 1: one ``call_python_repl`` tool call whose code (:func:`root_code_for`) splits
+  ``context`` into chunks, asks ``llm_batch`` one prompt per chunk, takes the answer most
+  chunks agree on and sets ``answer["content"]`` and ``answer["ready"] = True``.
+* Later turns: plain text, ``The answer is in answer['content'].`` (no tool call).
+
+Directives, read from the FIRST user message (which carries the question):
+
+* ``[[mock:root-code:<base64>]]`` (alias ``root-code-1``): turn 1 runs exactly this code.
+* ``[[mock:root-code-<k>:<base64>]]``: turn ``k`` (k >= 2) runs this code; a later turn
+  without code gets plain text. Build them with :func:`root_code_directive`.
+* ``[[mock:no-tool]]``: every reply is plain text, no tool call.
+
+Because the turn-1 script copies the question verbatim into every sub-LLM prompt, sub-LLM
+directives written into the question reach every sub-LLM call of the rollout.
+
+As a SUB-LLM (no ``call_python_repl`` tool)
+-------------------------------------------
+The prompt is the text of the last user message; the answer is
+:func:`answer_from_chunk` of it: the fact sentence of the chunk that matches the question,
+reduced to the part after `` is ``/`` was ``/``: ``..., or exactly ``NOT FOUND``.
+Directives in the prompt:
+
+* ``[[mock:tool:<name>:<json-args>]]`` (only when the request offers ``tools``): the
+  first turn replies with that tool call (``finish_reason: "tool_calls"``; the name need
+  not be among the offered tools, the arguments are sent verbatim and may be invalid JSON
+  on purpose; they must not contain ``]]``). With several of them,
+  turn ``k`` (one plus the assistant messages so far) calls the k-th; after the last,
+  the model answers normally.
+* ``[[mock:echo-tool-result]]``: the final answer is followed by one line
+  ``tool result: <content>`` per tool message of the conversation.
+* ``[[mock:spend-all]]`` (or the server option ``spend_all``): the completion is exactly
+  the limit in words (``tok tok ...``), ``finish_reason: "length"``.
+* Faults, for resilience tests:
+  ``[[mock:status:<code>]]`` / ``[[mock:status:<code>:retry-after=<seconds>]]`` (HTTP error
+  with an OpenAI-style body, and a ``Retry-After`` header when given);
+  ``[[mock:malformed]]`` (200 with a body that is not JSON);
+  ``[[mock:reset]]`` (the connection is closed without a response);
+  ``[[mock:sleep:<seconds>]]`` (waits before answering);
+  ``[[mock:no-usage]]`` (a valid completion without ``usage``; its tokens still count in
+  ``/stats``). Each applies to every attempt, or only to the first ``N`` attempts of the
+  same prompt text with ``[[mock:fail-times:<N>]]``. Order: sleep, then reset, then
+  status, then malformed.
+
+Server-wide options: ``latency`` (seconds slept before every chat completion) and
+``spend_all`` (sub-LLM calls only). Directives are removed from a prompt before it is
+answered. The handler uses ``json`` and precompiled regexes only, to stay cheap under
+benchmarks.
+
+Run it alone with ``rlmq mock-llm --port P`` or ``python -m rlmq.scripted.server --port 0``
+(prints ``rlmq scripted model (test double) listening on http://127.0.0.1:<port>/v1``).
 """

@@ -17,6 +17,7 @@ import pytest
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
+from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 pytestmark = pytest.mark.e2e
@@ -41,12 +42,12 @@ async def burst_then_small(fleet: LocalFleet, small_tenant: str) -> tuple[float,
     d = Dispatcher(redis)
     tag = uuid.uuid4().hex[:6]
     burst = BatchSpec(
-        rollout_id=f"burst-{tag}", batch_id="b1", model=fleet.model, queue=K.tenant_queue(base, "trainer-a"),
-        timeout=60, parallelism=BURST,
+        rollout_id=f"burst-{tag}", batch_id="b1", call=SubCallOptions(model=fleet.model),
+        queue=K.tenant_queue(base, "trainer-a"), sub_call_timeout=60, parallelism=BURST,
     )  # fmt: skip
     small = BatchSpec(
-        rollout_id=f"small-{tag}", batch_id="b1", model=fleet.model, queue=K.tenant_queue(base, small_tenant),
-        timeout=60, parallelism=8,
+        rollout_id=f"small-{tag}", batch_id="b1", call=SubCallOptions(model=fleet.model),
+        queue=K.tenant_queue(base, small_tenant), sub_call_timeout=60, parallelism=8,
     )  # fmt: skip
     t0 = time.monotonic()
     burst_task = asyncio.create_task(d.run_batch(burst, [f"Burst prompt {i}." for i in range(BURST)]))

@@ -14,6 +14,7 @@ import pytest
 from rlmq.cli.local import LocalFleet, child_env, rlmq_command
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
+from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 pytestmark = pytest.mark.e2e
@@ -25,8 +26,8 @@ async def test_one_worker_holds_hundreds_of_sub_calls_in_flight(redis_url: str, 
     with LocalFleet(redis_url=redis_url, model=model, workers=1, worker_concurrency=300, mock_latency=1.0):
         redis = async_client(redis_url)
         queue = K.queue_name_for_model(model)
-        spec = BatchSpec(rollout_id=f"conc-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model, queue=queue,
-                         timeout=60, parallelism=300)  # fmt: skip
+        spec = BatchSpec(rollout_id=f"conc-{uuid.uuid4().hex[:6]}", batch_id="b1", queue=queue,
+                         sub_call_timeout=60, parallelism=300, call=SubCallOptions(model=model))  # fmt: skip
         t0 = time.monotonic()
         task = asyncio.create_task(Dispatcher(redis).run_batch(spec, [f"Prompt {i}." for i in range(300)]))
         peak = 0
@@ -85,8 +86,8 @@ async def test_a_worker_exports_prometheus_metrics(redis_url: str) -> None:
         fleet.start_worker("metrics-worker", ["--metrics-port", str(port)])
         fleet.wait_for_workers(1)
         redis = async_client(redis_url)
-        spec = BatchSpec(rollout_id=f"m-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model,
-                         queue=K.queue_name_for_model(model), timeout=30, parallelism=10)  # fmt: skip
+        spec = BatchSpec(rollout_id=f"m-{uuid.uuid4().hex[:6]}", batch_id="b1", call=SubCallOptions(model=model),
+                         queue=K.queue_name_for_model(model), sub_call_timeout=30, parallelism=10)  # fmt: skip
         results = await Dispatcher(redis).run_batch(spec, [f"Prompt {i}." for i in range(7)])
         await redis.aclose()
         assert all(r.status == "ok" for r in results)

@@ -20,9 +20,10 @@ from rq.serializers import JSONSerializer
 from rlmq.common import keys as K
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
+from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
-from rlmq.scripted.server import MockLLMServer
+from rlmq.scripted.server import ScriptedModelServer
 from rlmq.workers.records import Records, StartedJob
 from rlmq.workers.worker import SubLLMWorker
 from tests.faults.conftest import await_until
@@ -33,8 +34,8 @@ QUEUE = K.queue_name_for_model(MODEL)
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[MockLLMServer]:
-    async with MockLLMServer("127.0.0.1", 0) as server:
+async def model() -> AsyncIterator[ScriptedModelServer]:
+    async with ScriptedModelServer("127.0.0.1", 0) as server:
         yield server
 
 
@@ -45,7 +46,7 @@ async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis
     await client.aclose()
 
 
-def make_worker(redis_url: str, model: MockLLMServer, name: str, **kw: object) -> SubLLMWorker:
+def make_worker(redis_url: str, model: ScriptedModelServer, name: str, **kw: object) -> SubLLMWorker:
     settings = load_settings(redis_url=redis_url, base_url=model.url, model=MODEL, **kw)
     return SubLLMWorker(settings, name=name, metrics=Metrics())
 
@@ -74,15 +75,17 @@ def blocked_on_lane(sync: redis.Redis, n: int) -> bool:
 
 
 def spec(rollout: str, **kw: object) -> BatchSpec:
-    base: dict[str, object] = dict(
-        rollout_id=rollout, batch_id="b1", model=MODEL, queue=QUEUE, timeout=30.0, parallelism=8
+    """A batch spec; ``kw`` names fields of the spec or of its :class:`SubCallOptions`."""
+    call = SubCallOptions.model_validate(
+        {"model": MODEL, **{k: v for k, v in kw.items() if k in SubCallOptions.model_fields}}
     )
-    base.update(kw)
-    return BatchSpec(**base)  # type: ignore[arg-type]
+    base: dict[str, object] = dict(rollout_id=rollout, batch_id="b1", queue=QUEUE, sub_call_timeout=30.0, parallelism=8)
+    base.update({k: v for k, v in kw.items() if k not in SubCallOptions.model_fields})
+    return BatchSpec(**base, call=call)  # type: ignore[arg-type]
 
 
 async def test_a_small_batch_goes_to_one_idle_worker_and_its_call_starts_early(
-    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer
 ) -> None:
     a = make_worker(redis_url, model, "lane-a")
     b = make_worker(redis_url, model, "lane-b")
@@ -101,7 +104,7 @@ async def test_a_small_batch_goes_to_one_idle_worker_and_its_call_starts_early(
 
 
 async def test_an_early_call_is_cancelled_when_another_worker_took_the_job(
-    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer
 ) -> None:
     s = spec("lane2")
     await Dispatcher(aredis).enqueue(s, ["[[mock:sleep:30]] Who keeps the key? Ada does."], [0])
@@ -121,7 +124,7 @@ async def test_an_early_call_is_cancelled_when_another_worker_took_the_job(
 
 
 async def test_a_budgeted_call_never_reaches_the_model_before_start(
-    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer, monkeypatch: pytest.MonkeyPatch
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ledger = BudgetLedger(aredis)
     await ledger.open("lane3", 1000)
@@ -156,7 +159,7 @@ async def test_a_budgeted_call_never_reaches_the_model_before_start(
 
 
 async def test_a_small_batch_is_served_even_when_every_worker_is_busy(
-    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: MockLLMServer
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer
 ) -> None:
     """Nobody pops the lane while the only worker is full; the jobs still run from the queue,
     and the lane keeps only its newest entries."""

@@ -15,7 +15,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
-from rlmq.common.schemas import load_result
+from rlmq.common.schemas import SubCallOptions, load_result
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.workers.records import FinishedJob, Records, rq_exc_string, rq_return_value
 
@@ -31,7 +31,10 @@ async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis
 
 
 async def enqueue(aredis: Redis, n: int, timeout: float = 30.0) -> BatchSpec:
-    spec = BatchSpec(rollout_id="r1", batch_id="b1", model="m", queue=QUEUE, timeout=timeout, parallelism=100)
+    spec = BatchSpec(
+        rollout_id="r1", batch_id="b1", queue=QUEUE, sub_call_timeout=timeout, parallelism=100,
+        call=SubCallOptions(model="m"),
+    )  # fmt: skip
     await Dispatcher(aredis).enqueue(spec, [f"p{i}" for i in range(n)], list(range(n)))
     return spec
 

@@ -14,7 +14,7 @@ from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
-from rlmq.common.schemas import SubLLMResult, load_lane_entry, load_request
+from rlmq.common.schemas import SubCallOptions, SubLLMResult, load_lane_entry, load_request
 from rlmq.producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
 
 
@@ -24,11 +24,15 @@ def server() -> fakeredis.FakeServer:
 
 
 def spec(**kw: object) -> BatchSpec:
-    base: dict[str, object] = dict(
-        rollout_id="r1", batch_id="b1", model="m", queue="rlmq.sub.m", timeout=5.0, parallelism=64
+    """A batch spec; ``kw`` names fields of the spec or of its :class:`SubCallOptions`."""
+    call = SubCallOptions.model_validate(
+        {"model": "m", **{k: v for k, v in kw.items() if k in SubCallOptions.model_fields}}
     )
-    base.update(kw)
-    return BatchSpec(**base)  # type: ignore[arg-type]
+    base: dict[str, object] = dict(
+        rollout_id="r1", batch_id="b1", queue="rlmq.sub.m", sub_call_timeout=5.0, parallelism=64
+    )
+    base.update({k: v for k, v in kw.items() if k not in SubCallOptions.model_fields})
+    return BatchSpec(**base, call=call)  # type: ignore[arg-type]
 
 
 async def test_enqueued_jobs_are_ordinary_rq_jobs(server: fakeredis.FakeServer) -> None:
@@ -163,7 +167,7 @@ async def test_missing_results_become_deadline_errors(server: fakeredis.FakeServ
     r = fakeredis.aioredis.FakeRedis(server=server)
     worker = asyncio.create_task(answer_jobs(r, "rlmq.sub.m", skip={1}, stop_after=2))
     t0 = time.monotonic()
-    results = await Dispatcher(r).run_batch(spec(timeout=0.5), ["a", "b", "c"])
+    results = await Dispatcher(r).run_batch(spec(sub_call_timeout=0.5), ["a", "b", "c"])
     await worker
     assert time.monotonic() - t0 < 3
     assert [x.status for x in results] == ["ok", "error", "ok"]

@@ -43,7 +43,7 @@ def test_rollout_keys_share_hash_tag() -> None:
 
 @pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "a:b", "{x}"])
 def test_rollout_id_is_checked(bad: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         K.RolloutKeys(bad)
 
 

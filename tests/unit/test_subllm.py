@@ -1,9 +1,10 @@
-"""One sub-LLM job on a worker: model client, retries, budget, tool loop (fakeredis + a scripted server).
+"""One sub-LLM job on a worker: model client, retries, budget, tool loop (fakeredis + a scripted model).
 
-The OpenAI-compatible server here is a small aiohttp app scripted per test: each request
-pops the next step of its script (an answer, a tool call, an HTTP error, a raw body, a
-hang). It honours ``max_tokens`` (completion tokens = min(scripted, max_tokens)) and
-counts calls and tokens per ``user``.
+The OpenAI-compatible model here is scripted per test and reached through the model
+client's transport seam (:class:`~rlmq.workers.model.Transport`), so no HTTP server runs:
+each request pops the next step of its script (an answer, a tool call, an HTTP error, a
+raw body, a hang that lasts until the client's timeout). It honours ``max_tokens``
+(completion tokens = min(scripted, max_tokens)) and counts calls and tokens per ``user``.
 """
 
 from __future__ import annotations
@@ -12,20 +13,18 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import fakeredis.aioredis
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from rlmq.common.errors import ConfigError, ModelError, PayloadError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubLLMRequest
-from rlmq.workers.model import ChatClient
+from rlmq.workers.model import ChatClient, HttpReply
 from rlmq.workers.subllm import SubLLMContext, run_sub_llm
 from rlmq.workers.tools import ToolRegistry, count_words, grep
 
@@ -77,20 +76,26 @@ class ScriptedLLM:
     def calls(self) -> int:
         return len(self.requests)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = json.loads(await request.read())
+    def client(self, api_key: str | None = None, **kw: Any) -> ChatClient:
+        """A model client whose transport is this scripted model."""
+        return ChatClient(self.base_url, api_key, transport=self, **kw)
+
+    async def post(self, url: str, data: bytes, *, headers: Mapping[str, str], timeout: float) -> HttpReply:
+        """The :class:`~rlmq.workers.model.Transport` side: one request, one scripted reply."""
+        assert url == self.base_url + "/chat/completions"
+        body = json.loads(data)
         self.requests.append(body)
-        self.headers.append(dict(request.headers))
+        self.headers.append(dict(headers))
         self.arrivals.append(time.monotonic())
         step = self.script.pop(0) if self.script else self.default
         if step["kind"] == "http":
-            return web.Response(status=step["status"], headers=step["headers"], text=step["body"])
+            return HttpReply(step["status"], step["headers"], step["body"].encode())
         if step["kind"] == "raw":
-            return web.Response(status=200, text=step["body"], content_type="application/json")
-        if step["kind"] == "hang":
+            return HttpReply(200, {"Content-Type": "application/json"}, step["body"].encode())
+        if step["kind"] == "hang":  # as a real transport: no reply within the timeout is a TimeoutError
             self.entered.set()
-            await self.release.wait()
-            return web.Response(status=503)
+            await asyncio.wait_for(self.release.wait(), timeout)
+            return HttpReply(503, {}, b"")
         cap = body.get("max_tokens")
         tokens = min(step["tokens"], cap) if cap is not None else step["tokens"]
         user = body.get("user", "")
@@ -110,25 +115,22 @@ class ScriptedLLM:
         if step["usage"]:
             prompt = sum(len(str(m.get("content") or "")) for m in body["messages"])
             out["usage"] = {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
-        return web.json_response(out)
+        return HttpReply(200, {"Content-Type": "application/json"}, json.dumps(out).encode())
+
+    async def close(self) -> None:
+        """Nothing to close: no connection was opened."""
 
 
 @pytest.fixture
 async def llm() -> AsyncIterator[ScriptedLLM]:
-    scripted = ScriptedLLM()
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", scripted.handle)
-    server = TestServer(app, host="127.0.0.1", port=0)
-    await server.start_server()
-    scripted.base_url = str(server.make_url("/v1"))
+    scripted = ScriptedLLM(base_url="http://scripted-model.test/v1")
     yield scripted
     scripted.release.set()
-    await server.close()
 
 
 @pytest.fixture
 async def client(llm: ScriptedLLM) -> AsyncIterator[ChatClient]:
-    async with ChatClient(llm.base_url, "sk-test", retries=2, backoff_base=0.001, backoff_max=0.05) as c:
+    async with llm.client("sk-test", retries=2, backoff_base=0.001, backoff_max=0.05) as c:
         yield c
 
 
@@ -369,7 +371,10 @@ async def test_gate_holds_the_first_model_call_after_the_reservation(
         snap = await ledger.snapshot(ROLLOUT)
         return snap is not None and snap.grants == 1
 
+    deadline = time.monotonic() + 10
     while not await reserved():
+        if task.done() or time.monotonic() > deadline:  # fail, never hang the suite
+            pytest.fail(f"the sub-call did not reserve within 10 s (done: {task.done()})")
         await asyncio.sleep(0)  # yield to the sub-call until its reservation is in the ledger
     assert llm.calls == 0
     gate.set_result(None)
@@ -481,7 +486,7 @@ def _echo(value: dict[str, Any]) -> dict[str, Any]:
 
 async def test_429_with_retry_after_then_success(llm: ScriptedLLM, ledger: BudgetLedger) -> None:
     llm.script = [http(429, {"Retry-After": "0.3"}), answer("after the wait")]
-    async with ChatClient(llm.base_url, retries=3, backoff_base=0.001, backoff_max=5.0) as client:
+    async with llm.client(retries=3, backoff_base=0.001, backoff_max=5.0) as client:
         ctx = SubLLMContext(client=client, ledger=ledger, tools=ToolRegistry(), worker_name="w")
         result = await run_sub_llm(make_request(), ctx, job_id="j")
         assert client.attempts == 2
@@ -493,7 +498,7 @@ async def test_429_with_retry_after_then_success(llm: ScriptedLLM, ledger: Budge
 
 async def test_retry_after_is_capped_at_backoff_max(llm: ScriptedLLM) -> None:
     llm.script = [http(503, {"Retry-After": "120"}), answer("ok")]
-    async with ChatClient(llm.base_url, retries=1, backoff_base=0.001, backoff_max=0.05) as client:
+    async with llm.client(retries=1, backoff_base=0.001, backoff_max=0.05) as client:
         t0 = time.monotonic()
         response = await client.chat(model="m", messages=[{"role": "user", "content": "hi"}])
         assert time.monotonic() - t0 < 5
@@ -533,7 +538,7 @@ async def test_malformed_json_is_retried(llm: ScriptedLLM, ctx: SubLLMContext) -
 async def test_timeout_charges_the_whole_grant(llm: ScriptedLLM, ledger: BudgetLedger) -> None:
     await ledger.open(ROLLOUT, 100)
     llm.default = hang()
-    async with ChatClient(llm.base_url, timeout=0.1, retries=1, backoff_base=0.001) as client:
+    async with llm.client(timeout=0.1, retries=1, backoff_base=0.001) as client:
         ctx = SubLLMContext(client=client, ledger=ledger, tools=ToolRegistry(), worker_name="w")
         result = await run_sub_llm(make_request(budgeted=True, max_completion_tokens=40), ctx, job_id="j")
     assert (result.status, result.error_kind) == ("error", "model")
@@ -555,7 +560,7 @@ async def test_deadline_already_past(llm: ScriptedLLM, ctx: SubLLMContext, ledge
 
 async def test_retries_never_sleep_past_the_deadline(llm: ScriptedLLM) -> None:
     llm.default = http(503, {"Retry-After": "5"})
-    async with ChatClient(llm.base_url, retries=5, backoff_max=10.0) as client:
+    async with llm.client(retries=5, backoff_max=10.0) as client:
         t0 = time.monotonic()
         with pytest.raises(ModelError) as info:
             await client.chat(model="m", messages=[], deadline=time.time() + 1.0)

@@ -22,7 +22,7 @@ from rlmq.scripted.server import (
     MODEL_FINGERPRINT,
     NOT_FOUND,
     ROOT_FOLLOW_UP,
-    MockLLMServer,
+    ScriptedModelServer,
     answer_from_chunk,
     root_code_directive,
     root_code_for,
@@ -83,8 +83,8 @@ def sub_prompt(question: str, chunk: str) -> str:
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[MockLLMServer]:
-    async with MockLLMServer() as srv:
+async def server() -> AsyncIterator[ScriptedModelServer]:
+    async with ScriptedModelServer() as srv:
         yield srv
 
 
@@ -95,7 +95,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def chat(
-    session: aiohttp.ClientSession, server: MockLLMServer, messages: list[dict[str, Any]], **extra: Any
+    session: aiohttp.ClientSession, server: ScriptedModelServer, messages: list[dict[str, Any]], **extra: Any
 ) -> tuple[int, Any]:
     body = {"model": "test-model", "messages": messages, **extra}
     async with session.post(f"{server.url}/chat/completions", json=body) as resp:
@@ -234,7 +234,7 @@ def test_root_code_majority_vote_ignores_errors() -> None:
 # -------------------------------------------------------------------------------- server
 
 
-async def test_usage_and_max_tokens(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_usage_and_max_tokens(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     prompt = sub_prompt(
         "Which city was the treaty of Kelvara signed in?", "The treaty of Kelvara was signed in Port Alric."
     )
@@ -265,13 +265,13 @@ async def test_usage_and_max_tokens(server: MockLLMServer, session: aiohttp.Clie
     assert status == 400
 
 
-async def test_spend_all_directive_and_option(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_spend_all_directive_and_option(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     status, body = await chat(session, server, user("hi [[mock:spend-all]]"), max_tokens=37)
     assert body["choices"][0]["finish_reason"] == "length"
     assert len(body["choices"][0]["message"]["content"].split()) == 37
     assert body["usage"]["completion_tokens"] == 37
 
-    async with MockLLMServer(spend_all=True) as spender:
+    async with ScriptedModelServer(spend_all=True) as spender:
         status, body = await chat(session, spender, user("What is X?"), max_completion_tokens=12)
         assert body["usage"]["completion_tokens"] == 12
         assert body["choices"][0]["finish_reason"] == "length"
@@ -281,7 +281,7 @@ async def test_spend_all_directive_and_option(server: MockLLMServer, session: ai
         assert spender.stats["completion_tokens"] == 12 + body["usage"]["completion_tokens"]
 
 
-async def test_root_turns(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_root_turns(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You have a REPL."}, *user(QUESTION)]
     status, body = await chat(session, server, messages, tools=ROOT_TOOLS)
     assert status == 200
@@ -310,7 +310,7 @@ async def test_root_turns(server: MockLLMServer, session: aiohttp.ClientSession)
     assert body["usage"]["completion_tokens"] == 10
 
 
-async def test_root_code_directives(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_root_code_directives(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     first = "x = 41\nprint('hello')"
     second = "answer['content'] = str(x + 1)\nanswer['ready'] = True"
     question = f"Anything? {root_code_directive(first)} {root_code_directive(second, turn=2)}"
@@ -338,7 +338,7 @@ async def test_root_code_directives(server: MockLLMServer, session: aiohttp.Clie
     assert status == 400  # bytes that are not UTF-8
 
 
-async def test_sub_tool_directive(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_sub_tool_directive(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     prompt = '[[mock:tool:lookup:{"key": "ORCHID"}]] [[mock:echo-tool-result]] ' + sub_prompt(
         "What is the access code for vault ORCHID?", "The access code for vault ORCHID is 48213."
     )
@@ -360,7 +360,7 @@ async def test_sub_tool_directive(server: MockLLMServer, session: aiohttp.Client
     assert body["choices"][0]["message"]["content"] == "48213"
 
 
-async def test_status_faults_with_fail_times(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_status_faults_with_fail_times(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     body = {"model": "m", "messages": user("Q? [[mock:status:429:retry-after=1]] [[mock:fail-times:2]]")}
     for _ in range(2):
         async with session.post(f"{server.url}/chat/completions", json=body) as resp:
@@ -376,7 +376,7 @@ async def test_status_faults_with_fail_times(server: MockLLMServer, session: aio
     assert server.stats["faults"] == 8 and server.stats["completions"] == 1
 
 
-async def test_malformed_no_usage_reset_sleep(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_malformed_no_usage_reset_sleep(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     status, payload = await chat(session, server, user("Q? [[mock:malformed]]"))
     assert status == 200 and isinstance(payload, str)
 
@@ -403,7 +403,7 @@ async def test_malformed_no_usage_reset_sleep(server: MockLLMServer, session: ai
     assert status == 200 and time.monotonic() - started < 5
 
 
-async def test_stats_per_user_and_model(server: MockLLMServer, session: aiohttp.ClientSession) -> None:
+async def test_stats_per_user_and_model(server: ScriptedModelServer, session: aiohttp.ClientSession) -> None:
     prompt = "hi [[mock:spend-all]]"
     for rollout, n in (("rollout-a", 3), ("rollout-b", 1)):
         for _ in range(n):
@@ -439,13 +439,13 @@ async def test_stats_per_user_and_model(server: MockLLMServer, session: aiohttp.
 
 
 async def test_latency_option(session: aiohttp.ClientSession) -> None:
-    async with MockLLMServer(latency=0.3) as slow:
+    async with ScriptedModelServer(latency=0.3) as slow:
         started = time.monotonic()
         status, _ = await chat(session, slow, user("hi"))
         assert status == 200 and time.monotonic() - started >= 0.3
 
 
-async def test_openai_client_compatibility(server: MockLLMServer) -> None:
+async def test_openai_client_compatibility(server: ScriptedModelServer) -> None:
     client = openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0)
     try:
         completion = await client.chat.completions.create(

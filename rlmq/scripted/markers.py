@@ -1,0 +1,88 @@
+"""The scripted model's constants and its ``[[mock:...]]`` directives: root code and fault markers.
+
+See :mod:`rlmq.scripted` for what each directive does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+
+MODEL_FINGERPRINT = "rlmq-scripted-model"
+"""``system_fingerprint`` of every completion, and the first name in ``GET /v1/models``."""
+ROOT_TOOL_NAME = "call_python_repl"
+NOT_FOUND = "NOT FOUND"
+DEFAULT_MAX_TOKENS = 4096
+"""Completion limit in tokens (words) when a request gives neither max_tokens nor max_completion_tokens."""
+ROOT_FOLLOW_UP = "The answer is in answer['content']."
+NO_TOOL_REPLY = "The scripted model answers without the REPL: NOT FOUND"
+LISTEN_LINE = "rlmq scripted model (test double) listening on {url}"
+
+
+_DIRECTIVE_RE = re.compile(r"\[\[mock:.*?\]\]", re.DOTALL)
+_ROOT_CODE_RE = re.compile(r"\[\[mock:root-code(?:-(\d+))?:([A-Za-z0-9+/=_\-\s]*)\]\]")
+_TOOL_RE = re.compile(r"\[\[mock:tool:([^:\]\s]+):(.*?)\]\]", re.DOTALL)
+_STATUS_RE = re.compile(r"\[\[mock:status:(\d{3})(?::retry-after=(\d+(?:\.\d+)?))?\]\]")
+_SLEEP_RE = re.compile(r"\[\[mock:sleep:(\d+(?:\.\d+)?)\]\]")
+_FAIL_TIMES_RE = re.compile(r"\[\[mock:fail-times:(\d+)\]\]")
+
+
+def root_code_directive(code: str, turn: int = 1) -> str:
+    """The directive that makes root turn ``turn`` (1-based) run exactly ``code``.
+
+    Put it in the question (the first user message) of a rollout.
+    """
+    encoded = base64.b64encode(code.encode("utf-8")).decode("ascii")
+    suffix = "" if turn == 1 else f"-{turn}"
+    return f"[[mock:root-code{suffix}:{encoded}]]"
+
+
+def _decode_b64(data: str) -> str:
+    data = "".join(data.split())
+    data += "=" * (-len(data) % 4)
+    try:
+        if "-" in data or "_" in data:
+            return base64.urlsafe_b64decode(data).decode("utf-8")
+        return base64.b64decode(data, validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError) as exc:
+        raise ValueError(f"bad base64 in root-code directive: {exc}") from exc
+
+
+def _root_codes(first_user: str) -> dict[int, str]:
+    codes: dict[int, str] = {}
+    for match in _ROOT_CODE_RE.finditer(first_user):
+        turn = int(match.group(1)) if match.group(1) else 1
+        codes[turn] = _decode_b64(match.group(2))
+    return codes
+
+
+@dataclass(frozen=True, slots=True)
+class _Faults:
+    sleep: float | None = None
+    reset: bool = False
+    status: int | None = None
+    retry_after: str | None = None
+    malformed: bool = False
+    no_usage: bool = False
+    fail_times: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.sleep is not None or self.reset or self.status is not None or self.malformed or self.no_usage
+
+
+def _parse_faults(prompt: str) -> _Faults:
+    status = _STATUS_RE.search(prompt)
+    sleep = _SLEEP_RE.search(prompt)
+    fail_times = _FAIL_TIMES_RE.search(prompt)
+    return _Faults(
+        sleep=float(sleep.group(1)) if sleep else None,
+        reset="[[mock:reset]]" in prompt,
+        status=int(status.group(1)) if status else None,
+        retry_after=status.group(2) if status else None,
+        malformed="[[mock:malformed]]" in prompt,
+        no_usage="[[mock:no-usage]]" in prompt,
+        fail_times=int(fail_times.group(1)) if fail_times else None,
+    )

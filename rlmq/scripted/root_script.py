@@ -1,0 +1,89 @@
+"""The scripted root model's first-turn code: one sub-LLM per chunk of ``context``, majority answer."""
+
+from __future__ import annotations
+
+_ROOT_CODE_TEMPLATE = '''\
+# Scripted root model (rlmq test double): ask one sub-LLM per chunk of `context`,
+# then keep the answer that most chunks agree on.
+import json
+import math
+from collections import Counter
+
+question = __QUESTION__
+CHUNK_CHARS = 20_000  # characters per chunk
+OVERLAP = 500  # characters shared by neighbouring chunks, so no sentence is lost at a cut
+
+
+def split_text(text):
+    """Windows of CHUNK_CHARS characters; neighbours overlap by OVERLAP characters."""
+    step = CHUNK_CHARS - OVERLAP
+    return [text[start:start + CHUNK_CHARS] for start in range(0, max(len(text) - OVERLAP, 1), step)]
+
+
+def group_items(items):
+    """Join the items of a list, each str()-ed, into chunks of similar size."""
+    pieces = [piece for item in items for piece in split_text(str(item))]
+    total = sum(len(piece) + 1 for piece in pieces)
+    target = total / max(1, math.ceil(total / CHUNK_CHARS))
+    chunks, current, size = [], [], 0
+    for piece in pieces:
+        if current and size + len(piece) > CHUNK_CHARS:
+            chunks.append("\\n".join(current))
+            current, size = [], 0
+        current.append(piece)
+        size += len(piece) + 1
+        if size >= target:
+            chunks.append("\\n".join(current))
+            current, size = [], 0
+    if current:
+        chunks.append("\\n".join(current))
+    return chunks
+
+
+if isinstance(context, dict):
+    chunks = split_text(json.dumps(context, ensure_ascii=False, indent=1))
+elif isinstance(context, (list, tuple)):
+    chunks = group_items(context)
+else:
+    chunks = split_text(str(context))
+
+prompts = [
+    "Answer the question using only the text below. "
+    "If the text does not contain the answer, reply exactly NOT FOUND.\\n\\n"
+    f"<question>\\n{question}\\n</question>\\n\\n<text>\\n{chunk}\\n</text>"
+    for chunk in chunks
+]
+answers = llm_batch(prompts) if prompts else []
+
+
+def is_answer(reply):
+    """False for NOT FOUND and for rlmq's error strings."""
+    reply = reply.strip()
+    if reply.startswith(("[error]", "[rejected]")):
+        return False
+    return bool(reply) and reply.rstrip(".") != "NOT FOUND"
+
+
+found = [reply.strip() for reply in answers if is_answer(reply)]
+votes = Counter(found)  # most_common keeps first-seen order among ties
+best = votes.most_common(1)[0][0] if votes else "NOT FOUND"
+print(f"{len(chunks)} chunk(s), {len(found)} with an answer: {dict(votes)}")
+print(f"answer: {best!r}")
+answer["content"] = best
+answer["ready"] = True
+'''
+
+
+def root_code_for(question: str) -> str:
+    """The Python code of the root model's first turn for ``question``.
+
+    The code expects the REPL globals ``context`` (str, list or dict), ``llm_batch`` and
+    ``answer``. It cuts ``context`` into chunks of about 20,000 characters (a str in
+    windows overlapping by 500 characters; a list by its items, each ``str()``-ed; a dict as
+    its JSON text), asks ``llm_batch`` one prompt per chunk with ``question`` embedded
+    verbatim, keeps the most common answer that is neither ``NOT FOUND`` nor an rlmq error
+    string (``[error]...``, ``[rejected]...``), prints a summary and sets
+    ``answer["content"]`` (``"NOT FOUND"`` when nothing was found) and
+    ``answer["ready"] = True``.
+    """
+    return _ROOT_CODE_TEMPLATE.replace("__QUESTION__", repr(question), 1)
