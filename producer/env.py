@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -42,6 +43,8 @@ from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.repl import Repl
 from rlmq.producer.root import RootModel
 from rlmq.producer.scaffold import REPL_TOOL, root_system_prompt, sub_system_prompt
+
+log = logging.getLogger("rlmq.env")
 
 
 def normalize_answer(text: str | None) -> str:
@@ -545,7 +548,21 @@ class RLMEnv:
 
         async def one(i: int, row: DatasetRow) -> None:
             async with sem:
-                res = await self.rollout(row, model=model)
+                try:
+                    res = await self.rollout(row, model=model)
+                except Exception as exc:  # one rollout's failure (even past rollout's own guard) never ends the others
+                    log.exception("rollout of row %s failed", row.id)
+                    res = RolloutResult(
+                        row=ResultRow(
+                            id=row.id,
+                            final_answer=None,
+                            answer=row.answer,
+                            correct=None,
+                            stop_reason="error",
+                            metrics={},
+                            error=f"{type(exc).__name__}: {exc}",
+                        )
+                    )
             out[i] = res
             if on_done is not None:
                 on_done(res)

@@ -16,7 +16,7 @@ from rq.serializers import JSONSerializer
 from rlmq.cli.status import collect, fmt_age, parse_rq_time, redact_url, render, run_status
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import job_hash, utcformat
-from rlmq.producer import cli
+from rlmq.cli import main as cli
 
 NOW = 1_800_000_000.0
 
