@@ -13,10 +13,10 @@ from rq import Queue
 from rq import Worker as RQWorker
 from rq.serializers import JSONSerializer
 
+from rlmq.cli import main as cli
 from rlmq.cli.status import collect, fmt_age, parse_rq_time, redact_url, render, run_status
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import job_hash, utcformat
-from rlmq.cli import main as cli
 
 NOW = 1_800_000_000.0
 
