@@ -279,9 +279,8 @@ class Dispatcher:
         error result instead (``deadline``; ``no_worker`` when no live worker served the
         queue for ``no_worker_grace`` seconds).
 
-        Raises:
-            redis.RedisError: the first enqueue failed (Redis away past the client's retries,
-                or an error reply); later failures end as error results.
+        Redis errors (a lost connection, an error reply) are retried until the slots'
+        deadlines; slots Redis never let the batch enqueue end as ``deadline`` errors too.
         """
         n = len(prompts)
         if n == 0:
@@ -289,13 +288,12 @@ class Dispatcher:
         results: list[SubLLMResult | None] = [None] * n
         deadlines: dict[int, float] = {}
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
-        next_index = min(n, spec.parallelism)
-        t0, live = await self._enqueue(spec, prompts, list(range(next_index)))
-        unserved_since: float | None = None if live else t0
-        progress = t0  # last time a result came or a live worker was seen
+        started = time.time()
+        next_index = 0
+        unserved_since: float | None = None
+        progress = started  # last time a result came or a live worker was seen
+        enqueue_failing_since: float | None = None
         last_id: bytes | str = b"0-0"
-        for i in range(next_index):
-            deadlines[i] = t0 + spec.timeout
         pending = n
         while pending:
             now = time.time()
@@ -305,6 +303,11 @@ class Dispatcher:
                     results[i] = deadline_result(spec, i)
                     deadlines.pop(i)
                     pending -= 1
+            if enqueue_failing_since is not None and now - enqueue_failing_since >= spec.timeout:
+                for i in range(next_index, n):  # never enqueued: Redis refused for a whole deadline
+                    results[i] = deadline_result(spec, i)
+                    pending -= 1
+                next_index = n
             if not pending:
                 break
             if unserved_since is not None and now - unserved_since >= self.no_worker_grace:
@@ -317,20 +320,25 @@ class Dispatcher:
                     if results[i] is None:
                         results[i] = no_worker_result(spec, i, self.no_worker_grace)
                 break
+            raws: list[bytes] = []
             try:
                 if next_index < n and len(deadlines) < spec.parallelism:
                     take = list(range(next_index, min(n, next_index + spec.parallelism - len(deadlines))))
-                    t = await self.enqueue(spec, prompts, take)
+                    t, live = await self._enqueue(spec, prompts, take)
+                    enqueue_failing_since = None
                     for i in take:
                         deadlines[i] = t + spec.timeout
                     next_index = take[-1] + 1
-                wait = max(0.01, min(deadlines.values()) - time.time()) if deadlines else 0.01
+                    if not live and unserved_since is None:
+                        unserved_since = t
+                if not deadlines:
+                    continue
+                wait = max(0.01, min(deadlines.values()) - time.time())
                 if unserved_since is not None:
                     wait = min(wait, max(0.01, unserved_since + self.no_worker_grace - time.time()))
                 got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
                     {reply: last_id}, count=1000, block=max(1, int(min(wait, 2.0) * 1000))
                 )  # type: ignore[assignment]
-                raws: list[bytes] = []
                 for _key, entries in got or []:
                     for entry_id, fields in entries:
                         last_id = entry_id
@@ -345,9 +353,13 @@ class Dispatcher:
                         progress, unserved_since = time.time(), None
                     elif unserved_since is None:
                         unserved_since = time.time()
-            except (RedisError, OSError):
-                # Redis is away (restarting?) or refused: keep waiting until the deadlines turn
-                # the missing slots into error results; the client reconnects with backoff.
+            except (RedisError, OSError) as exc:
+                # Redis is away (restarting?) or refused (READONLY in a failover, OOM): keep
+                # trying until the deadlines turn the missing slots into error results; the
+                # client reconnects with backoff. Enqueue and read are both safe to repeat.
+                if next_index < n and enqueue_failing_since is None:
+                    enqueue_failing_since = time.time()
+                log.debug("batch %s: Redis error (%s); retrying", spec.batch_id, exc)
                 await asyncio.sleep(0.5)  # backoff before the next try, bounded by the deadlines
                 continue
             for raw in raws:
