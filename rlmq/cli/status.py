@@ -27,7 +27,6 @@ from typing import Any
 from rlmq.common import keys as K
 
 
-
 def _s(v: Any) -> str:
     if v is None:
         return ""
