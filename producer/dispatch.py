@@ -54,9 +54,9 @@ local ids = {}
 for i = 1, #KEYS - 1 do
   local jkey = KEYS[1 + i]
   local o = base + 4 * (i - 1)
-  local t = redis.call('TYPE', jkey).ok
-  if t ~= 'hash' or redis.call('HGET', jkey, 'created_at') ~= ARGV[2] then
-    if t ~= 'hash' and t ~= 'none' then redis.call('DEL', jkey) end
+  local seen = redis.pcall('HGET', jkey, 'created_at')
+  if seen ~= ARGV[2] then
+    if type(seen) == 'table' and seen.err then redis.call('DEL', jkey) end  -- not a hash: replaced
     redis.call('HSET', jkey, 'data', ARGV[o + 2], 'description', ARGV[o + 3], '$F_META', ARGV[o + 4],
                unpack(common))
     redis.call('EXPIRE', jkey, ARGV[1])

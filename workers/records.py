@@ -79,22 +79,17 @@ for i = 1, n do
   local jid = ARGV[3 + 2 * i]
   local eid = ARGV[4 + 2 * i]
   local taken = at_head or redis.call('LREM', KEYS[1], 1, jid) == 1
-  local hash_ok = redis.call('TYPE', jkey).ok == 'hash'
-  local again = false
-  if not taken and hash_ok then
-    local g = redis.call('HMGET', jkey, 'status', '$F_EXEC', 'worker_name')
-    again = g[1] == 'started' and g[2] == eid and g[3] == ARGV[1]
-  end
-  if again then
-    local f = redis.call('HMGET', jkey, 'data', '$F_ATTEMPTS', '$F_REPLY', 'enqueued_at')
+  -- pcall: a job key that is not a hash (written by someone else) is skipped, never an error
+  local f = redis.pcall('HMGET', jkey, 'data', '$F_ATTEMPTS', '$F_REPLY', 'enqueued_at', 'status',
+                        '$F_STARTED', 'created_at', '$F_EXEC', 'worker_name')
+  if f.err then f = {} end
+  if not taken and f[5] == 'started' and f[8] == eid and f[9] == ARGV[1] then
     local member = jid .. ':' .. eid
     zargs[#zargs + 1] = expires
     zargs[#zargs + 1] = member
     members[#members + 1] = member
     out[#out + 1] = {jid, eid, f[1], f[2] or '0', f[3] or '', f[4] or ''}
-  elseif taken and hash_ok then
-    local f = redis.call('HMGET', jkey, 'data', '$F_ATTEMPTS', '$F_REPLY', 'enqueued_at', 'status',
-                         '$F_STARTED', 'created_at')
+  elseif taken then
     local mark = (f[7] or '') .. '/' .. ((tonumber(f[2]) or 0) + 1)
     if f[1] and f[5] == 'queued' and f[6] ~= mark then
       local member = jid .. ':' .. eid
@@ -131,10 +126,10 @@ return out
 # Only an execution still in the started registry is recorded and delivered: one the reaper
 # re-queued meanwhile is a late duplicate and is dropped, and so is a second run of the same
 # call (a client retry after a lost reply). Returns {recorded, undeliverable}.
-# Every key a producer can write (job hash, result stream, reply stream) has its TYPE checked
-# before the first write: a Lua error after a write would leave the jobs half-moved (out of
-# the started registry, never delivered). A job whose reply key is not a stream is recorded
-# as failed and counted undeliverable; a job hash that is not a hash is left alone.
+# Every write to a key someone else can write (job hash, result stream, reply stream) goes
+# through redis.pcall: a Lua error after a write would leave the jobs half-moved (out of the
+# started registry, never delivered). A job whose reply key is not a stream is recorded as
+# failed and counted undeliverable; a job hash that is not a hash is left alone.
 # One ZMSCORE tells which are still live; registry, set, DEL and ZADD then run once per call
 # over all live jobs; per job the job hash (HSET, EXPIRE), its result stream (XADD, EXPIRE)
 # and its reply (XADD) cost a command each. Needs Redis >= 6.2.
@@ -164,13 +159,6 @@ for i = 1, n, 500 do
   local part = redis.call('ZMSCORE', KEYS[1], unpack(members, i, math.min(i + 499, n)))
   for j = 1, #part do scores[i + j - 1] = part[j] end
 end
--- Read-only pass first: which jobs are live, and which of their keys may be written.
-local types = {}
-local function is(key, want)
-  local t = types[key]
-  if not t then t = redis.call('TYPE', key).ok; types[key] = t end
-  return t == want or t == 'none'
-end
 local live, ekeys, fin, fail = {}, {}, {}, {}
 local ok_n, failed_n, lost = 0, 0, 0
 local todo = {}
@@ -184,11 +172,17 @@ for i = 1, n do
   end
 end
 if #live == 0 then return {0, 0} end
+-- Keys a producer can write (reply stream, job hash) are written with pcall: one of the
+-- wrong type fails alone, never the script halfway (which would leave jobs half-moved).
 for _, i in ipairs(todo) do
   local jkey, skey, rkey = KEYS[5 + 4 * i - 3], KEYS[5 + 4 * i - 1], KEYS[5 + 4 * i]
   local jid, eid, ok = ARGV[6 + 5 * i - 4], ARGV[6 + 5 * i - 3], ARGV[6 + 5 * i - 2]
-  local deliver = is(rkey, 'stream')
-  if not deliver then lost = lost + 1; ok = '0' end
+  local sent = redis.pcall('XADD', rkey, '*', '$REPLY_FIELD', ARGV[6 + 5 * i - 1])
+  if type(sent) == 'table' and sent.err then
+    lost = lost + 1; ok = '0'
+  else
+    redis.call('EXPIRE', rkey, replyttl)
+  end
   -- finished: RQ result type 1 with a return value; failed: type 2 with an exception string
   local status, ttl, registry, rtype, field = 'finished', rttl, fin, 1, 'return_value'
   if ok == '1' then
@@ -197,21 +191,13 @@ for _, i in ipairs(todo) do
     status, ttl, registry, rtype, field = 'failed', fttl, fail, 2, 'exc_string'
     failed_n = failed_n + 1
   end
-  if deliver then
-    redis.call('XADD', rkey, '*', '$REPLY_FIELD', ARGV[6 + 5 * i - 1])
-    redis.call('EXPIRE', rkey, replyttl)
-  end
-  if is(jkey, 'hash') then
-    redis.call('HSET', jkey, 'status', status, 'ended_at', ARGV[1])
-    redis.call('EXPIRE', jkey, ttl)
-  end
+  local h = redis.pcall('HSET', jkey, 'status', status, 'ended_at', ARGV[1])
+  if not (type(h) == 'table' and h.err) then redis.call('EXPIRE', jkey, ttl) end
   registry[#registry + 1] = now + ttl
   registry[#registry + 1] = jid
-  if is(skey, 'stream') then
-    redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', rtype, 'worker_name', ARGV[6],
-               field, ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
-    redis.call('EXPIRE', skey, ttl)
-  end
+  local x = redis.pcall('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', rtype, 'worker_name', ARGV[6],
+                        field, ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
+  if not (type(x) == 'table' and x.err) then redis.call('EXPIRE', skey, ttl) end
 end
 bulk('ZREM', KEYS[1], live)
 bulk('SREM', KEYS[2], live)
@@ -231,7 +217,7 @@ return {#live, lost}
 # ARGV[3] failure ttl, ARGV[4] reply ttl, ARGV[5] max attempts, ARGV[6] now (unix s),
 # then per execution i: ARGV[6+3i-2] member 'job:exec', ARGV[6+3i-1] job id,
 # ARGV[6+3i] SubLLMResult JSON of the error to deliver when attempts are used up.
-# Keys a producer can write are TYPE-checked before they are written (as in FINISH).
+# Keys a producer can write are written with redis.pcall (as in FINISH).
 # Returns {requeued, failed}.
 REAP_LUA = _lua("""
 local requeued, failed = 0, 0
@@ -242,14 +228,12 @@ for i = 1, n do
   local jkey, ekey, skey, rkey, wkey = KEYS[3+5*i-4], KEYS[3+5*i-3], KEYS[3+5*i-2], KEYS[3+5*i-1], KEYS[3+5*i]
   local member, jid = ARGV[6 + 3 * i - 2], ARGV[6 + 3 * i - 1]
   local score = redis.call('ZSCORE', KEYS[1], member)
-  local hash_ok = redis.call('TYPE', jkey).ok == 'hash'
-  local rtype = redis.call('TYPE', rkey).ok
-  local stype = redis.call('TYPE', skey).ok
   if score and (cutoff == '+inf' or tonumber(score) < tonumber(cutoff)) then
     redis.call('ZREM', KEYS[1], member)
     redis.call('DEL', ekey)
     redis.call('SREM', wkey, member)
-    if hash_ok and redis.call('HGET', jkey, 'status') == 'started' then
+    local st = redis.pcall('HGET', jkey, 'status')
+    if st == 'started' then
       local attempts = redis.call('HINCRBY', jkey, '$F_ATTEMPTS', 1)
       if attempts < maxa then
         redis.call('HSET', jkey, 'status', 'queued', 'worker_name', '', 'started_at', '')
@@ -260,15 +244,11 @@ for i = 1, n do
         redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
         redis.call('EXPIRE', jkey, fttl)
         redis.call('ZADD', KEYS[3], tonumber(ARGV[6]) + fttl, jid)
-        if stype == 'stream' or stype == 'none' then
-          redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', '',
-                     'exc_string', '', 'execution_ended_at', ARGV[6])
-          redis.call('EXPIRE', skey, fttl)
-        end
-        if rtype == 'stream' or rtype == 'none' then
-          redis.call('XADD', rkey, '*', '$REPLY_FIELD', ARGV[6 + 3 * i])
-          redis.call('EXPIRE', rkey, tonumber(ARGV[4]))
-        end
+        local x = redis.pcall('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', '',
+                              'exc_string', '', 'execution_ended_at', ARGV[6])
+        if not (type(x) == 'table' and x.err) then redis.call('EXPIRE', skey, fttl) end
+        local r = redis.pcall('XADD', rkey, '*', '$REPLY_FIELD', ARGV[6 + 3 * i])
+        if not (type(r) == 'table' and r.err) then redis.call('EXPIRE', rkey, tonumber(ARGV[4])) end
         failed = failed + 1
       end
     end
