@@ -21,7 +21,9 @@ def sha1(script: str) -> str:
     return hashlib.sha1(script.encode()).hexdigest()
 
 
-async def run_pipeline(redis: Redis, build: Callable[[Pipeline], None], scripts: Sequence[str]) -> list[Any]:
+async def run_pipeline(
+    redis: Redis, build: Callable[[Pipeline], None], scripts: Sequence[str], *, raise_on_error: bool = True
+) -> list[Any]:
     """Build and execute one non-transactional pipeline; on ``NOSCRIPT`` load ``scripts`` and
     run the whole pipeline once more.
 
@@ -33,6 +35,7 @@ async def run_pipeline(redis: Redis, build: Callable[[Pipeline], None], scripts:
         redis: asyncio client.
         build: adds the commands to the pipeline (called once per run).
         scripts: the Lua sources whose ``EVALSHA`` the pipeline may send.
+        raise_on_error: raise the first error reply (default), or return it in its place.
 
     Returns:
         The outcome of each command, in order.
@@ -50,7 +53,7 @@ async def run_pipeline(redis: Redis, build: Callable[[Pipeline], None], scripts:
                 await redis.script_load(script)
             continue
         for o in outcomes:
-            if isinstance(o, Exception):
+            if raise_on_error and isinstance(o, Exception):
                 raise o
         return outcomes
     raise AssertionError("unreachable")  # pragma: no cover
