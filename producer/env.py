@@ -459,8 +459,8 @@ class RLMEnv:
                 results = await self.dispatcher.run_batch(spec, prompts)
             except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
                 results = [
-                    SubLLMResult(
-                        rollout_id=rid, batch_id=batch_id, index=i, job_id="", status="error", error_kind="redis",
+                    SubLLMResult.failure(
+                        rid, batch_id, i, kind="redis",
                         content=f"[error] sub-LLM batch failed: Redis unavailable ({exc})", error=str(exc),
                     )
                     for i in range(len(prompts))
