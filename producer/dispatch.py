@@ -44,8 +44,13 @@ log = logging.getLogger("rlmq.dispatch")
 # per job i (o = 3+2c+4(i-1)): ARGV[o+1] job id, ARGV[o+2] data, ARGV[o+3] description,
 # ARGV[o+4] rlmq_meta.
 # A job whose hash already carries this created_at was written by an earlier run of this very
-# call: it is neither written nor pushed again. Returns the number of jobs pushed.
+# call: it is neither written nor pushed again. All or nothing: the only key that could fail a
+# write halfway, the queue, is checked first (a job key of another type is replaced).
+# Returns the number of jobs pushed.
 ENQUEUE_LUA = Template("""
+if type(redis.pcall('LLEN', KEYS[1])) == 'table' then
+  return redis.error_reply('WRONGTYPE the queue key is not a list; nothing enqueued')
+end
 local c = tonumber(ARGV[3])
 local common = {}
 for k = 4, 3 + 2 * c do common[#common + 1] = ARGV[k] end
@@ -261,10 +266,18 @@ class Dispatcher:
         if not self._script_loaded:  # once: a NOSCRIPT later (Redis restarted) re-runs the pipeline
             await self.redis.script_load(ENQUEUE_LUA)
             self._script_loaded = True
-        outcomes = await run_pipeline(self.redis, build, [ENQUEUE_LUA])
+        outcomes = await run_pipeline(self.redis, build, [ENQUEUE_LUA], raise_on_error=False)
+        if isinstance(outcomes[0], Exception):
+            raise outcomes[0]  # the jobs were not enqueued (all of them or none: one script)
+        # The rest are hints (RQ's queue set, the lane, the wake-up, the live-worker count): one
+        # that failed (a key of the wrong type, say) costs latency, never the batch.
+        for o in outcomes[1:]:
+            if isinstance(o, Exception):
+                log.warning("batch %s: an enqueue hint failed (%s)", spec.batch_id, o)
         if announce:
             self._queues_registered[spec.queue] = now
-        return now, int(outcomes[-1])
+        live = outcomes[-1]
+        return now, int(live) if isinstance(live, int) else 1
 
     async def _live_workers(self, queue: str) -> int:
         """How many workers of ``queue`` heartbeated recently (``rlmq:serving:<queue>``)."""

@@ -77,6 +77,7 @@ class Fetcher:
         self._wake = asyncio.Event()
         self._hints: dict[str, list[str]] = {}  # queue -> job ids named by wake-ups (idle fast path)
         self._lane_pop: asyncio.Task[LaneEntry | None] | None = None
+        self._bad_queues: set[str] = set()  # queues whose last peek failed (logged once)
 
     # ------------------------------------------------------------------ queues
 
@@ -181,7 +182,8 @@ class Fetcher:
                         async with w.redis.pipeline(transaction=False) as pipe:
                             for q in queues:
                                 pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
-                            peeked = await pipe.execute()
+                            outcomes = await pipe.execute(raise_on_error=False)
+                        peeked = self._usable(queues, outcomes)
                     idle = after_lane = False
                     if not any(peeked):
                         idle = True
@@ -211,6 +213,25 @@ class Fetcher:
                 w.update_gauge()
         finally:
             await self._stop_lane_pop()
+
+    def _usable(self, queues: list[str], outcomes: list[Any]) -> list[list[bytes]]:
+        """The peeked job ids per queue; a queue whose peek failed counts as empty this round.
+
+        One queue key of the wrong type (a tenant queue someone overwrote) must not stop the
+        worker serving the others. A connection error is raised (the whole round failed)."""
+        peeked: list[list[bytes]] = []
+        for q, o in zip(queues, outcomes, strict=True):
+            if isinstance(o, (redis.ConnectionError, redis.TimeoutError)):
+                raise o
+            if isinstance(o, Exception):
+                if q not in self._bad_queues:
+                    log.error("worker %s: cannot read queue %s (%s); serving the others", self.w.name, q, o)
+                    self._bad_queues.add(q)
+                peeked.append([])
+            else:
+                self._bad_queues.discard(q)
+                peeked.append(o)
+        return peeked
 
     async def _wait_for_work(self, burst: bool) -> None:
         """Wait (at most a second) for a wake-up, a lane entry, a stop, or in burst mode a free slot."""

@@ -242,6 +242,34 @@ async def test_a_reply_key_of_the_wrong_type_wedges_no_worker(
         assert all(p.poll() is None for p in fleet.group.procs)
 
 
+async def test_keys_of_the_wrong_type_stop_neither_side(real_redis: redis.Redis, redis_url: str, tmp_path: Any) -> None:
+    """A tenant queue key that is a string and a lane key that is a string (written by someone
+    else with write access): the worker serves its other queues, the producer's small batches
+    (the lane path) are still enqueued and answered."""
+    fleet = LocalFleet(redis_url=redis_url, model=f"wk-{uuid.uuid4().hex[:6]}", workers=1,
+                       worker_args=["--heartbeat-ttl", str(HEARTBEAT_TTL)], log_dir=str(tmp_path / "logs"))  # fmt: skip
+    with fleet:
+        fleet.wait_for_workers(1)
+        queue = K.queue_name_for_model(fleet.model)
+        evil = K.tenant_queue(queue, "evil")
+        real_redis.set(K.rq_queue(evil), "not a list")
+        real_redis.sadd(K.RQ_QUEUES, K.rq_queue(evil))
+        real_redis.set(K.lane(queue), "not a list")
+        client = async_client(redis_url)
+        try:
+            d = Dispatcher(client)
+            for b in range(3):
+                res = await asyncio.wait_for(
+                    d.run_batch(spec_for(fleet, f"wk{b}", timeout=30), [f"Q{b} {i}" for i in range(3)]), 60
+                )
+                assert [r.status for r in res] == ["ok"] * 3, [r.error for r in res]
+            bad = await d.run_batch(spec_for(fleet, "wk9", queue=evil, timeout=3), ["x"])
+            assert bad[0].status == "error"  # its own queue is broken: ends at its deadline, no hang
+        finally:
+            await client.aclose()
+        assert all(p.poll() is None for p in fleet.group.procs)
+
+
 async def test_a_queue_no_worker_serves_is_reported_within_seconds(
     real_redis: redis.Redis, redis_url: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
