@@ -18,6 +18,7 @@ heartbeat) for ``no_worker_grace`` seconds, the batch's open slots end with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -175,6 +176,7 @@ class Dispatcher:
         self.no_worker_grace = no_worker_grace
         self._queues_registered: dict[str, float] = {}
         self._script_loaded = False
+        self._drops: set[asyncio.Task[None]] = set()  # reply streams being deleted
 
     async def enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> float:
         """Enqueue slots ``indices`` of ``prompts`` in one round trip; returns the enqueue time
@@ -278,6 +280,19 @@ class Dispatcher:
             self._queues_registered[spec.queue] = now
         live = outcomes[-1]
         return now, int(live) if isinstance(live, int) else 1
+
+    def _drop_later(self, reply: str) -> None:
+        """Delete a finished batch's reply stream without making the batch wait for it (a
+        round trip off the light-load path). A late duplicate recreates the stream with the
+        worker's TTL; a failed delete leaves it to that TTL."""
+
+        async def drop() -> None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.unlink(reply)
+
+        task = asyncio.create_task(drop())
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
 
     async def _live_workers(self, queue: str) -> int:
         """How many workers of ``queue`` heartbeated recently (``rlmq:serving:<queue>``)."""
@@ -386,8 +401,5 @@ class Dispatcher:
                 results[i] = res
                 deadlines.pop(i, None)
                 pending -= 1
-        try:
-            await self.redis.delete(reply)  # a late duplicate recreates it with the worker's TTL
-        except (RedisError, OSError):
-            pass  # the worker's TTL on the stream removes it
+        self._drop_later(reply)
         return [r if r is not None else deadline_result(spec, i) for i, r in enumerate(results)]

@@ -137,7 +137,7 @@ for i = 1, n, 500 do
   local part = redis.call('ZMSCORE', KEYS[1], unpack(members, i, math.min(i + 499, n)))
   for j = 1, #part do scores[i + j - 1] = part[j] end
 end
-local live, ekeys, fin, fail = {}, {}, {}, {}
+local live, ekeys, fin, fail, expiring = {}, {}, {}, {}, {}
 local ok_n, failed_n, lost = 0, 0, 0
 local todo = {}
 for i = 1, n do
@@ -158,7 +158,8 @@ for _, i in ipairs(todo) do
   local sent = redis.pcall('XADD', rkey, '*', '$REPLY_FIELD', ARGV[6 + 5 * i - 1])
   if type(sent) == 'table' and sent.err then
     lost = lost + 1; ok = '0'
-  else
+  elseif not expiring[rkey] then
+    expiring[rkey] = true
     redis.call('EXPIRE', rkey, replyttl)
   end
   -- finished: RQ result type 1 with a return value; failed: type 2 with an exception string

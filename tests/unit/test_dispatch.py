@@ -16,6 +16,7 @@ from rlmq.common import keys as K
 from rlmq.common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
 from rlmq.common.schemas import SubLLMResult, load_lane_entry, load_request
 from rlmq.producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
+from tests.faults.conftest import await_until
 
 
 @pytest.fixture
@@ -137,7 +138,12 @@ async def test_results_come_back_in_order_and_duplicates_are_dropped(server: fak
     await worker
     assert [x.content for x in results] == [f"answer {i}" for i in range(20)]
     # the reply stream is deleted when the batch ends (a duplicate added later expires with its TTL)
-    assert not await r.exists(K.RolloutKeys(spec().rollout_id).reply(spec().batch_id))
+    reply = K.RolloutKeys(spec().rollout_id).reply(spec().batch_id)
+    await await_until(lambda: _absent(r, reply), 5, "the reply stream to be deleted")
+
+
+async def _absent(r: fakeredis.aioredis.FakeRedis, key: str) -> bool:
+    return not await r.exists(key)
 
 
 async def test_parallelism_bounds_jobs_in_the_queue(server: fakeredis.FakeServer) -> None:
