@@ -249,8 +249,8 @@ class SubLLMWorker:
     async def _run_job(self, job: StartedJob) -> None:
         try:
             request = self._decode(job)
-        except PayloadError as exc:
-            self._record(job, self._payload_error(job, str(exc)), [])
+        except (PayloadError, RecursionError) as exc:  # RecursionError: JSON nested 100,000 deep
+            self._record(job, self._payload_error(job, str(exc) or type(exc).__name__), [])
             return
         await self.call(request, job.job_id, job.attempt, job)
 

@@ -36,6 +36,7 @@ from rlmq.common.schemas import SubLLMRequest, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from tests.faults.conftest import HEARTBEAT_TTL, await_until, model_stats, wait_until
 from tests.faults.proxy import FaultProxy
+from tests.replies import reply_results
 
 pytestmark = pytest.mark.e2e
 
@@ -202,8 +203,9 @@ async def test_a_burst_of_readonly_replies_wedges_nothing(proxy: FaultProxy, red
 async def test_a_reply_key_of_the_wrong_type_wedges_no_worker(
     real_redis: redis.Redis, redis_url: str, tmp_path: Any
 ) -> None:
-    """A job whose reply key is a string (FINISH would hit WRONGTYPE): the job is recorded as
-    failed, the worker goes on recording the others, and the next batches are served."""
+    """A job whose reply key is a string (FINISH would hit WRONGTYPE) and one whose data is JSON
+    nested 100,000 levels deep: the first is recorded as failed, the second gets a payload
+    error result, the worker goes on recording the others, and the next batches are served."""
     fleet = LocalFleet(redis_url=redis_url, model=f"wt-{uuid.uuid4().hex[:6]}", workers=1,
                        worker_args=["--heartbeat-ttl", str(HEARTBEAT_TTL)], log_dir=str(tmp_path / "logs"))  # fmt: skip
     with fleet:
@@ -222,6 +224,13 @@ async def test_a_reply_key_of_the_wrong_type_wedges_no_worker(
                 queue=queue, data=encode_job_data(SUB_LLM_FUNC, [req.model_dump()]), description="bad reply",
                 timeout=60, result_ttl=60, failure_ttl=60, ttl=60, reply_key=bad_reply,
                 meta={"rollout_id": "bad", "batch_id": "b1", "index": i}))  # fmt: skip
+        # and a job whose data is JSON nested 100,000 levels deep (json.loads: RecursionError)
+        deep = K.job_id("deep", "b1", 0)
+        real_redis.hset(K.rq_job(deep), mapping=job_hash(  # type: ignore[arg-type]
+            queue=queue, data=("[" * 100_000 + "]" * 100_000).encode(), description="deep", timeout=60,
+            result_ttl=60, failure_ttl=60, ttl=60, reply_key=K.RolloutKeys("deep").reply("b1"),
+            meta={"rollout_id": "deep", "batch_id": "b1", "index": 0}))  # fmt: skip
+        jids.append(deep)
         client = async_client(redis_url)
         try:
             # the bad jobs and a good batch together, so that they share FINISH calls
@@ -230,7 +239,9 @@ async def test_a_reply_key_of_the_wrong_type_wedges_no_worker(
                 spec_for(fleet, "good1", timeout=30), [f"Q {i}" for i in range(20)]
             )
             assert all(r.status == "ok" for r in good)
-            wait_until(lambda: real_redis.zcard(K.rq_failed(queue)) >= 3, 30, "the bad jobs to be failed")
+            wait_until(lambda: real_redis.zcard(K.rq_failed(queue)) >= 4, 30, "the bad jobs to be failed")
+            deep_result = reply_results(real_redis, K.RolloutKeys("deep").reply("b1"))
+            assert [r.error_kind for r in deep_result] == ["payload"]
             assert real_redis.get(bad_reply) == b"not a stream"
             assert real_redis.zcard(K.rq_started(queue)) == 0
             later = await Dispatcher(client).run_batch(
