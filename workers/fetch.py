@@ -198,6 +198,8 @@ class Fetcher:
                     # rotate so the next round starts with the next queue
                     self.queues = self.queues[1:] + self.queues[:1]
                     backoff = 0.1
+                except redis.exceptions.NoPermissionError:
+                    raise  # not transient: the supervisor restarts the loop, then stops the worker
                 except (redis.RedisError, OSError) as exc:
                     # A lost connection, or an error reply (READONLY in a failover, OOM, ...):
                     # START moves nothing unless it succeeds, and is safe to send again.

@@ -102,6 +102,8 @@ class Upkeep:
         while True:
             try:
                 await self.heartbeat_once()
+            except redis.exceptions.NoPermissionError:
+                raise  # not transient (an ACL that does not let this worker write): supervised
             except (redis.RedisError, OSError) as exc:
                 log.warning("worker %s: heartbeat failed (%s)", self.w.name, exc)
                 self.w.metrics.reconnect()

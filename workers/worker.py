@@ -328,6 +328,8 @@ class SubLLMWorker:
                 self.metrics.reconnect()
                 await asyncio.sleep(backoff)  # backoff before retrying the same results, not synchronisation
                 backoff = min(backoff * 2, 2.0)
+            except redis.exceptions.NoPermissionError:
+                raise  # not transient: supervised (restarted, then the worker stops)
             except redis.RedisError as exc:  # an error reply: READONLY, MISCONF, OOM, ...
                 now = time.monotonic()
                 failing_since = failing_since or now

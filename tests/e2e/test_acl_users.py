@@ -28,6 +28,10 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture
 def acl_urls(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]]:
     """One user per role (random passwords) on the session's Redis; their URLs."""
+    yield from _users(real_redis, redis_url)
+
+
+def _users(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]]:
     u = urlparse(redis_url)
     urls: dict[str, str] = {}
     names = []
@@ -92,3 +96,20 @@ async def test_a_fleet_runs_with_its_acl_users(acl_urls: dict[str, str], tmp_pat
             producer.zadd(K.rq_started(queue), {"forged:exec": 1})  # RQ's registries are the workers'
     finally:
         producer.close()
+
+
+async def test_a_worker_whose_writes_are_refused_for_good_exits_non_zero(
+    acl_urls: dict[str, str], real_redis: redis.Redis, tmp_path: Any
+) -> None:
+    """NOPERM is not a passing outage: a worker whose ACL stops letting it write does not stay
+    alive doing nothing; its tasks fail, are restarted, and the process exits non-zero."""
+    from tests.faults.conftest import wait_until
+
+    model = f"acl-{uuid.uuid4().hex[:6]}"
+    with LocalFleet(redis_url=acl_urls["worker"], model=model, workers=1, log_dir=str(tmp_path / "logs")) as fleet:
+        fleet.wait_for_workers(1)
+        user = urlparse(acl_urls["worker"]).username
+        real_redis.execute_command("ACL", "SETUSER", user, "-@write", "-@scripting")
+        proc = fleet.group.procs[-1]
+        wait_until(lambda: proc.poll() is not None, 60, "the worker to exit")
+        assert proc.returncode not in (0, None)
