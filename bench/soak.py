@@ -1,20 +1,24 @@
 """Soak: rollouts for a bounded time against a local fleet while faults are injected on a schedule.
 
-    python bench/soak.py [--seconds 600] [--workers 3] [--rollouts 6] [--batch 24]
+    python bench/soak.py [--seconds 600] [--workers 3] [--rollouts 6] [--batch 24] [--drop-rate 0.01]
 
 Starts its own ``redis-server`` (so it can restart it), the scripted model and ``--workers``
 ``rlmq worker`` processes (``--heartbeat-ttl 2``), then runs ``--rollouts`` rollouts at a
 time, each with a sub-LLM budget and two ``llm_batch`` calls whose prompts carry model
 fault directives (429 + Retry-After, 500, 503, malformed JSON, no usage, connection resets,
-slow calls). Every ``--fault-every`` seconds the next fault of the cycle is injected:
-``kill -9`` a worker (and start a new one), SIGTERM a worker (and start a new one), restart
-Redis (no persistence).
+slow calls). The producer and the workers reach Redis through two fault proxies
+(``tests/faults/proxy.py``) that drop ``--drop-rate`` of the commands after Redis ran them
+(the client sees a lost reply and sends the command again). Every ``--fault-every`` seconds
+the next fault of the cycle is injected: ``kill -9`` a worker (and start a new one), SIGTERM
+a worker (and start a new one), a 2-second burst of ``-READONLY`` replies to every write on
+both sides, restart Redis (no persistence).
 
 Prints and writes to ``bench/results/soak.json``: rollouts finished, sub-calls answered,
 errors by kind, results lost (a slot that got no worker result although no Redis restart
 overlapped its batch; must be 0), duplicates delivered to the REPL (must be 0), budget
-overshoot (tokens the model server served to a rollout beyond its budget; must be 0) and
-p50/p99 batch time, overall and for batches overlapping a fault window (fault time + 15 s).
+overshoot (tokens the model server served to a rollout beyond its budget; must be 0),
+wedged workers (alive, but still holding jobs or silent 30 s after the load stopped; must be
+0) and p50/p99 batch time, overall and for batches overlapping a fault window (fault time + 15 s).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from rlmq.common.schemas import DatasetRow, SubLLMResult  # noqa: E402
 from rlmq.common.settings import load_settings  # noqa: E402
 from rlmq.producer.env import RLMEnv  # noqa: E402
 from rlmq.scripted.server import root_code_directive  # noqa: E402
+from tests.faults.proxy import FaultProxy  # noqa: E402
 
 FAULT_WINDOW = 15.0
 DIRECTIVES = [
@@ -70,7 +75,8 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.batches: list[dict[str, Any]] = []
-        self.seen: Counter[tuple[str, str, int]] = Counter()
+        self.seen: dict[tuple[str, str, int], set[bytes]] = {}
+        """Distinct results read per slot: a re-read after a dropped reply is the same entry, not a duplicate."""
         self.faults: list[tuple[float, str]] = []
         self.restarts: list[tuple[float, float]] = []  # (down, up) wall times of Redis restarts
         self.rollouts_done = 0
@@ -79,6 +85,7 @@ class Soak:
         self.workers: dict[str, Any] = {}
         self.worker_seq = 0
         self.rng = random.Random(args.seed)
+        self.wedged: list[str] = []
 
     # -------------------------------------------------------------- instrumentation
 
@@ -88,7 +95,9 @@ class Soak:
 
         def counting(raw: str | bytes) -> SubLLMResult:
             res = real_load(raw)
-            soak.seen[(res.rollout_id, res.batch_id, res.index)] += 1
+            soak.seen.setdefault((res.rollout_id, res.batch_id, res.index), set()).add(
+                raw if isinstance(raw, bytes) else raw.encode()
+            )
             return res
 
         async def timed(self: Any, spec: Any, prompts: list[str]) -> list[SubLLMResult]:
@@ -112,8 +121,10 @@ class Soak:
     def live_workers(self) -> list[str]:
         return [n for n, p in self.workers.items() if p.poll() is None]
 
-    async def inject(self, fleet: LocalFleet, server: EmbeddedRedis, stop: asyncio.Event) -> None:
-        cycle = ["kill9", "sigterm", "redis_restart"]
+    async def inject(
+        self, fleet: LocalFleet, server: EmbeddedRedis, proxies: list[FaultProxy], stop: asyncio.Event
+    ) -> None:
+        cycle = ["kill9", "sigterm", "readonly_burst", "redis_restart"]
         i = 0
         while not stop.is_set():
             try:
@@ -130,6 +141,9 @@ class Soak:
                 victim = self.rng.choice(live)
                 os.kill(self.workers[victim].pid, signal.SIGKILL if kind == "kill9" else signal.SIGTERM)
                 self.start_worker(fleet)
+            elif kind == "readonly_burst":
+                for proxy in proxies:
+                    proxy.refuse_writes(2.0)
             elif kind == "redis_restart":
                 server.stop()
                 server.start()
@@ -151,6 +165,26 @@ class Soak:
             codes.append(f"out = llm_batch({prompts!r})\nprint(len(out))")
         codes[-1] += "\nanswer['content'] = 'done'\nanswer['ready'] = True"
         return "Soak. " + root_code_directive(codes[0]) + root_code_directive(codes[1], turn=2)
+
+    def find_wedged(self, redis_url: str, queue: str, timeout: float = 30.0) -> list[str]:
+        """Live workers that still hold jobs, or stopped heartbeating, ``timeout`` s after the load."""
+        import redis
+
+        client = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                bad = []
+                for name in self.live_workers():
+                    holding = client.scard(K.rq_worker_executions(name))
+                    alive = (client.zscore(K.serving(queue), name) or 0) > time.time()
+                    if holding or not alive:
+                        bad.append(f"{name} (holding {holding}, heartbeat {'ok' if alive else 'stale'})")
+                if not bad or time.monotonic() > deadline:
+                    return bad
+                time.sleep(0.5)  # polling other processes' state, bounded by the deadline
+        finally:
+            client.close()
 
     async def rollouts(self, env: RLMEnv, model: str, stop: asyncio.Event) -> None:
         async def one() -> None:
@@ -197,7 +231,7 @@ class Soak:
                     continue  # slower than its deadline on purpose: a deadline error is the right result
                 if r.status == "error":
                     errors[r.error_kind or "unknown"] += 1
-                if r.status == "error" and r.error_kind == "deadline" and not r.worker:
+                if r.status == "error" and r.error_kind in ("deadline", "no_worker", "redis") and not r.worker:
                     if overlap_restart:
                         lost_in_restart += 1
                     else:
@@ -205,7 +239,7 @@ class Soak:
         errors["deadline_slow_on_purpose"] = sum(
             1 for b in self.batches for r in b["results"] if r.index in b["slow"] and r.error_kind == "deadline"
         )
-        duplicates = sum(n - 1 for n in self.seen.values() if n > 1)
+        duplicates = sum(len(v) - 1 for v in self.seen.values() if len(v) > 1)
         served = self.served_per_user(base_url)
         overshoot = sum(max(0, served.get(rid, {}).get("completion_tokens", 0) - b) for rid, b in self.budgets.items())
         answered = sum(statuses.values())
@@ -221,6 +255,7 @@ class Soak:
             "results_lost_with_redis_state": lost_in_restart,
             "duplicates_delivered": duplicates,
             "budget_overshoot_tokens": overshoot,
+            "wedged_workers": self.wedged,
             "faults": dict(Counter(k for _, k in self.faults)),
             "batch_seconds_p50": pct(times, 0.5),
             "batch_seconds_p99": pct(times, 0.99),
@@ -233,10 +268,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     soak = Soak(args)
     soak.instrument()
     server = EmbeddedRedis().start()
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    worker_proxy = FaultProxy(port, seed=args.seed).start()
+    producer_proxy = FaultProxy(port, seed=args.seed + 1).start()
+    proxies = [worker_proxy, producer_proxy]
     logs = tempfile.mkdtemp(prefix="rlmq-soak-")
     model = f"soak-{uuid.uuid4().hex[:6]}"
     fleet = LocalFleet(
-        redis_url=server.url, model=model, workers=0, worker_concurrency=args.concurrency,
+        redis_url=worker_proxy.url, model=model, workers=0, worker_concurrency=args.concurrency,
         worker_args=["--heartbeat-ttl", "2"], log_dir=logs,
     )  # fmt: skip
     try:
@@ -244,8 +283,10 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.workers):
             soak.start_worker(fleet)
         fleet.wait_for_workers(args.workers)
+        for proxy in proxies:
+            proxy.drop_rate = args.drop_rate
         settings = load_settings(
-            redis_url=server.url, base_url=fleet.base_url, model=model, sub_call_timeout=args.sub_call_timeout,
+            redis_url=producer_proxy.url, base_url=fleet.base_url, model=model, sub_call_timeout=args.sub_call_timeout,
         )  # fmt: skip
         stop = asyncio.Event()
         t0 = time.time()
@@ -254,17 +295,25 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             max_sub_llm_parallelism=args.batch, code_execution_timeout=args.sub_call_timeout + 30,
         ) as env:  # fmt: skip
             work = asyncio.create_task(soak.rollouts(env, model, stop))
-            faults = asyncio.create_task(soak.inject(fleet, server, stop))
+            faults = asyncio.create_task(soak.inject(fleet, server, proxies, stop))
             await asyncio.sleep(args.seconds)  # the soak's duration
             stop.set()
             await faults
             await asyncio.wait_for(work, args.sub_call_timeout + 120)
+        for proxy in proxies:
+            proxy.drop_rate = 0.0
+        soak.wedged = await asyncio.to_thread(soak.find_wedged, server.url, K.queue_name_for_model(model))
         report = soak.report(str(fleet.base_url), time.time() - t0)
+        report["connection_drops"] = {"workers": worker_proxy.stats.dropped, "producer": producer_proxy.stats.dropped}
+        report["commands_through_proxies"] = worker_proxy.stats.forwarded + producer_proxy.stats.forwarded
+        report["writes_refused_readonly"] = worker_proxy.stats.refused + producer_proxy.stats.refused
         report["logs"] = logs
         report["workers_started"] = soak.worker_seq
         return report
     finally:
         fleet.stop()
+        for proxy in proxies:
+            proxy.stop()
         server.stop()
         _ = K  # keys imported for readers of this script
 
@@ -280,6 +329,7 @@ def main() -> None:
     p.add_argument("--sub-call-timeout", type=float, default=20.0)
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between injected faults")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drop-rate", type=float, default=0.01, help="share of commands whose reply the proxies drop")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak.json"))
     args = p.parse_args()
     report = asyncio.run(amain(args))
@@ -289,7 +339,12 @@ def main() -> None:
     width = max(len(k) for k in report)
     for k, v in report.items():
         print(f"{k:<{width}}  {v}")
-    ok = report["results_lost"] == 0 and report["duplicates_delivered"] == 0 and report["budget_overshoot_tokens"] == 0
+    ok = (
+        report["results_lost"] == 0
+        and report["duplicates_delivered"] == 0
+        and report["budget_overshoot_tokens"] == 0
+        and not report["wedged_workers"]
+    )
     print("zeros hold" if ok else "ZEROS VIOLATED")
     sys.exit(0 if ok else 1)
 

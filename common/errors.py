@@ -6,6 +6,7 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
     ├── ConfigError            bad settings or arguments (unknown RLMEnv argument, bad flag)
     ├── PayloadError           a job, result or request body failed pydantic validation
     ├── EmbeddedRedisError     no embedded redis-server could be started
+    ├── WorkerFailed           a worker's long-lived task kept failing: the process exits non-zero
     ├── SubLLMError            one sub-LLM call failed
     │   └── ModelError         the model server failed after the retry layer gave up
     └── ReplError              the rollout's Python REPL
@@ -34,6 +35,12 @@ class PayloadError(RlmqError):
 
 class EmbeddedRedisError(RlmqError):
     """No embedded ``redis-server`` could be found or started."""
+
+
+class WorkerFailed(RlmqError):
+    """A worker's long-lived task (flush, heartbeat, reaper, wake listener) kept failing after
+    its restarts; the worker stopped, and its process exits non-zero so that its supervisor
+    starts a fresh one (the reaper of the others re-queues whatever it handed back)."""
 
 
 class SubLLMError(RlmqError):

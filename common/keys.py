@@ -98,12 +98,42 @@ class RolloutKeys:
         return namespace(self.tag, "info")
 
     def reply(self, batch_id: str) -> str:
-        """List: the reply channel of one ``llm_batch`` call; workers RPUSH results here."""
+        """Stream: the reply channel of one ``llm_batch`` call; workers ``XADD`` each result
+        (field :data:`REPLY_FIELD`), the producer reads it with ``XREAD`` from the last id it
+        saw, so a read whose reply is lost is read again, never lost (a destructive pop would be)."""
         return namespace(self.tag, "reply", batch_id)
 
     def all_static(self) -> list[str]:
         """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
         return [self.budget, self.reservations, self.info]
+
+
+REPLY_FIELD = "r"
+"""The field of a reply-stream entry that holds the :class:`~rlmq.common.schemas.SubLLMResult` JSON."""
+
+ORPHAN_REPLIES = namespace("orphan-replies")
+"""Stream where the reaper writes the error result of a job whose hash names no reply channel."""
+
+
+def job_id(rollout_id: str, batch_id: str, index: int) -> str:
+    """RQ job id of slot ``index`` of a batch: ``<rollout>-<batch>-<index>`` (batch ids have no ``-``)."""
+    return f"{rollout_id}-{batch_id}-{index}"
+
+
+def parse_job_id(jid: str) -> tuple[str, str, int] | None:
+    """Inverse of :func:`job_id`: ``(rollout id, batch id, index)``, or ``None`` for another shape."""
+    parts = jid.split("-")
+    if len(parts) < 3 or not parts[-1].isdigit() or not parts[-2]:
+        return None
+    return "-".join(parts[:-2]), parts[-2], int(parts[-1])
+
+
+def serving(queue: str) -> str:
+    """Sorted set: names of the live workers of ``queue``'s model queue -> heartbeat expiry (Unix s).
+
+    Workers add themselves with every heartbeat; the producer counts the members whose expiry
+    is in the future to tell, within seconds, that nobody serves a queue (tenants included)."""
+    return namespace("serving", queue.split("@", 1)[0])
 
 
 LIVE_ROLLOUTS = namespace("rollouts")
@@ -153,6 +183,21 @@ def rq_queue(queue: str) -> str:
 
 RQ_QUEUES = f"{RQ_PREFIX}:queues"
 """Set of all queue keys (``Queue.redis_queues_keys``)."""
+
+
+def queue_of_key(key: str | bytes) -> str:
+    """The queue name of a queue key (a member of :data:`RQ_QUEUES`): inverse of :func:`rq_queue`."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    prefix = rq_queue("")
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def worker_of_key(key: str | bytes) -> str:
+    """The worker name of a worker key (a member of :data:`RQ_WORKERS`): inverse of :func:`rq_worker`."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    prefix = rq_worker("")
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
 
 RQ_WORKERS = f"{RQ_PREFIX}:workers"
 """Set of all worker keys (``Worker.redis_workers_keys``)."""

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 from rlmq.common.keys import RolloutKeys
+from rlmq.common.scripts import run_pipeline
 
 # KEYS[1] budget hash, KEYS[2] reservations hash (one rollout: both share its hash tag).
 # ARGV[1] TTL seconds, then per operation i three arguments: ARGV[3i-1] kind ('r' reserve,
@@ -264,16 +264,12 @@ class BudgetLedger:
 
     async def _pipelined(self, groups: list[tuple[str, list[_Op]]]) -> list[Any]:
         """One round trip for several rollouts: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
-        for attempt in (1, 2):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for rollout_id, ops in groups:
-                    pipe.evalsha(self._script.sha, 2, *self._keys(rollout_id), *self._args(ops))
-                outcomes: list[Any] = await pipe.execute(raise_on_error=False)
-            if attempt == 1 and any(isinstance(o, NoScriptError) for o in outcomes):
-                await self._redis.script_load(LEDGER_LUA)
-                continue
-            return outcomes
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        def build(pipe: Any) -> None:
+            for rollout_id, ops in groups:
+                pipe.evalsha(self._script.sha, 2, *self._keys(rollout_id), *self._args(ops))
+
+        return await run_pipeline(self._redis, build, [LEDGER_LUA], raise_on_error=False)
 
     def add_settles(self, pipe: Any, settles: Sequence[tuple[str, str, int]]) -> None:
         """Queue settlements on ``pipe`` (one ``EVALSHA`` per rollout), for a caller that sends

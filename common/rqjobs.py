@@ -22,6 +22,20 @@ import zlib
 from datetime import UTC, datetime
 from typing import Any
 
+# rlmq's own fields of RQ's job hash: spelled here only (the Lua scripts get them spliced in).
+F_REPLY = "rlmq_reply"
+"""The batch's reply stream (written by the producer)."""
+F_META = "rlmq_meta"
+"""JSON ``{"rollout_id", "batch_id", "index"}`` (written by the producer)."""
+F_ATTEMPTS = "rlmq_attempts"
+"""Executions taken back so far (the reaper increments it)."""
+F_STARTED = "rlmq_started"
+"""``created_at/attempt`` of the execution a worker last started."""
+F_EXEC = "rlmq_exec"
+"""Execution id ``START`` last granted (lets a ``START`` re-sent after a lost reply find its own jobs)."""
+JOB_FIELDS = {"F_REPLY": F_REPLY, "F_META": F_META, "F_ATTEMPTS": F_ATTEMPTS, "F_STARTED": F_STARTED, "F_EXEC": F_EXEC}
+"""The names above by constant name, for splicing into Lua (``string.Template``: ``$F_REPLY``)."""
+
 # The job function, by import path: the producer never imports the workers package.
 SUB_LLM_FUNC = "rlmq.workers.job.run_sub_llm"
 
@@ -122,6 +136,6 @@ def job_hash(
         "result_ttl": result_ttl,
         "failure_ttl": failure_ttl,
         "ttl": ttl,
-        "rlmq_reply": reply_key,
-        "rlmq_meta": json.dumps(meta, separators=(",", ":")),
+        F_REPLY: reply_key,
+        F_META: json.dumps(meta, separators=(",", ":")),
     }

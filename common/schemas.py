@@ -1,7 +1,7 @@
 """The JSON payloads of rlmq, as pydantic models validated on both sides of the queue.
 
 * :class:`SubLLMRequest` travels producer -> worker as the single argument of an RQ job.
-* :class:`SubLLMResult` travels worker -> producer on the batch's reply list.
+* :class:`SubLLMResult` travels worker -> producer on the batch's reply stream.
 * :class:`LaneEntry` announces a small batch to one idle worker (its jobs and requests).
 * :class:`DatasetRow` and :class:`ResultRow` are the JSONL contracts of ``shared/DESIGN.md``.
 * :class:`BatchRequest` is the body ``llm_batch`` posts to the interception server.
@@ -86,7 +86,7 @@ class LaneEntry(_Strict):
 
 
 class SubLLMResult(_Strict):
-    """The answer to one :class:`SubLLMRequest`, pushed to the batch's reply list."""
+    """The answer to one :class:`SubLLMRequest`, added to the batch's reply stream."""
 
     v: Literal[1] = 1
     rollout_id: str
@@ -112,6 +112,36 @@ class SubLLMResult(_Strict):
     attempt: int = 1
     messages: list[dict[str, Any]] | None = None
     """The sub-LLM's own conversation, when the producer asked for it in the trajectory."""
+
+    @classmethod
+    def failure(
+        cls,
+        rollout_id: str,
+        batch_id: str,
+        index: int,
+        *,
+        kind: str,
+        content: str,
+        error: str,
+        job_id: str = "",
+        status: SubCallStatus = "error",
+        worker: str = "",
+        attempt: int = 1,
+    ) -> SubLLMResult:
+        """The result of a slot that got no answer from a model: the one way rlmq builds one.
+
+        Args:
+            rollout_id / batch_id / index: the slot.
+            kind: ``error_kind`` (``deadline``, ``payload``, ``abandoned``, ``no_worker``,
+                ``redis``, ...).
+            content: what the root model sees (starts with ``[error]`` or ``[rejected]``).
+            error: the short cause, for logs and metrics.
+            status: ``error`` (default) or ``rejected``.
+        """
+        return cls(
+            rollout_id=rollout_id, batch_id=batch_id, index=index, job_id=job_id, status=status,
+            error_kind=kind, content=content, error=error, worker=worker, attempt=attempt,
+        )  # fmt: skip
 
 
 class BatchRequest(_Strict):
@@ -171,7 +201,7 @@ def load_lane_entry(raw: str | bytes) -> LaneEntry:
 
 
 def load_result(raw: str | bytes) -> SubLLMResult:
-    """Validate a reply-list entry as a :class:`SubLLMResult`.
+    """Validate a reply-stream entry as a :class:`SubLLMResult`.
 
     Raises:
         PayloadError: the entry is not a valid result.

@@ -1,26 +1,86 @@
-"""Batch dispatch: a batch's prompts become RQ jobs; results come back on its reply list.
+"""Batch dispatch: a batch's prompts become RQ jobs; results come back on its reply stream.
 
-The producer side of the queue path. One pipeline enqueues the jobs (job hashes written
-exactly as RQ writes them, see :mod:`rlmq.common.rqjobs`), then the batch waits on its own
-reply list (``BLPOP``, then ``LPOP count`` to drain what else arrived) until every slot
-has a result or the deadline passes; missing slots become error results, so a batch never
-hangs. A duplicate result for a slot (a job re-run after its worker was presumed dead) is
-dropped here as well as at the worker.
+The producer side of the queue path. One ``ENQUEUE`` script call writes the jobs (job hashes
+exactly as RQ writes them, see :mod:`rlmq.common.rqjobs`) and pushes their ids, then the
+batch reads its own reply stream (``XREAD BLOCK`` from the last entry id it saw) until every
+slot has a result or the deadline passes; missing slots become error results, so a batch
+never hangs. Both sides survive a reply lost after Redis ran the command (a dropped
+connection; redis-py then sends the command again): ``ENQUEUE`` skips jobs it already wrote,
+and reading is by entry id, not a destructive pop, so the re-sent read returns the same
+results again. A duplicate result for a slot (the re-sent read, or a job re-run after its
+worker was presumed dead) is dropped here as well as at the worker.
+
+When no live worker serves the queue (``rlmq:serving:<queue>``, refreshed by every worker's
+heartbeat) for ``no_worker_grace`` seconds, the batch's open slots end with
+``error_kind="no_worker"`` at once instead of at their deadline, and the log says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import dataclass
+from string import Template
+from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
 from rlmq.common.errors import PayloadError
-from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
+from rlmq.common.rqjobs import F_META, JOB_FIELDS, SUB_LLM_FUNC, encode_job_data, job_hash, utcnow_str
 from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult, load_result
+from rlmq.common.scripts import run_pipeline, sha1
+
+log = logging.getLogger("rlmq.dispatch")
+
+# Contract: enqueue jobs at most once per call, also when the call is sent twice (a client
+# retry after a lost reply re-sends it with the same created_at).
+# KEYS[1] queue list, then per job i: KEYS[1+i] job hash.
+# ARGV[1] job hash ttl (s), ARGV[2] created_at (RQ timestamp text), ARGV[3] c = number of
+# common field/value pairs, ARGV[4 .. 3+2c] the fields and values every job hash shares, then
+# per job i (o = 3+2c+4(i-1)): ARGV[o+1] job id, ARGV[o+2] data, ARGV[o+3] description,
+# ARGV[o+4] rlmq_meta.
+# A job whose hash already carries this created_at was written by an earlier run of this very
+# call: it is neither written nor pushed again. All or nothing: the only key that could fail a
+# write halfway, the queue, is checked first (a job key of another type is replaced).
+# Returns the number of jobs pushed.
+ENQUEUE_LUA = Template("""
+if type(redis.pcall('LLEN', KEYS[1])) == 'table' then
+  return redis.error_reply('WRONGTYPE the queue key is not a list; nothing enqueued')
+end
+local c = tonumber(ARGV[3])
+local common = {}
+for k = 4, 3 + 2 * c do common[#common + 1] = ARGV[k] end
+local base = 3 + 2 * c
+local ids = {}
+for i = 1, #KEYS - 1 do
+  local jkey = KEYS[1 + i]
+  local o = base + 4 * (i - 1)
+  local seen = redis.pcall('HGET', jkey, 'created_at')
+  if seen ~= ARGV[2] then
+    if type(seen) == 'table' and seen.err then redis.call('DEL', jkey) end  -- not a hash: replaced
+    redis.call('HSET', jkey, 'data', ARGV[o + 2], 'description', ARGV[o + 3], '$F_META', ARGV[o + 4],
+               unpack(common))
+    redis.call('EXPIRE', jkey, ARGV[1])
+    ids[#ids + 1] = ARGV[o + 1]
+  end
+end
+for i = 1, #ids, 500 do
+  redis.call('RPUSH', KEYS[1], unpack(ids, i, math.min(i + 499, #ids)))
+end
+return #ids
+""").substitute(JOB_FIELDS)
+_ENQUEUE_SHA = sha1(ENQUEUE_LUA)
+_PER_JOB_FIELDS = ("data", "description", F_META)
+_REPLY_FIELD = K.REPLY_FIELD.encode()
+
+NO_WORKER_GRACE = 5.0
+"""Seconds a batch waits, with no live worker on its queue, before its open slots end with
+``error_kind="no_worker"`` (a worker that is starting gets this long to register)."""
 
 
 @dataclass
@@ -70,16 +130,23 @@ LANE_TTL_MS = 10_000
 
 def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
     """The error result of a slot that got no answer before its deadline."""
-    return SubLLMResult(
-        rollout_id=spec.rollout_id,
-        batch_id=spec.batch_id,
-        index=index,
-        job_id=job_id_for(spec, index),
-        status="error",
-        error_kind="deadline",
+    return SubLLMResult.failure(
+        spec.rollout_id, spec.batch_id, index, job_id=job_id_for(spec, index), kind="deadline",
         content=f"[error] sub-LLM call got no result within its deadline ({spec.sub_call_timeout:g} s)",
         error="deadline exceeded",
-    )
+    )  # fmt: skip
+
+
+def no_worker_result(spec: BatchSpec, index: int, grace: float) -> SubLLMResult:
+    """The error result of a slot whose queue no live worker served for ``grace`` seconds."""
+    return SubLLMResult.failure(
+        spec.rollout_id, spec.batch_id, index, job_id=job_id_for(spec, index), kind="no_worker",
+        content=(
+            f"[error] sub-LLM call not run: no live worker serves queue {spec.queue} "
+            f"(none for {grace:g} s); start `rlmq worker --model {spec.call.model}`"
+        ),
+        error=f"no live worker serves queue {spec.queue}",
+    )  # fmt: skip
 
 
 QUEUE_SET_REFRESH = 30.0
@@ -87,8 +154,8 @@ QUEUE_SET_REFRESH = 30.0
 
 
 def job_id_for(spec: BatchSpec, index: int) -> str:
-    """RQ job id of slot ``index``: ``<rollout>-<batch>-<index>``."""
-    return f"{spec.rollout_id}-{spec.batch_id}-{index}"
+    """RQ job id of slot ``index``: ``<rollout>-<batch>-<index>`` (see :func:`rlmq.common.keys.job_id`)."""
+    return K.job_id(spec.rollout_id, spec.batch_id, index)
 
 
 class Dispatcher:
@@ -97,61 +164,83 @@ class Dispatcher:
     Args:
         redis: asyncio client (``decode_responses=False``); its pool must allow one
             blocking connection per batch in flight.
+        no_worker_grace: seconds without a live worker on a batch's queue before its open
+            slots end with ``error_kind="no_worker"``.
     """
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, *, no_worker_grace: float = NO_WORKER_GRACE) -> None:
         self.redis = redis
+        self.no_worker_grace = no_worker_grace
         self._queues_registered: dict[str, float] = {}
+        self._script_loaded = False
+        self._drops: set[asyncio.Task[None]] = set()  # reply streams being deleted
 
     async def enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> float:
-        """Enqueue slots ``indices`` of ``prompts`` in one pipeline; returns the enqueue time."""
+        """Enqueue slots ``indices`` of ``prompts`` in one round trip; returns the enqueue time
+        (Unix seconds). Safe to re-send (see ``ENQUEUE_LUA``).
+
+        Raises:
+            redis.RedisError: Redis refused or stayed away past the client's retries.
+        """
+        now, _ = await self._enqueue(spec, prompts, indices)
+        return now
+
+    async def _enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> tuple[float, int]:
+        """:meth:`enqueue`, also returning how many live workers serve the queue now."""
         now = time.time()
+        stamp = utcnow_str()
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
         ttl = max(1, int(spec.sub_call_timeout) + 1)
         lane_jobs: list[LaneJob] | None = [] if len(indices) <= LANE_MAX_JOBS else None
         call = spec.call.model_dump()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            ids = []
-            for i in indices:
-                req = SubLLMRequest(
-                    rollout_id=spec.rollout_id,
-                    batch_id=spec.batch_id,
-                    index=i,
-                    prompt=prompts[i],
-                    enqueued_at=now,
-                    deadline=now + spec.sub_call_timeout,
-                    **call,
-                )
-                jid = job_id_for(spec, i)
-                ids.append(jid)
-                if lane_jobs is not None:
-                    lane_jobs.append(LaneJob(job_id=jid, request=req if len(req.prompt) <= LANE_MAX_PROMPT else None))
-                key = K.rq_job(jid)
-                pipe.hset(
-                    key,
-                    mapping=job_hash(  # type: ignore[arg-type]  # str keys are fine for redis-py
-                        queue=spec.queue,
-                        data=encode_job_data(SUB_LLM_FUNC, args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"),
-                        description=(
-                            f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.call.model}"
-                        ),
-                        timeout=ttl,
-                        result_ttl=spec.result_ttl,
-                        failure_ttl=spec.reply_ttl,
-                        ttl=ttl,
-                        reply_key=reply,
-                        meta={"rollout_id": spec.rollout_id, "batch_id": spec.batch_id, "index": i},
-                    ),
-                )
-                pipe.expire(key, ttl)
-            pipe.rpush(K.rq_queue(spec.queue), *ids)
-            # The reply list gets its TTL from the worker's FINISH script with every push (an
-            # EXPIRE here would hit a key that does not exist yet), and the queue's entry in
-            # RQ's queue set is re-asserted every QUEUE_SET_REFRESH seconds, not per batch.
-            announce = now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH
+        ids: list[str] = []
+        per_job: list[Any] = []
+        common: dict[str, Any] = {}
+        for i in indices:
+            req = SubLLMRequest(
+                rollout_id=spec.rollout_id,
+                batch_id=spec.batch_id,
+                index=i,
+                prompt=prompts[i],
+                enqueued_at=now,
+                deadline=now + spec.sub_call_timeout,
+                **call,
+            )
+            jid = job_id_for(spec, i)
+            ids.append(jid)
+            if lane_jobs is not None:
+                lane_jobs.append(LaneJob(job_id=jid, request=req if len(req.prompt) <= LANE_MAX_PROMPT else None))
+            fields = job_hash(
+                queue=spec.queue,
+                data=encode_job_data(SUB_LLM_FUNC, args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"),
+                description=(
+                    f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.call.model}"
+                ),
+                timeout=ttl,
+                result_ttl=spec.result_ttl,
+                failure_ttl=spec.reply_ttl,
+                ttl=ttl,
+                reply_key=reply,
+                meta={"rollout_id": spec.rollout_id, "batch_id": spec.batch_id, "index": i},
+                now=stamp,
+            )
+            if not common:
+                common = {k: v for k, v in fields.items() if k not in _PER_JOB_FIELDS}
+            per_job += [jid, *(fields[k] for k in _PER_JOB_FIELDS)]
+        keys = [K.rq_queue(spec.queue), *(K.rq_job(j) for j in ids)]
+        argv: list[Any] = [ttl, stamp, len(common)]
+        for k, v in common.items():
+            argv += [k, v]
+        argv += per_job
+        # The reply stream gets its TTL from the worker's FINISH script with every result (an
+        # EXPIRE here would hit a key that does not exist yet), and the queue's entry in
+        # RQ's queue set is re-asserted every QUEUE_SET_REFRESH seconds, not per batch.
+        announce = now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH
+
+        def build(pipe: Pipeline) -> None:
+            pipe.evalsha(_ENQUEUE_SHA, len(keys), *keys, *argv)
             if announce:
                 pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
-                self._queues_registered[spec.queue] = now
             if lane_jobs is not None:
                 # One idle worker pops the entry; busy ones take the jobs off the queue.
                 lane = K.lane(spec.queue)
@@ -168,8 +257,40 @@ class Dispatcher:
                     K.wake_channel(spec.queue),
                     K.wake_message(spec.queue, ids if len(ids) <= WAKE_HINT_MAX_JOBS else None),
                 )
-            await pipe.execute()
-        return now
+            pipe.zcount(K.serving(spec.queue), now, "+inf")
+
+        if not self._script_loaded:  # once: a NOSCRIPT later (Redis restarted) re-runs the pipeline
+            await self.redis.script_load(ENQUEUE_LUA)
+            self._script_loaded = True
+        outcomes = await run_pipeline(self.redis, build, [ENQUEUE_LUA], raise_on_error=False)
+        if isinstance(outcomes[0], Exception):
+            raise outcomes[0]  # the jobs were not enqueued (all of them or none: one script)
+        # The rest are hints (RQ's queue set, the lane, the wake-up, the live-worker count): one
+        # that failed (a key of the wrong type, say) costs latency, never the batch.
+        for o in outcomes[1:]:
+            if isinstance(o, Exception):
+                log.warning("batch %s: an enqueue hint failed (%s)", spec.batch_id, o)
+        if announce:
+            self._queues_registered[spec.queue] = now
+        live = outcomes[-1]
+        return now, int(live) if isinstance(live, int) else 1
+
+    def _drop_later(self, reply: str) -> None:
+        """Delete a finished batch's reply stream without making the batch wait for it (a
+        round trip off the light-load path). A late duplicate recreates the stream with the
+        worker's TTL; a failed delete leaves it to that TTL."""
+
+        async def drop() -> None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.unlink(reply)
+
+        task = asyncio.create_task(drop())
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
+
+    async def _live_workers(self, queue: str) -> int:
+        """How many workers of ``queue`` heartbeated recently (``rlmq:serving:<queue>``)."""
+        return int(await self.redis.zcount(K.serving(queue), time.time(), "+inf"))
 
     async def run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:
         """Run every prompt as one sub-call; return one result per prompt, in order.
@@ -177,7 +298,11 @@ class Dispatcher:
         At most ``spec.parallelism`` sub-calls of the batch are queued or running at once;
         the next ones are enqueued as results arrive. Each slot's deadline is ``spec.sub_call_timeout``
         seconds after its enqueue. Never raises for a sub-call's failure: the slot gets an
-        error result instead.
+        error result instead (``deadline``; ``no_worker`` when no live worker served the
+        queue for ``no_worker_grace`` seconds).
+
+        Redis errors (a lost connection, an error reply) are retried until the slots'
+        deadlines; slots Redis never let the batch enqueue end as ``deadline`` errors too.
         """
         n = len(prompts)
         if n == 0:
@@ -185,10 +310,12 @@ class Dispatcher:
         results: list[SubLLMResult | None] = [None] * n
         deadlines: dict[int, float] = {}
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
-        next_index = min(n, spec.parallelism)
-        t0 = await self.enqueue(spec, prompts, list(range(next_index)))
-        for i in range(next_index):
-            deadlines[i] = t0 + spec.sub_call_timeout
+        started = time.time()
+        next_index = 0
+        unserved_since: float | None = None
+        progress = started  # last time a result came or a live worker was seen
+        enqueue_failing_since: float | None = None
+        last_id: bytes | str = b"0-0"
         pending = n
         while pending:
             now = time.time()
@@ -198,27 +325,64 @@ class Dispatcher:
                     results[i] = deadline_result(spec, i)
                     deadlines.pop(i)
                     pending -= 1
+            if enqueue_failing_since is not None and now - enqueue_failing_since >= spec.sub_call_timeout:
+                for i in range(next_index, n):  # never enqueued: Redis refused for a whole deadline
+                    results[i] = deadline_result(spec, i)
+                    pending -= 1
+                next_index = n
             if not pending:
                 break
-            if next_index < n and len(deadlines) < spec.parallelism:
-                take = list(range(next_index, min(n, next_index + spec.parallelism - len(deadlines))))
-                t = await self.enqueue(spec, prompts, take)
-                for i in take:
-                    deadlines[i] = t + spec.sub_call_timeout
-                next_index = take[-1] + 1
-            wait = max(0.01, min(deadlines.values()) - time.time()) if deadlines else 0.01
+            if unserved_since is not None and now - unserved_since >= self.no_worker_grace:
+                log.warning(
+                    "batch %s of rollout %s: no live worker serves queue %s (none for %.0f s); "
+                    "%d open sub-calls end with error_kind=no_worker",
+                    spec.batch_id, spec.rollout_id, spec.queue, now - unserved_since, pending,
+                )  # fmt: skip
+                for i in range(n):
+                    if results[i] is None:
+                        results[i] = no_worker_result(spec, i, self.no_worker_grace)
+                break
+            raws: list[bytes] = []
             try:
-                got = await self.redis.blpop([reply], timeout=min(wait, 2.0))
-                raws = [] if got is None else [got[1]]
-                # Drain what else arrived in one more round trip, unless this was the last one.
-                if raws and pending > 1:
-                    more = await self.redis.lpop(reply, 1000)
-                    if more:
-                        raws.extend(more if isinstance(more, list) else [more])
-            except (RedisError, OSError):
-                # Redis is away (restarting?): keep waiting until the deadlines turn the
-                # missing slots into error results; the client reconnects with backoff.
-                await asyncio.sleep(min(0.5, wait))
+                if next_index < n and len(deadlines) < spec.parallelism:
+                    take = list(range(next_index, min(n, next_index + spec.parallelism - len(deadlines))))
+                    t, live = await self._enqueue(spec, prompts, take)
+                    enqueue_failing_since = None
+                    for i in take:
+                        deadlines[i] = t + spec.sub_call_timeout
+                    next_index = take[-1] + 1
+                    if not live and unserved_since is None:
+                        unserved_since = t
+                if not deadlines:
+                    continue
+                wait = max(0.01, min(deadlines.values()) - time.time())
+                if unserved_since is not None:
+                    wait = min(wait, max(0.01, unserved_since + self.no_worker_grace - time.time()))
+                got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
+                    {reply: last_id}, count=1000, block=max(1, int(min(wait, 2.0) * 1000))
+                )  # type: ignore[assignment]
+                for _key, entries in got or []:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        raw = fields.get(_REPLY_FIELD)
+                        if raw is not None:
+                            raws.append(raw)
+                if raws:
+                    progress, unserved_since = time.time(), None
+                elif time.time() - progress >= self.no_worker_grace:
+                    # Nothing for a while: is anybody serving this queue at all?
+                    if await self._live_workers(spec.queue):
+                        progress, unserved_since = time.time(), None
+                    elif unserved_since is None:
+                        unserved_since = time.time()
+            except (RedisError, OSError) as exc:
+                # Redis is away (restarting?) or refused (READONLY in a failover, OOM): keep
+                # trying until the deadlines turn the missing slots into error results; the
+                # client reconnects with backoff. Enqueue and read are both safe to repeat.
+                if next_index < n and enqueue_failing_since is None:
+                    enqueue_failing_since = time.time()
+                log.debug("batch %s: Redis error (%s); retrying", spec.batch_id, exc)
+                await asyncio.sleep(0.5)  # backoff before the next try, bounded by the deadlines
                 continue
             for raw in raws:
                 try:
@@ -231,6 +395,5 @@ class Dispatcher:
                 results[i] = res
                 deadlines.pop(i, None)
                 pending -= 1
-        # No DEL: a drained list no longer exists in Redis; a late duplicate expires with the
-        # TTL the worker set on the reply list.
+        self._drop_later(reply)
         return [r if r is not None else deadline_result(spec, i) for i, r in enumerate(results)]

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import inspect
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -45,6 +46,9 @@ from rlmq.producer.root import RootModel
 from rlmq.producer.scaffold import root_system_prompt
 
 __all__ = ["FROM_SETTINGS", "RLMEnv", "RolloutResult", "normalize_answer"]
+
+
+log = logging.getLogger("rlmq.env")
 
 
 class _FromSettings(enum.Enum):
@@ -321,7 +325,21 @@ class RLMEnv:
 
         async def one(i: int, row: DatasetRow) -> None:
             async with sem:
-                res = await self.rollout(row, model=model)
+                try:
+                    res = await self.rollout(row, model=model)
+                except Exception as exc:  # one rollout's failure (even past rollout's own guard) never ends the others
+                    log.exception("rollout of row %s failed", row.id)
+                    res = RolloutResult(
+                        row=ResultRow(
+                            id=row.id,
+                            final_answer=None,
+                            answer=row.answer,
+                            correct=None,
+                            stop_reason="error",
+                            metrics={},
+                            error=f"{type(exc).__name__}: {exc}",
+                        )
+                    )
             out[i] = res
             if on_done is not None:
                 on_done(res)

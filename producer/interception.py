@@ -87,6 +87,8 @@ class InterceptionServer:
             return _error(413, f"request body over {self.max_batch_bytes} bytes")
         try:
             body = BatchRequest.model_validate(json.loads(raw))
+        except RecursionError:  # json.loads of deeply nested arrays/objects (100,000 levels)
+            return _error(400, "body is nested too deeply")
         except (ValueError, ValidationError) as exc:
             detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else "body is not JSON"
             return _error(400, f'expected {{"prompts": [str, ...]}}: {detail}')

@@ -102,16 +102,14 @@ class LlmBatchService:
                 results = await self.dispatcher.run_batch(self.spec(rollout, batch_id), prompts)
             except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
                 results = [
-                    SubLLMResult(
-                        rollout_id=rollout.id,
-                        batch_id=batch_id,
-                        index=i,
-                        job_id="",
-                        status="error",
-                        error_kind="redis",
+                    SubLLMResult.failure(
+                        rollout.id,
+                        batch_id,
+                        i,
+                        kind="redis",
                         content=f"[error] sub-LLM batch failed: Redis unavailable ({exc})",
                         error=str(exc),
-                    )
+                    )  # fmt: skip
                     for i in range(len(prompts))
                 ]
         rollout.stats.sub.extend(results)

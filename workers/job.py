@@ -6,7 +6,7 @@ rlmq's producer enqueues every sub-LLM call as an ordinary RQ job whose function
 these jobs hundreds at a time without calling this function. A stock
 ``rq worker --serializer rq.serializers.JSONSerializer`` can run them too, one at a
 time, through this function (the benchmark's baseline); it reads its model server from
-``RLMQ_BASE_URL`` / ``RLMQ_API_KEY`` and pushes the result to the batch's reply list.
+``RLMQ_BASE_URL`` / ``RLMQ_API_KEY`` and adds the result to the batch's reply stream.
 
 Two functions are named ``run_sub_llm``: this one, the synchronous RQ job entry point, and
 :func:`rlmq.workers.subllm.run_sub_llm`, the asynchronous sub-call it runs (imported here as
@@ -25,6 +25,7 @@ from rq import get_current_job
 
 from rlmq.common import keys as K
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.rqjobs import F_REPLY
 from rlmq.common.schemas import load_request
 from rlmq.common.settings import load_settings
 from rlmq.workers.model import ChatClient
@@ -50,7 +51,7 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
     job = get_current_job()
     if job is None:
         raise RuntimeError("run_sub_llm must run as an RQ job")
-    reply_raw = job.connection.hget(K.rq_job(job.id), "rlmq_reply")
+    reply_raw = job.connection.hget(K.rq_job(job.id), F_REPLY)
     reply_key = reply_raw.decode() if isinstance(reply_raw, bytes) else str(reply_raw)
     settings = load_settings()
     started = time.time()
@@ -68,7 +69,7 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
             )
             result = await _run(request, ctx, job_id=job.id, started_at=started)
             async with redis.pipeline(transaction=False) as pipe:
-                pipe.rpush(reply_key, result.model_dump_json())
+                pipe.xadd(reply_key, {K.REPLY_FIELD: result.model_dump_json()})
                 pipe.expire(reply_key, settings.rollout_key_ttl)
                 await pipe.execute()
             return {"status": result.status, "completion_tokens": result.completion_tokens, "turns": result.turns}

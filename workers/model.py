@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ from tenacity.wait import wait_base, wait_random_exponential
 
 from rlmq.common.errors import ConfigError, ModelError
 from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
+
+log = logging.getLogger("rlmq.model")
 
 __all__ = ["AiohttpTransport", "ChatClient", "ChatResponse", "HttpReply", "Transport", "estimate_tokens"]
 # The transport names are re-exported: a test builds ChatClient(..., transport=...) from here.
@@ -81,6 +84,30 @@ class ChatResponse:
     completion_tokens: int
     usage_reported: bool
     message: dict[str, Any]
+
+
+MAX_COUNT = 100_000_000
+"""Largest token count taken from a server's ``usage`` (no model writes this much in one reply)."""
+
+
+def _valid_count(value: Any) -> bool:
+    """A usage figure a server may report: an ``int`` (not ``bool``) in ``[0, MAX_COUNT]``."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def clamp_usage(response: ChatResponse, max_tokens: int | None) -> ChatResponse:
+    """Cap a reported completion-token count at the ``max_tokens`` the call sent.
+
+    A server that honours ``max_tokens`` never reports more; one that does (a lie, or an
+    overrun) is charged at the cap, which for a budgeted call is its grant, and logged.
+    """
+    if max_tokens is not None and response.completion_tokens > max_tokens:
+        log.warning(
+            "model server reported %d completion tokens for max_tokens=%d: an overrun; counted as %d",
+            response.completion_tokens, max_tokens, max_tokens,
+        )  # fmt: skip
+        response.completion_tokens = max_tokens
+    return response
 
 
 def estimate_tokens(chars: int) -> int:
@@ -195,13 +222,17 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResp
         tool_calls = []
     usage = data.get("usage")
     completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    if isinstance(completion, int):
+    if completion is not None and not _valid_count(completion):
+        # A lying or broken server: the count is not used (a budgeted call is then charged
+        # its whole grant, see rlmq.workers.subllm), and the text length stands in for metrics.
+        log.warning("model server reported usage.completion_tokens=%.60r: not a token count; ignored", completion)
+    elif completion is not None:
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         return ChatResponse(
             content=content,
             tool_calls=tool_calls,
             finish_reason=choice.get("finish_reason"),
-            prompt_tokens=prompt if isinstance(prompt, int) else 0,
+            prompt_tokens=prompt if isinstance(prompt, int) and _valid_count(prompt) else 0,
             completion_tokens=completion,
             usage_reported=True,
             message=message,
@@ -321,7 +352,7 @@ class ChatClient:
         # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
         # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
         try:
-            return await self._attempt(data, messages, deadline)
+            return clamp_usage(await self._attempt(data, messages, deadline), max_tokens)
         except _Failure as exc:
             if not exc.retryable or self.retries == 0:
                 raise self._give_up(exc, 1, False) from None
@@ -348,7 +379,7 @@ class ChatClient:
             reraise=True,
         )
         try:
-            return await retrying(attempt)
+            return clamp_usage(await retrying(attempt), max_tokens)
         except _Failure as exc:
             raise self._give_up(exc, attempts, at_deadline is not None and at_deadline.hit) from None
 

@@ -10,8 +10,8 @@ whole batch of jobs in one script call. What is *not* written: RQ's per-job
 (rlmq's jobs have none). ``tests/integration/test_records.py`` reads everything back
 through RQ's own classes.
 
-Every script takes all its keys through ``KEYS[]``; each has a header comment stating
-its contract.
+The scripts (:mod:`rlmq.workers.lua`) take all their keys through ``KEYS[]``; each has a
+header comment stating its contract.
 """
 
 from __future__ import annotations
@@ -24,205 +24,23 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.asyncio.client import Pipeline
 
 from rlmq.common import keys as K
 from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
-from rlmq.common.rqjobs import utcnow_str
+from rlmq.common.rqjobs import F_META, F_REPLY, utcnow_str
+from rlmq.common.schemas import SubLLMResult
+from rlmq.common.scripts import run_pipeline, sha1
+from rlmq.workers.lua import FINISH_LUA, REAP_LUA, START_LUA
 
-# Contract: move candidate jobs from the queue into the started state, atomically.
-# KEYS[1] queue list, KEYS[2] started registry (zset), KEYS[3] worker executions set,
-# then per candidate i (i = 1..n): KEYS[3+2i-1] job hash, KEYS[3+2i] execution hash.
-# ARGV[1] worker name, ARGV[2] now as RQ timestamp text, ARGV[3] now (unix s),
-# ARGV[4] heartbeat ttl (s), then per candidate: ARGV[3+2i] job id, ARGV[4+2i] execution id.
-# A candidate no longer in the queue (another worker took it) is skipped; one whose hash
-# has expired (its producer gave up) is dropped from the queue and skipped; so is one whose
-# current attempt of its current enqueue has started before (rlmq_started = created_at/attempt):
-# a copy re-queued by an enqueue applied twice (a client retry after a lost reply resends the
-# same created_at). Only the reaper starts a new attempt (it increments rlmq_attempts) and a
-# new enqueue of the same job id has a new created_at, so one attempt never runs twice at
-# once and its budget reservations are never shared by two executions.
-# When the candidates are still the head of the queue (the usual case) one LTRIM takes them all;
-# ZADD / SADD run once per call.
-# Returns, per job taken: {job id, execution id, data, attempts, reply key, enqueued_at}.
-START_LUA = """
-local out = {}
-local ttl = tonumber(ARGV[4])
-local expires = tonumber(ARGV[3]) + ttl
-local n = (#KEYS - 3) / 2
--- Fast path: the candidates are still exactly the head of the queue (the usual case: this
--- worker just peeked them) -> one LTRIM instead of an LREM per job.
-local head = redis.call('LRANGE', KEYS[1], 0, n - 1)
-local at_head = (#head == n)
-if at_head then
-  for i = 1, n do
-    if head[i] ~= ARGV[3 + 2 * i] then at_head = false; break end
-  end
-end
-if at_head then redis.call('LTRIM', KEYS[1], n, -1) end
-local zargs, members = {}, {}
-for i = 1, n do
-  local jkey = KEYS[3 + 2 * i - 1]
-  local ekey = KEYS[3 + 2 * i]
-  local jid = ARGV[3 + 2 * i]
-  local eid = ARGV[4 + 2 * i]
-  if at_head or redis.call('LREM', KEYS[1], 1, jid) == 1 then
-    local f = redis.call('HMGET', jkey, 'data', 'rlmq_attempts', 'rlmq_reply', 'enqueued_at', 'status',
-                         'rlmq_started', 'created_at')
-    local mark = (f[7] or '') .. '/' .. ((tonumber(f[2]) or 0) + 1)
-    if f[1] and f[5] == 'queued' and f[6] ~= mark then
-      local member = jid .. ':' .. eid
-      redis.call('HSET', jkey, 'status', 'started', 'worker_name', ARGV[1], 'started_at', ARGV[2],
-                 'last_heartbeat', ARGV[2], 'rlmq_started', mark)
-      redis.call('PERSIST', jkey)
-      redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', ARGV[3], 'last_heartbeat', ARGV[3],
-                 'worker_name', ARGV[1])
-      redis.call('EXPIRE', ekey, ttl + 60)
-      zargs[#zargs + 1] = expires
-      zargs[#zargs + 1] = member
-      members[#members + 1] = member
-      out[#out + 1] = {jid, eid, f[1], f[2] or '0', f[3] or '', f[4] or ''}
-    end
-  end
-end
-for i = 1, #members, 500 do
-  local last = math.min(i + 499, #members)
-  redis.call('ZADD', KEYS[2], unpack(zargs, 2 * i - 1, 2 * last))
-  redis.call('SADD', KEYS[3], unpack(members, i, last))
-end
-return out
-"""
-# Contract: record the end of executions and deliver their results, exactly once.
-# KEYS[1] started registry, KEYS[2] worker executions set, KEYS[3] finished registry,
-# KEYS[4] failed registry, KEYS[5] worker hash,
-# then per job i: KEYS[5+4i-3] job hash, KEYS[5+4i-2] execution hash,
-# KEYS[5+4i-1] result stream, KEYS[5+4i] reply list.
-# ARGV[1] now text, ARGV[2] now (unix s), ARGV[3] result ttl, ARGV[4] failure ttl,
-# ARGV[5] reply ttl, ARGV[6] worker name,
-# then per job i: ARGV[6+5i-4] job id, ARGV[6+5i-3] execution id, ARGV[6+5i-2] '1' ok / '0' failed,
-# ARGV[6+5i-1] SubLLMResult JSON (pushed to the reply list), ARGV[6+5i] RQ result payload
-# (base64 return value when ok, base64 zlib exc string when failed).
-# Only an execution still in the started registry is recorded and delivered: one the reaper
-# re-queued meanwhile is a late duplicate and is dropped. Returns the number delivered.
-# One ZMSCORE tells which are still live; registry, set, DEL, ZADD and RPUSH (one per reply
-# list) then run once per call over all live jobs, so per job only the job hash (HSET,
-# EXPIRE) and its result stream (XADD, EXPIRE) cost a command each. Needs Redis >= 6.2.
-FINISH_LUA = """
-local n = (#KEYS - 5) / 4
-local now = tonumber(ARGV[2])
-local rttl, fttl, replyttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
--- Bulk commands run over slices of at most 500 arguments (Lua's C stack limits unpack).
-local function bulk(cmd, key, list, step)
-  step = step or 1
-  local per = 500 * step
-  for i = 1, #list, per do
-    local last = math.min(i + per - 1, #list)
-    if key then
-      redis.call(cmd, key, unpack(list, i, last))
-    else
-      redis.call(cmd, unpack(list, i, last))
-    end
-  end
-end
-local members, seen = {}, {}
-for i = 1, n do
-  members[i] = ARGV[6 + 5 * i - 4] .. ':' .. ARGV[6 + 5 * i - 3]
-end
-local scores = {}
-for i = 1, n, 500 do
-  local part = redis.call('ZMSCORE', KEYS[1], unpack(members, i, math.min(i + 499, n)))
-  for j = 1, #part do scores[i + j - 1] = part[j] end
-end
-local live, ekeys, fin, fail, order, replies = {}, {}, {}, {}, {}, {}
-local ok_n, failed_n = 0, 0
-for i = 1, n do
-  local member = members[i]
-  if scores[i] and not seen[member] then
-    seen[member] = true
-    live[#live + 1] = member
-    local jkey, ekey, skey, rkey = KEYS[5 + 4 * i - 3], KEYS[5 + 4 * i - 2], KEYS[5 + 4 * i - 1], KEYS[5 + 4 * i]
-    local jid, eid, ok = ARGV[6 + 5 * i - 4], ARGV[6 + 5 * i - 3], ARGV[6 + 5 * i - 2]
-    ekeys[#ekeys + 1] = ekey
-    if not replies[rkey] then replies[rkey] = {}; order[#order + 1] = rkey end
-    local r = replies[rkey]
-    r[#r + 1] = ARGV[6 + 5 * i - 1]
-    -- finished: RQ result type 1 with a return value; failed: type 2 with an exception string
-    local status, ttl, registry, rtype, field = 'finished', rttl, fin, 1, 'return_value'
-    if ok == '1' then
-      ok_n = ok_n + 1
-    else
-      status, ttl, registry, rtype, field = 'failed', fttl, fail, 2, 'exc_string'
-      failed_n = failed_n + 1
-    end
-    redis.call('HSET', jkey, 'status', status, 'ended_at', ARGV[1])
-    redis.call('EXPIRE', jkey, ttl)
-    registry[#registry + 1] = now + ttl
-    registry[#registry + 1] = jid
-    redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', rtype, 'worker_name', ARGV[6],
-               field, ARGV[6 + 5 * i], 'execution_id', eid, 'execution_ended_at', ARGV[2])
-    redis.call('EXPIRE', skey, ttl)
-  end
-end
-if #live == 0 then return 0 end
-bulk('ZREM', KEYS[1], live)
-bulk('SREM', KEYS[2], live)
-bulk('DEL', nil, ekeys)
-bulk('ZADD', KEYS[3], fin, 2)
-bulk('ZADD', KEYS[4], fail, 2)
-for _, rkey in ipairs(order) do
-  bulk('RPUSH', rkey, replies[rkey])
-  redis.call('EXPIRE', rkey, replyttl)
-end
-if ok_n > 0 then redis.call('HINCRBY', KEYS[5], 'successful_job_count', ok_n) end
-if failed_n > 0 then redis.call('HINCRBY', KEYS[5], 'failed_job_count', failed_n) end
-return #live
-"""
-# Contract: take back executions whose worker stopped heartbeating (or that a worker hands
-# back on shutdown), re-queueing or failing each one, atomically per execution.
-# KEYS[1] started registry, KEYS[2] queue list, KEYS[3] failed registry,
-# then per execution i: KEYS[3+5i-4] job hash, KEYS[3+5i-3] execution hash,
-# KEYS[3+5i-2] result stream, KEYS[3+5i-1] reply list, KEYS[3+5i] the worker executions set.
-# ARGV[1] now text, ARGV[2] cutoff score (only members scored below it; '+inf' to hand back),
-# ARGV[3] failure ttl, ARGV[4] reply ttl, ARGV[5] max attempts, ARGV[6] now (unix s),
-# then per execution i: ARGV[6+3i-2] member 'job:exec', ARGV[6+3i-1] job id,
-# ARGV[6+3i] SubLLMResult JSON of the error to deliver when attempts are used up.
-# Returns {requeued, failed}.
-REAP_LUA = """
-local requeued, failed = 0, 0
-local n = (#KEYS - 3) / 5
-local cutoff = ARGV[2]
-local maxa = tonumber(ARGV[5])
-for i = 1, n do
-  local jkey, ekey, skey, rkey, wkey = KEYS[3+5*i-4], KEYS[3+5*i-3], KEYS[3+5*i-2], KEYS[3+5*i-1], KEYS[3+5*i]
-  local member, jid = ARGV[6 + 3 * i - 2], ARGV[6 + 3 * i - 1]
-  local score = redis.call('ZSCORE', KEYS[1], member)
-  if score and (cutoff == '+inf' or tonumber(score) < tonumber(cutoff)) then
-    redis.call('ZREM', KEYS[1], member)
-    redis.call('DEL', ekey)
-    redis.call('SREM', wkey, member)
-    if redis.call('HGET', jkey, 'status') == 'started' then
-      local attempts = redis.call('HINCRBY', jkey, 'rlmq_attempts', 1)
-      if attempts < maxa then
-        redis.call('HSET', jkey, 'status', 'queued', 'worker_name', '', 'started_at', '')
-        redis.call('LPUSH', KEYS[2], jid)
-        requeued = requeued + 1
-      else
-        local fttl = tonumber(ARGV[3])
-        redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
-        redis.call('EXPIRE', jkey, fttl)
-        redis.call('ZADD', KEYS[3], tonumber(ARGV[6]) + fttl, jid)
-        redis.call('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', '',
-                   'exc_string', '', 'execution_ended_at', ARGV[6])
-        redis.call('EXPIRE', skey, fttl)
-        redis.call('RPUSH', rkey, ARGV[6 + 3 * i])
-        redis.call('EXPIRE', rkey, tonumber(ARGV[4]))
-        failed = failed + 1
-      end
-    end
-  end
-end
-return {requeued, failed}
-"""
+
+def _slot_of(jid: str, meta_raw: bytes | None) -> tuple[str, str, int]:
+    """``(rollout id, batch id, index)`` of a job, from its ``rlmq_meta`` or else its id."""
+    try:
+        meta = json.loads(meta_raw) if meta_raw else {}
+        return str(meta["rollout_id"]), str(meta["batch_id"]), int(meta["index"])
+    except (ValueError, TypeError, KeyError):
+        return K.parse_job_id(jid) or ("unknown", "unknown", 0)
 
 
 def rq_return_value(value: Any) -> str:
@@ -306,7 +124,7 @@ class Records:
         self.worker_key = K.rq_worker(worker_name)
         self.executions_key = K.rq_worker_executions(worker_name)
         self._start = redis.register_script(START_LUA)
-        self._finish = redis.register_script(FINISH_LUA)
+        self._finish_sha = sha1(FINISH_LUA)
         self._reap = redis.register_script(REAP_LUA)
         self._exec_seq = 0
         self._exec_prefix = f"{time.time_ns():x}"
@@ -316,7 +134,10 @@ class Records:
         return f"{self._exec_prefix}{self._exec_seq:x}"
 
     async def start(self, job_ids: list[bytes]) -> list[StartedJob]:
-        """Take the given queued jobs and mark them started by this worker (one round trip)."""
+        """Take the given queued jobs and mark them started by this worker (one round trip).
+
+        Safe to re-send after a lost reply (see ``START_LUA``): the jobs the first run took
+        come back again, so none is left started with nobody running it."""
         if not job_ids:
             return []
         keys: list[str] = [self.queue_key, self.started_key, self.executions_key]
@@ -338,13 +159,24 @@ class Records:
             for r in rows
         ]
 
-    async def finish(self, done: list[FinishedJob]) -> int:
-        """Record the end of ``done`` and push their results to their reply lists.
+    async def finish(self, done: list[FinishedJob]) -> tuple[int, int]:
+        """Record the end of ``done`` and add their results to their reply streams.
 
-        Returns how many were delivered (the others were taken back by the reaper).
+        The budget settlements the jobs carry (:attr:`FinishedJob.settles`) go first, in the
+        same round trip. Safe to run twice (a retry after a lost reply records nothing twice).
+
+        Returns:
+            ``(recorded, undeliverable)``: jobs recorded now (the others were taken back by
+            the reaper, or recorded by an earlier run of the same call), and of those, jobs
+            whose reply key was not a stream (recorded as failed; the producer's slot ends
+            at its deadline).
+
+        Raises:
+            redis.RedisError: an error reply (``READONLY``, ``OOM``, ...) or a lost connection;
+                nothing was moved then, and the same call may be made again.
         """
         if not done:
-            return 0
+            return (0, 0)
         keys: list[str] = [
             self.started_key,
             self.executions_key,
@@ -360,27 +192,21 @@ class Records:
             keys += [K.rq_job(j.job_id), K.rq_execution(j.job_id, j.execution_id), K.rq_results(j.job_id), j.reply_key]
             argv += [j.job_id, j.execution_id, "1" if d.ok else "0", d.result_json, d.rq_payload]
         settles = [s for d in done for s in d.settles]
-        if not settles or self.ledger is None:
-            return int(await self._finish(keys=keys, args=argv))
+
         # Settlements first, then FINISH, in one round trip on one connection: by the time a
         # producer sees a result, the ledger has already released what its last call did not use.
-        for attempt in (1, 2):
-            async with self.redis.pipeline(transaction=False) as pipe:
+        def build(pipe: Pipeline) -> None:
+            if settles and self.ledger is not None:
                 self.ledger.add_settles(pipe, settles)
-                pipe.evalsha(self._finish.sha, len(keys), *keys, *argv)
-                outcomes: list[Any] = await pipe.execute(raise_on_error=False)
-            if attempt == 1 and any(isinstance(o, NoScriptError) for o in outcomes):
-                await self.redis.script_load(LEDGER_LUA)
-                await self.redis.script_load(FINISH_LUA)
-                continue  # both are idempotent: settled reservations and finished jobs stay so
-            for o in outcomes:
-                if isinstance(o, Exception):
-                    raise o
-            return int(outcomes[-1])
-        raise AssertionError("unreachable")  # pragma: no cover
+            pipe.evalsha(self._finish_sha, len(keys), *keys, *argv)
+
+        outcomes = await run_pipeline(self.redis, build, [LEDGER_LUA, FINISH_LUA])
+        recorded, undeliverable = outcomes[-1]
+        return int(recorded), int(undeliverable)
 
     async def heartbeat(self, members: list[str], state: str) -> None:
-        """Extend this worker's ownership of ``members`` (``job:exec``) and its own liveness."""
+        """Extend this worker's ownership of ``members`` (``job:exec``) and its own liveness
+        (its RQ worker hash and its entry in :func:`rlmq.common.keys.serving`)."""
         expires = time.time() + self.heartbeat_ttl
         async with self.redis.pipeline(transaction=False) as pipe:
             for i in range(0, len(members), 2000):
@@ -389,6 +215,9 @@ class Records:
             pipe.hset(self.worker_key, mapping={"last_heartbeat": utcnow_str(), "state": state})
             pipe.expire(self.worker_key, self.heartbeat_ttl + 60)
             pipe.expire(self.executions_key, self.heartbeat_ttl + 60)
+            serving = K.serving(self.queue)
+            pipe.zadd(serving, {self.worker_name: expires})
+            pipe.zremrangebyscore(serving, "-inf", expires - self.heartbeat_ttl - 3600)  # long-dead workers
             await pipe.execute()
 
     async def expired_members(self, limit: int = 200) -> list[str]:
@@ -401,43 +230,36 @@ class Records:
 
         With ``hand_back`` the members are taken back whatever their heartbeat (graceful
         shutdown); otherwise only those whose heartbeat has lapsed. A job failed here gets
-        an error :class:`~common.schemas.SubLLMResult` on its reply list.
+        an error :class:`~common.schemas.SubLLMResult` on its reply stream.
 
         Returns:
             ``(requeued, failed)``.
         """
         if not members:
             return (0, 0)
-        from rlmq.common.schemas import SubLLMResult  # local: only this rare path needs it
-
         job_ids = [m.rsplit(":", 1)[0] for m in members]
         async with self.redis.pipeline(transaction=False) as pipe:
             for jid in job_ids:
-                pipe.hmget(K.rq_job(jid), "rlmq_reply", "rlmq_meta", "worker_name")
-            infos: list[list[bytes | None]] = await pipe.execute()
+                pipe.hmget(K.rq_job(jid), F_REPLY, F_META, "worker_name")
+            infos: list[list[bytes | None] | Exception] = await pipe.execute(raise_on_error=False)
         keys: list[str] = [self.started_key, self.queue_key, K.rq_failed(self.queue)]
         argv: list[Any] = [
             utcnow_str(), "+inf" if hand_back else time.time(), self.failure_ttl, self.reply_ttl,
             self.max_attempts, time.time(),
         ]  # fmt: skip
         for member, jid, info in zip(members, job_ids, infos, strict=True):
-            reply, meta_raw, worker = info
-            meta = json.loads(meta_raw) if meta_raw else {}
+            reply, meta_raw, worker = info if not isinstance(info, Exception) else (None, None, None)
+            rollout, batch, index = _slot_of(jid, meta_raw)
             eid = member.rsplit(":", 1)[1]
-            err = SubLLMResult(
-                rollout_id=meta.get("rollout_id", "unknown"),
-                batch_id=meta.get("batch_id", "unknown"),
-                index=int(meta.get("index", 0)),
-                job_id=jid,
-                status="error",
-                error_kind="abandoned",
+            err = SubLLMResult.failure(
+                rollout, batch, index, job_id=jid, kind="abandoned",
                 content="[error] sub-LLM call lost: its worker died and the retries are used up",
                 error="worker stopped heartbeating",
-            )
+            )  # fmt: skip
             wname = worker.decode() if worker else self.worker_name
             keys += [
                 K.rq_job(jid), K.rq_execution(jid, eid), K.rq_results(jid),
-                reply.decode() if reply else K.namespace("orphan-replies"), K.rq_worker_executions(wname),
+                reply.decode() if reply else K.ORPHAN_REPLIES, K.rq_worker_executions(wname),
             ]  # fmt: skip
             argv += [member, jid, err.model_dump_json()]
         res = await self._reap(keys=keys, args=argv)

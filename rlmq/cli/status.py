@@ -3,7 +3,9 @@
 Three tables:
 
 * queues (RQ's ``rq:queues`` set): depth, age of the oldest waiting job (from its job
-  hash's ``enqueued_at``), started and failed registry sizes;
+  hash's ``enqueued_at``), started and failed registry sizes, and the workers serving it
+  (live entries of ``rlmq:serving:<queue>``, which also count for its tenant queues
+  ``<queue>@<tenant>``; RQ's own per-queue worker set when that is larger);
 * workers (RQ's ``rq:workers`` set): state, sub-calls in flight (the size of the
   worker's ``rq:worker:<name>:executions`` set), concurrency, age of the last heartbeat;
 * live rollouts (``rlmq:rollouts`` plus each rollout's ``info`` and ``budget`` hashes):
@@ -23,9 +25,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rlmq.common import keys as K
-
-_RQ_QUEUE_PREFIX = K.rq_queue("")
-_RQ_WORKER_PREFIX = K.rq_worker("")
 
 
 def _s(v: Any) -> str:
@@ -76,14 +75,18 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
     now = time.time() if now is None else now
     queues: list[dict[str, Any]] = []
     for qkey in sorted(_s(k) for k in redis.smembers(K.RQ_QUEUES)):
-        name = qkey[len(_RQ_QUEUE_PREFIX) :] if qkey.startswith(_RQ_QUEUE_PREFIX) else qkey
+        name = K.queue_of_key(qkey)
         with redis.pipeline(transaction=False) as pipe:
             pipe.llen(qkey)
             pipe.lindex(qkey, 0)
             pipe.zcard(K.rq_started(name))
             pipe.zcard(K.rq_failed(name))
             pipe.scard(K.rq_workers_of_queue(name))
-            depth, head, started, failed, nworkers = pipe.execute()
+            # Live workers of the model queue serve its tenant queues too (<queue>@<tenant>),
+            # which RQ's per-queue worker set never names.
+            pipe.zcount(K.serving(name), now, "+inf")
+            depth, head, started, failed, rq_workers, live = pipe.execute()
+        nworkers = max(int(live), 0 if "@" in name else int(rq_workers))
         oldest = None
         if head is not None:
             enq = parse_rq_time(redis.hget(K.rq_job(_s(head)), "enqueued_at"))
@@ -101,7 +104,7 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
 
     workers: list[dict[str, Any]] = []
     for wkey in sorted(_s(k) for k in redis.smembers(K.RQ_WORKERS)):
-        name = wkey[len(_RQ_WORKER_PREFIX) :] if wkey.startswith(_RQ_WORKER_PREFIX) else wkey
+        name = K.worker_of_key(wkey)
         with redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(wkey)
             pipe.scard(K.rq_worker_executions(name))

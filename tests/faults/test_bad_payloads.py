@@ -1,7 +1,7 @@
 """Jobs whose payload is not a valid rlmq sub-LLM request, put straight into the queue.
 
 Each fails with a clear error (RQ's failed registry and result stream, and an error result
-on its reply list), never reaches the model server, and pickled data is never unpickled.
+on its reply stream), never reaches the model server, and pickled data is never unpickled.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from rq.registry import FailedJobRegistry
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
-from rlmq.common.schemas import load_result
 from tests.faults.conftest import model_stats, wait_until
+from tests.replies import reply_results
 
 
 class _Evil:
@@ -68,8 +68,8 @@ def test_invalid_job_payloads_fail_clearly(fault_fleet: LocalFleet, tmp_path) ->
         pipe.execute()
     name = f"payload-{os.getpid()}"
     proc = fleet.start_worker("payload", ["--name", name])
-    wait_until(lambda: sync.llen(reply) >= len(payloads), 30, "an error result per bad job")
-    results = sorted((load_result(raw) for raw in sync.lrange(reply, 0, -1)), key=lambda r: r.index)
+    wait_until(lambda: sync.xlen(reply) >= len(payloads), 30, "an error result per bad job")
+    results = sorted(reply_results(sync, reply), key=lambda r: r.index)
     assert [r.index for r in results] == list(range(len(payloads)))
     for r in results:
         assert r.status == "error" and r.error_kind == "payload", r

@@ -204,7 +204,7 @@ async def test_shutdown_past_grace_hands_jobs_back(fault_fleet: LocalFleet) -> N
         task = asyncio.create_task(env.rollout(row, model=fleet.model))
 
         async def holds_all() -> bool:
-            return len(worker._inflight) >= n
+            return len(worker.jobs) >= n
 
         await await_until(holds_all, 30, "the worker to hold the batch")
         worker.request_stop()

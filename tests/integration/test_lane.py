@@ -114,8 +114,8 @@ async def test_an_early_call_is_cancelled_when_another_worker_took_the_job(
     async with running(w):
         await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
         # The early call (its model answer is 30 s away) ends now: cancelled, not drained.
-        await await_until(lambda: asyncio.sleep(0, not w._tasks), 10, "the early call to be cancelled")
-        assert not w._inflight
+        await await_until(lambda: asyncio.sleep(0, not w.jobs.tasks), 10, "the early call to be cancelled")
+        assert not len(w.jobs)
     assert lane_jobs(w, "early") == 0
     assert model.stats["completions"] == 0  # the early call was cancelled, not answered
     assert real_redis.llen(K.RolloutKeys("lane2").reply("b1")) == 0  # nothing delivered by the loser
@@ -167,7 +167,7 @@ async def test_a_small_batch_is_served_even_when_every_worker_is_busy(
     dispatcher = Dispatcher(aredis)
     async with running(w):
         slow = asyncio.create_task(dispatcher.run_batch(spec("lane4"), ["[[mock:sleep:1]] Who? Ada."]))
-        await await_until(lambda: asyncio.sleep(0, len(w._inflight) == 1), 30, "the worker to be full")
+        await await_until(lambda: asyncio.sleep(0, len(w.jobs) == 1), 30, "the worker to be full")
         for i in range(LANE_KEEP + 5):
             await dispatcher.enqueue(spec(f"lane4x{i}"), ["filler"], [0])
         assert real_redis.llen(K.lane(QUEUE)) == LANE_KEEP

@@ -15,9 +15,10 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
-from rlmq.common.schemas import SubCallOptions, load_result
+from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.workers.records import FinishedJob, Records, rq_exc_string, rq_return_value
+from tests.replies import reply_raw, reply_results
 
 pytestmark = pytest.mark.integration
 QUEUE = "rlmq.sub.records-test"
@@ -69,7 +70,7 @@ async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, are
         FinishedJob(started[0], True, '{"x":1}', rq_return_value({"status": "ok"})),
         FinishedJob(started[1], False, '{"x":2}', rq_exc_string("model: 503")),
     ]
-    assert await rec.finish(done) == 2
+    assert await rec.finish(done) == (2, 0)
     assert sorted(wip.get_job_ids()) == ["r1-b1-2"]
     j0 = Job.fetch("r1-b1-0", connection=real_redis, serializer=JSONSerializer)
     j1 = Job.fetch("r1-b1-1", connection=real_redis, serializer=JSONSerializer)
@@ -81,11 +82,11 @@ async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, are
     assert r0 is not None and r0.type == Result.Type.SUCCESSFUL and r0.return_value == {"status": "ok"}
     r1 = j1.latest_result()
     assert r1 is not None and r1.type == Result.Type.FAILED and r1.exc_string == "model: 503"
-    assert real_redis.lrange(K.RolloutKeys("r1").reply("b1"), 0, -1) == [b'{"x":1}', b'{"x":2}']
+    assert reply_raw(real_redis, K.RolloutKeys("r1").reply("b1")) == [b'{"x":1}', b'{"x":2}']
     assert int(real_redis.hget(K.rq_worker("w-test"), "successful_job_count")) == 1
     assert int(real_redis.hget(K.rq_worker("w-test"), "failed_job_count")) == 1
     # finishing the same execution again delivers nothing
-    assert await rec.finish(done) == 0
+    assert await rec.finish(done) == (0, 0)
 
 
 async def test_two_workers_never_take_the_same_job(real_redis: redis.Redis, aredis: Redis) -> None:
@@ -114,7 +115,7 @@ async def test_an_enqueue_applied_twice_never_runs_one_attempt_twice(real_redis:
     assert await b.start(await head(aredis, 2)) == []
     assert real_redis.llen(K.rq_queue(QUEUE)) == 0  # the copies are gone from the queue
     # The real execution still finishes and delivers.
-    assert await a.finish([FinishedJob(j, True, '{"x":1}', rq_return_value(None)) for j in first]) == 2
+    assert await a.finish([FinishedJob(j, True, '{"x":1}', rq_return_value(None)) for j in first]) == (2, 0)
     # A new enqueue of the same job ids (a rollout id used again) is a new job: it runs.
     await Dispatcher(aredis).enqueue(spec, ["p0", "p1"], [0, 1])
     assert [j.job_id for j in await b.start(await head(aredis, 2))] == ["r1-b1-0", "r1-b1-1"]
@@ -134,8 +135,8 @@ async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis
     assert q.job_ids == ["r1-b1-0"] and wip.get_job_ids() == []
     assert Job.fetch("r1-b1-0", connection=real_redis).get_status() == JobStatus.QUEUED
     # a late result from the dead worker is not delivered
-    assert await dead.finish([FinishedJob(first[0], True, '{"late":1}', rq_return_value(None))]) == 0
-    assert real_redis.llen(K.RolloutKeys("r1").reply("b1")) == 0
+    assert await dead.finish([FinishedJob(first[0], True, '{"late":1}', rq_return_value(None))]) == (0, 0)
+    assert real_redis.xlen(K.RolloutKeys("r1").reply("b1")) == 0
     # second execution, also abandoned: out of attempts -> failed with an error result
     second = await reaper.start(await head(aredis, 1))
     assert second[0].attempt == 2
@@ -143,7 +144,7 @@ async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis
     assert await reaper.reap(await reaper.expired_members()) == (0, 1)
     job = Job.fetch("r1-b1-0", connection=real_redis)
     assert job.get_status() == JobStatus.FAILED
-    res = load_result(real_redis.lpop(K.RolloutKeys("r1").reply("b1")))
+    res = reply_results(real_redis, K.RolloutKeys("r1").reply("b1"))[0]
     assert res.status == "error" and res.error_kind == "abandoned" and res.index == 0
 
 
@@ -187,10 +188,10 @@ async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_red
     started = await rec.start(await head(aredis, 1))
     real_redis.script_flush()  # as after a Redis restart: FINISH must load both scripts again
     done = FinishedJob(started[0], True, '{"x":1}', rq_return_value(None), settles=[("r1", "r1-b1-0:1:1", 15)])
-    assert await rec.finish([done]) == 1
+    assert await rec.finish([done]) == (1, 0)
     snap = await ledger.snapshot("r1")
     assert snap is not None and (snap.charged, snap.used, snap.released) == (15, 15, 25)
     # a second FINISH of the same execution neither delivers nor settles again
-    assert await rec.finish([done]) == 0
+    assert await rec.finish([done]) == (0, 0)
     snap = await ledger.snapshot("r1")
     assert snap is not None and (snap.charged, snap.used) == (15, 15)

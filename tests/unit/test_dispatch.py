@@ -16,6 +16,7 @@ from rlmq.common import keys as K
 from rlmq.common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
 from rlmq.common.schemas import SubCallOptions, SubLLMResult, load_lane_entry, load_request
 from rlmq.producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
+from tests.faults.conftest import await_until
 
 
 @pytest.fixture
@@ -127,10 +128,10 @@ async def answer_jobs(
             i = int(job_id.rsplit("-", 1)[1])
             if i in skip:
                 continue
-            await r.rpush(reply, fake_result(0, "stranger", batch="b9"))
-            await r.rpush(reply, fake_result(i, f"answer {i}"))
+            await r.xadd(reply, {K.REPLY_FIELD: fake_result(0, "stranger", batch="b9")})
+            await r.xadd(reply, {K.REPLY_FIELD: fake_result(i, f"answer {i}")})
             if dup:
-                await r.rpush(reply, fake_result(i, f"DUPLICATE {i}"))
+                await r.xadd(reply, {K.REPLY_FIELD: fake_result(i, f"DUPLICATE {i}")})
             answered += 1
 
 
@@ -140,7 +141,13 @@ async def test_results_come_back_in_order_and_duplicates_are_dropped(server: fak
     results = await Dispatcher(r).run_batch(spec(), [f"p{i}" for i in range(20)])
     await worker
     assert [x.content for x in results] == [f"answer {i}" for i in range(20)]
-    # the reply list is deleted when the batch ends (a duplicate pushed later expires with its TTL)
+    # the reply stream is deleted when the batch ends (a duplicate added later expires with its TTL)
+    reply = K.RolloutKeys(spec().rollout_id).reply(spec().batch_id)
+    await await_until(lambda: _absent(r, reply), 5, "the reply stream to be deleted")
+
+
+async def _absent(r: fakeredis.aioredis.FakeRedis, key: str) -> bool:
+    return not await r.exists(key)
 
 
 async def test_parallelism_bounds_jobs_in_the_queue(server: fakeredis.FakeServer) -> None:
@@ -154,7 +161,7 @@ async def test_parallelism_bounds_jobs_in_the_queue(server: fakeredis.FakeServer
             assert got is not None
             jid = got[1].decode()
             reply = (await r.hget(K.rq_job(jid), "rlmq_reply")).decode()
-            await r.rpush(reply, fake_result(int(jid.rsplit("-", 1)[1]), "ok"))
+            await r.xadd(reply, {K.REPLY_FIELD: fake_result(int(jid.rsplit("-", 1)[1]), "ok")})
 
     task = asyncio.create_task(worker())
     results = await Dispatcher(r).run_batch(spec(parallelism=3), [f"p{i}" for i in range(10)])

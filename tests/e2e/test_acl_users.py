@@ -1,0 +1,115 @@
+"""A fleet run with the ACL users of :mod:`rlmq.common.acl` on a real Redis: producer and
+worker do their whole job; a dashboard reads and cannot write; none reaches other keys or
+administrative commands."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import redis
+from rq import Queue
+from rq import Worker as RQWorker
+
+from rlmq.cli.local import LocalFleet
+from rlmq.cli.status import collect
+from rlmq.common import keys as K
+from rlmq.common.acl import ROLES, acl_rules
+from rlmq.common.connection import async_client
+from rlmq.common.ledger import BudgetLedger
+from rlmq.producer.dispatch import BatchSpec, Dispatcher
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def acl_urls(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]]:
+    """One user per role (random passwords) on the session's Redis; their URLs."""
+    yield from _users(real_redis, redis_url)
+
+
+def _users(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]]:
+    u = urlparse(redis_url)
+    urls: dict[str, str] = {}
+    names = []
+    for role in ROLES:
+        name, password = f"rlmq-{role}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+        real_redis.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}", *acl_rules(role))
+        names.append(name)
+        urls[role] = f"redis://{name}:{password}@{u.hostname}:{u.port}/0"
+    try:
+        yield urls
+    finally:
+        for name in names:
+            real_redis.execute_command("ACL", "DELUSER", name)
+
+
+async def test_a_fleet_runs_with_its_acl_users(acl_urls: dict[str, str], tmp_path: Any) -> None:
+    model = f"acl-{uuid.uuid4().hex[:6]}"
+    queue = K.queue_name_for_model(model)
+    with LocalFleet(redis_url=acl_urls["worker"], model=model, workers=1, log_dir=str(tmp_path / "logs")) as fleet:
+        fleet.wait_for_workers(1)
+        client = async_client(acl_urls["producer"])
+        try:
+            await BudgetLedger(client).open("acl1", 500)
+            spec = BatchSpec(rollout_id="acl1", batch_id="b1", model=model, queue=queue, timeout=30,
+                             parallelism=10, budgeted=True, max_completion_tokens=40)  # fmt: skip
+            results = await Dispatcher(client).run_batch(spec, [f"Question {i}: who?" for i in range(12)])
+            snap = await BudgetLedger(client).snapshot("acl1")
+        finally:
+            await client.aclose()
+        assert [r.status for r in results] == ["ok"] * 12, [r.error for r in results]
+        assert snap is not None and 0 < snap.used <= 500
+
+        dash = redis.Redis.from_url(acl_urls["dashboard"])
+        try:
+            status = collect(dash)  # rlmq status, read-only
+            assert any(q["name"] == queue and q["workers"] == 1 for q in status["queues"]), status["queues"]
+            assert Queue(queue, connection=dash).count == 0  # rq info / rq-dashboard reads
+            assert len(RQWorker.all(connection=dash)) >= 1
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                dash.hset(K.rq_job("acl1-b1-0"), "status", "queued")  # cannot forge a job
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                dash.xadd(K.RolloutKeys("acl1").reply("b9"), {K.REPLY_FIELD: "{}"})  # nor a result
+        finally:
+            dash.close()
+
+    for role in ("producer", "worker"):
+        c = redis.Redis.from_url(acl_urls[role])
+        try:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                c.set("someone-else:key", "x")  # other applications' keys
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                c.flushall()
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                c.config_get("*")
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                c.keys("*")
+        finally:
+            c.close()
+    producer = redis.Redis.from_url(acl_urls["producer"])
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.zadd(K.rq_started(queue), {"forged:exec": 1})  # RQ's registries are the workers'
+    finally:
+        producer.close()
+
+
+async def test_a_worker_whose_writes_are_refused_for_good_exits_non_zero(
+    acl_urls: dict[str, str], real_redis: redis.Redis, tmp_path: Any
+) -> None:
+    """NOPERM is not a passing outage: a worker whose ACL stops letting it write does not stay
+    alive doing nothing; its tasks fail, are restarted, and the process exits non-zero."""
+    from tests.faults.conftest import wait_until
+
+    model = f"acl-{uuid.uuid4().hex[:6]}"
+    with LocalFleet(redis_url=acl_urls["worker"], model=model, workers=1, log_dir=str(tmp_path / "logs")) as fleet:
+        fleet.wait_for_workers(1)
+        user = urlparse(acl_urls["worker"]).username
+        real_redis.execute_command("ACL", "SETUSER", user, "-@write", "-@scripting")
+        proc = fleet.group.procs[-1]
+        wait_until(lambda: proc.poll() is not None, 60, "the worker to exit")
+        assert proc.returncode not in (0, None)

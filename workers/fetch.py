@@ -1,0 +1,352 @@
+"""A worker's fetching: which jobs it takes, from which queue, and when it wakes up.
+
+* the *fetch* loop serves the model's queue and all its tenant queues (``<queue>@<tenant>``,
+  one per trainer node), round-robin: each round every non-empty queue gets an equal share
+  of the free slots, so one trainer's burst of 10,000 prompts cannot starve another's batch
+  of 8. It takes jobs with ``LRANGE`` then the ``START`` script (which removes them from the
+  queue and marks them started atomically: a worker dying while it waits loses nothing), and
+  when every queue is empty it waits for a wake-up the producer publishes after enqueueing
+  (``rlmq:wake:<queue>``), for an entry of the queue's *lane*, or one second;
+* the *lane* (``rlmq:lane:<queue>``, a list) is how small batches (up to 8 prompts) reach
+  an idle worker: one ``BLPOP`` hands the entry to exactly one worker instead of waking
+  them all, and the entry carries the requests, so a job's first budget reservation and,
+  when unbudgeted, its model call start while its ``START`` is on the way (``START`` still
+  decides who runs the job; a lost race cancels the early call). This is the light-load
+  path (see ``bench/README.md``).
+
+Redis errors (a lost connection, or an error reply such as ``READONLY`` during a failover)
+are logged and retried with backoff; anything else escapes to the worker's supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis
+
+from rlmq.common import keys as K
+from rlmq.common.aio import cancel_and_wait
+from rlmq.common.errors import PayloadError
+from rlmq.common.schemas import LaneEntry, load_lane_entry
+from rlmq.workers.records import StartedJob
+
+if TYPE_CHECKING:
+    from rlmq.workers.worker import SubLLMWorker
+
+log = logging.getLogger("rlmq.worker")
+T = TypeVar("T")
+
+LANE_EARLY_MAX_AGE = 1.0
+"""Seconds: a lane entry older than this (producer's clock against the worker's) starts no
+call before ``START``; its jobs have most likely been taken from the queue already."""
+
+
+async def _gather(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """``asyncio.gather``, without its extra task and loop turn for a single awaitable (one
+    queue: the usual case, and the one that counts at light load)."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    return list(await asyncio.gather(*aws))
+
+
+def _cancel_early(pair: tuple[asyncio.Task[None], asyncio.Future[StartedJob]]) -> None:
+    """Stop an early lane call that will not run: cancel its task and its ``START`` future
+    too, so the call ends at its next wait for ``START`` even if a Redis command it was in
+    swallowed the task's cancellation (see :func:`rlmq.common.aio.cancel_and_wait`)."""
+    task, claim = pair
+    task.cancel()
+    claim.cancel()
+
+
+class Fetcher:
+    """Takes jobs for one worker: round-robin over its queues, wake-ups and the lane.
+
+    Args:
+        worker: the worker it feeds (its client, settings, in-flight jobs, job runner).
+    """
+
+    def __init__(self, worker: SubLLMWorker) -> None:
+        self.w = worker
+        self.queues: list[str] = [worker.queue]
+        """The queues served, in round-robin order (the worker's own and its tenants)."""
+        self._wake = asyncio.Event()
+        self._hints: dict[str, list[str]] = {}  # queue -> job ids named by wake-ups (idle fast path)
+        self._lane_pop: asyncio.Task[LaneEntry | None] | None = None
+        self._bad_queues: set[str] = set()  # queues whose last peek failed (logged once)
+
+    # ------------------------------------------------------------------ queues
+
+    async def discover_queues(self) -> None:
+        """Find the tenant queues of this worker's queue (``rq:queues`` holds every queue key)."""
+        w = self.w
+        members: set[bytes] = await w.redis.smembers(K.RQ_QUEUES)  # type: ignore[assignment]
+        found = sorted(q for q in map(K.queue_of_key, members) if K.serves(w.queue, q))
+        if w.queue not in found:
+            found.insert(0, w.queue)
+        # keep the round-robin position of known queues; new ones join at the end
+        self.queues = [q for q in self.queues if q in found] + [q for q in found if q not in self.queues]
+
+    def adopt(self, queue: str) -> bool:
+        """Whether this worker serves ``queue`` (its own or one of its tenants); a tenant it
+        did not know yet joins the round-robin from the next round on."""
+        if not K.serves(self.w.queue, queue):
+            return False
+        if queue not in self.queues:
+            self.queues.append(queue)
+        return True
+
+    async def wake_listener(self) -> None:
+        """Set the wake event on every ``rlmq:wake:<queue>`` message, for ever.
+
+        Producers publish the name of the (tenant) queue they just enqueued on, so a new
+        tenant is served at once instead of at the next discovery."""
+        backoff = 0.1
+        while True:
+            pubsub = self.w.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(K.wake_channel(self.w.queue))
+                backoff = 0.1
+                async for msg in pubsub.listen():
+                    data = msg.get("data")
+                    text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+                    queue, ids, announce_only = K.parse_wake_message(text)
+                    if not self.adopt(queue):
+                        continue
+                    if announce_only:
+                        continue  # its jobs went to the lane (an idle worker pops them)
+                    if ids:  # a small batch named its jobs: an idle worker takes them directly
+                        self._hints.setdefault(queue, []).extend(ids)
+                    self._wake.set()
+            except (redis.RedisError, OSError):
+                await asyncio.sleep(backoff)  # reconnect backoff
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------------ fetch
+
+    async def fetch_loop(self, burst: bool) -> None:
+        """Take jobs until the worker stops (or, with ``burst``, until there is no more work)."""
+        w, jobs = self.w, self.w.jobs
+        backoff = 0.1
+        last_discovery = time.monotonic()
+        idle = False
+        after_lane = False  # the last round served a lane entry: peek again only when woken
+        try:
+            while not w.stopping.is_set():
+                free = w.concurrency - len(jobs)
+                entry = self._popped_lane_entry()
+                if entry is not None and (free <= 0 or not (idle or after_lane)):
+                    # Popped by a pop left waiting from an idle spell, but this worker has found
+                    # queued work since: taking the entry's jobs now would put them ahead of older
+                    # jobs on their queue. They stay in queue order; the others are woken.
+                    self.adopt(entry.queue)
+                    with contextlib.suppress(redis.RedisError, OSError):
+                        await self._pass_on(entry)
+                    entry = None
+                if free <= 0:
+                    jobs.slot_free.clear()
+                    slot = asyncio.create_task(jobs.slot_free.wait())
+                    await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
+                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                    slot.cancel()
+                    continue
+                try:
+                    if time.monotonic() - last_discovery > 1.0:
+                        await self.discover_queues()
+                        last_discovery = time.monotonic()
+                    if entry is not None:
+                        await self._take_lane_entry(entry, free)
+                        idle, after_lane, backoff = False, True, 0.1
+                        continue
+                    woken = self._wake.is_set()
+                    self._wake.clear()
+                    hints, self._hints = self._hints, {}
+                    queues = list(self.queues)
+                    peeked: list[list[bytes]]
+                    if idle and hints:
+                        # Idle worker, woken by a batch that named its jobs: take them without
+                        # peeking (one round trip saved). Jobs another worker took first are
+                        # skipped by START; under load the round-robin peek below decides instead.
+                        peeked = [[j.encode() for j in hints.get(q, [])][:free] for q in queues]
+                    elif after_lane and not woken and not hints:
+                        peeked = []  # nothing announced since the lane entry: wait for the next one
+                    else:
+                        share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
+                        async with w.redis.pipeline(transaction=False) as pipe:
+                            for q in queues:
+                                pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
+                            outcomes = await pipe.execute(raise_on_error=False)
+                        peeked = self._usable(queues, outcomes)
+                    idle = after_lane = False
+                    if not any(peeked):
+                        idle = True
+                        if burst and not len(jobs):
+                            return
+                        await self._wait_for_work(burst)
+                        if time.monotonic() - last_discovery > 0.5:
+                            last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
+                        continue
+                    taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
+                    started_by_queue = await _gather([w.records_for(q).start(ids) for q, ids in taken])
+                    # rotate so the next round starts with the next queue
+                    self.queues = self.queues[1:] + self.queues[:1]
+                    backoff = 0.1
+                except redis.exceptions.NoPermissionError:
+                    raise  # not transient: the supervisor restarts the loop, then stops the worker
+                except (redis.RedisError, OSError) as exc:
+                    # A lost connection, or an error reply (READONLY in a failover, OOM, ...):
+                    # START moves nothing unless it succeeds, and is safe to send again.
+                    log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", w.name, exc, backoff)
+                    w.metrics.reconnect()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(w.stopping.wait(), backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                for (q, _), started in zip(taken, started_by_queue, strict=True):
+                    for job in started:
+                        w.spawn(job, q)
+                w.update_gauge()
+        finally:
+            await self._stop_lane_pop()
+
+    def _usable(self, queues: list[str], outcomes: list[Any]) -> list[list[bytes]]:
+        """The peeked job ids per queue; a queue whose peek failed counts as empty this round.
+
+        One queue key of the wrong type (a tenant queue someone overwrote) must not stop the
+        worker serving the others. A connection error is raised (the whole round failed)."""
+        peeked: list[list[bytes]] = []
+        for q, o in zip(queues, outcomes, strict=True):
+            if isinstance(o, (redis.ConnectionError, redis.TimeoutError)):
+                raise o
+            if isinstance(o, Exception):
+                if q not in self._bad_queues:
+                    log.error("worker %s: cannot read queue %s (%s); serving the others", self.w.name, q, o)
+                    self._bad_queues.add(q)
+                peeked.append([])
+            else:
+                self._bad_queues.discard(q)
+                peeked.append(o)
+        return peeked
+
+    async def _wait_for_work(self, burst: bool) -> None:
+        """Wait (at most a second) for a wake-up, a lane entry, a stop, or in burst mode a free slot."""
+        w = self.w
+        waiter = asyncio.create_task(self._wake.wait())
+        stop = asyncio.create_task(w.stopping.wait())
+        slot = asyncio.create_task(w.jobs.slot_free.wait()) if burst else None
+        pending = {waiter, stop} | ({slot} if slot else set())
+        if not burst and self._lane_pop is None:
+            self._lane_pop = asyncio.create_task(self._pop_lane(), name="lane")
+        await asyncio.wait(
+            pending | ({self._lane_pop} if self._lane_pop else set()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+        )
+        for t in pending:
+            t.cancel()  # the lane pop stays pending across rounds: cancelling it could drop an entry
+        w.jobs.slot_free.clear()
+
+    # ------------------------------------------------------------------ the lane
+
+    async def _pop_lane(self) -> LaneEntry | None:
+        """Wait up to a second for one entry of this queue's lane (``None``: none came)."""
+        try:
+            got = await self.w.redis.blpop([K.lane(self.w.queue)], timeout=1)
+        except (redis.RedisError, OSError):
+            await asyncio.sleep(0.1)  # reconnect backoff; the fetch loop reports the outage
+            return None
+        if got is None:
+            return None
+        try:
+            return load_lane_entry(got[1])
+        except PayloadError as exc:
+            log.warning("worker %s: dropped an invalid lane entry (%s)", self.w.name, exc)
+            return None
+
+    def _popped_lane_entry(self) -> LaneEntry | None:
+        """The entry the lane pop brought, once it is done (then a new pop may start)."""
+        t = self._lane_pop
+        if t is None or not t.done():
+            return None
+        self._lane_pop = None
+        if t.cancelled() or t.exception() is not None:
+            return None
+        return t.result()
+
+    async def _stop_lane_pop(self) -> None:
+        """On the way out: cancel a pending lane pop, or pass on an entry it already brought."""
+        t = self._lane_pop
+        if t is not None and not t.done():
+            await cancel_and_wait([t])
+        entry = self._popped_lane_entry()
+        self._lane_pop = None
+        if entry is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                await self._pass_on(entry)
+
+    async def _pass_on(self, entry: LaneEntry) -> None:
+        """Wake the other workers for a lane entry this worker does not take. The wake-up
+        does not name the jobs: they never left their queue, and a woken worker takes them
+        in queue order, behind any older ones."""
+        await self.w.redis.publish(K.wake_channel(entry.queue), K.wake_message(entry.queue))
+
+    async def _take_lane_entry(self, entry: LaneEntry, free: int) -> None:
+        """Take the jobs of a lane entry with ``START``, starting each fresh one while ``START`` is on the way.
+
+        A job whose request the entry carries starts *before* ``START`` answers (the
+        light-load latency saving): an unbudgeted one calls the model at once; a budgeted one
+        makes its first reservation at once but waits for ``START`` before calling the model
+        (the reservation id ``<job>:<attempt>:<turn>`` is the same whichever worker makes it,
+        ``START`` never grants one attempt twice, and only the execution ``START`` granted
+        spends it, so the budget stays exact).
+        ``START`` still decides who runs the job: when another worker took it first (it
+        peeked the queue in the fraction of a millisecond between the enqueue and this
+        ``START``), the early call is cancelled and counted as ``lost``. An entry older than
+        ``LANE_EARLY_MAX_AGE`` (by the two hosts' clocks) starts nothing early: its jobs are
+        likely gone, or re-queued as a later attempt (then the early reservation, never
+        spent, would stay charged in full: a waste of budget, never an overshoot).
+        """
+        w = self.w
+        queue = entry.queue
+        if not self.adopt(queue):
+            log.warning("worker %s: lane entry for queue %s it does not serve", w.name, queue)
+            return
+        jobs = entry.jobs[:free]
+        if len(jobs) < len(entry.jobs):
+            await self._pass_on(LaneEntry(queue=queue, enqueued_at=entry.enqueued_at, jobs=entry.jobs[free:]))
+        early: dict[str, tuple[asyncio.Task[None], asyncio.Future[StartedJob]]] = {}
+        if abs(time.time() - entry.enqueued_at) <= LANE_EARLY_MAX_AGE:
+            loop = asyncio.get_running_loop()
+            for j in jobs:
+                if j.request is not None:
+                    claim: asyncio.Future[StartedJob] = loop.create_future()
+                    task = w.jobs.add_task(w.call(j.request, j.job_id, 1, claim))
+                    early[j.job_id] = (task, claim)
+            if early:
+                await asyncio.sleep(0)  # yield once: the early calls go out before START does
+        try:
+            started = await w.records_for(queue).start([j.job_id.encode() for j in jobs])
+        except BaseException:
+            for early_call in early.values():
+                _cancel_early(early_call)
+            raise
+        for job in started:
+            pair = early.pop(job.job_id, None)
+            if pair is not None and job.attempt == 1:
+                w.jobs.track(job, queue)
+                pair[1].set_result(job)
+                w.metrics.lane_job("early")
+            else:
+                if pair is not None:  # a re-queued job (attempt > 1): run it from its own record
+                    _cancel_early(pair)
+                w.spawn(job, queue)
+                w.metrics.lane_job("after_start")
+        for early_call in early.values():  # another worker took these first
+            _cancel_early(early_call)
+            w.metrics.lane_job("lost")
+        w.update_gauge()

@@ -1,0 +1,90 @@
+"""What one worker holds right now: its in-flight jobs, their tasks, and finished jobs not yet recorded.
+
+:class:`InFlight` is the state the worker's parts share (the fetcher adds jobs, the job
+tasks finish them, the flush records them, the heartbeat extends them, the reaper skips
+them), and what tests read instead of the worker's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+from rlmq.workers.records import FinishedJob, StartedJob
+
+
+class InFlight:
+    """The jobs a worker has started and not yet recorded as finished, by queue.
+
+    Args:
+        default_queue: the worker's own queue (where a job of unknown origin is counted).
+    """
+
+    def __init__(self, default_queue: str) -> None:
+        self.default_queue = default_queue
+        self._jobs: dict[str, StartedJob] = {}  # member ``job:exec`` -> job
+        self._queue_of: dict[str, str] = {}  # member -> the queue it came from
+        self._running: set[str] = set()  # members whose call has not produced a result yet
+        self.tasks: set[asyncio.Task[None]] = set()
+        """Tasks of sub-calls (including early lane calls that may still be cancelled)."""
+        self.done: list[FinishedJob] = []
+        """Finished jobs waiting for the flush to record them."""
+        self.done_event = asyncio.Event()
+        self.slot_free = asyncio.Event()
+
+    def __len__(self) -> int:
+        """Jobs held: started and not yet recorded (what counts against the concurrency)."""
+        return len(self._jobs)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._jobs
+
+    @property
+    def running(self) -> int:
+        """Sub-calls whose result is not produced yet (the in-flight gauge: a job whose
+        result waits only for the flush is no longer counted, so the gauge reaches 0 before
+        any producer can see the last result)."""
+        return len(self._running)
+
+    def track(self, job: StartedJob, queue: str) -> None:
+        """Hold ``job`` (taken from ``queue``)."""
+        self._jobs[job.member] = job
+        self._queue_of[job.member] = queue
+        self._running.add(job.member)
+
+    def add_task(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` as a sub-call task (kept until it ends)."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def finished(self, done: FinishedJob) -> None:
+        """Queue a finished job for the flush."""
+        self._running.discard(done.job.member)
+        self.done.append(done)
+        self.done_event.set()
+
+    def queue_of(self, member: str) -> str:
+        """The queue a held job came from."""
+        return self._queue_of.get(member, self.default_queue)
+
+    def release(self, members: list[str]) -> None:
+        """Forget jobs (recorded, handed back, or left to the reaper); frees their slots."""
+        for m in members:
+            self._jobs.pop(m, None)
+            self._queue_of.pop(m, None)
+            self._running.discard(m)
+        self.slot_free.set()
+
+    def members_by_queue(self) -> dict[str, list[str]]:
+        """Held jobs' members grouped by the queue they came from."""
+        out: dict[str, list[str]] = {}
+        for member in self._jobs:
+            out.setdefault(self.queue_of(member), []).append(member)
+        return out
+
+    def clear(self) -> None:
+        """Forget everything (after a shutdown handed the jobs back)."""
+        self.release(list(self._jobs))

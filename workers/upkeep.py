@@ -1,0 +1,140 @@
+"""A worker's upkeep: its RQ registration, its heartbeat, and the reaper of dead workers' jobs.
+
+* registration: RQ's own ``Worker.register_birth`` / ``register_death``, so ``rq info`` and
+  rq-dashboard list the worker; registered again when Redis forgot it (restarted without
+  persistence); and an entry in ``rlmq:serving:<queue>`` (name -> heartbeat expiry) that tells
+  producers, within seconds, whether anybody serves a queue;
+* the heartbeat (every ``heartbeat_interval`` seconds) extends the started-registry scores of
+  all in-flight jobs, the worker's own key and its serving entry;
+* the reaper (every ``max(0.5, job_heartbeat_ttl / 4)`` seconds, jittered) re-queues, or
+  fails when out of attempts, jobs of workers that stopped heartbeating, so a ``kill -9``
+  loses no job.
+
+Redis errors (connection or error replies) are logged and retried on the next tick; anything
+else escapes to the worker's supervisor (:mod:`rlmq.common.supervise`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import TYPE_CHECKING
+
+import redis
+from rq import Queue
+from rq import Worker as RQWorker
+from rq.serializers import JSONSerializer
+
+from rlmq.common import keys as K
+from rlmq.common.connection import sync_client
+
+if TYPE_CHECKING:
+    from rlmq.workers.worker import SubLLMWorker
+
+log = logging.getLogger("rlmq.worker")
+
+
+class Upkeep:
+    """Registration, heartbeat and reaper of one worker.
+
+    Args:
+        worker: the worker it keeps (its settings, name, client, in-flight jobs, queues).
+    """
+
+    def __init__(self, worker: SubLLMWorker) -> None:
+        self.w = worker
+
+    # ------------------------------------------------------------------ RQ registration
+
+    def register_birth(self) -> RQWorker:
+        """Register with RQ (blocking client; call once before the loop serves)."""
+        w = self.w
+        sync = sync_client(str(w.settings.redis_url))
+        q = Queue(w.queue, connection=sync, serializer=JSONSerializer)
+        rq_worker = RQWorker([q], name=w.name, connection=sync, serializer=JSONSerializer)
+        rq_worker.register_birth()  # type: ignore[no-untyped-call]
+        sync.hset(rq_worker.key, mapping={"state": "idle", "rlmq_concurrency": w.concurrency})
+        sync.sadd(K.RQ_QUEUES, q.key)
+        sync.zadd(K.serving(w.queue), {w.name: time.time() + w.settings.job_heartbeat_ttl})
+        return rq_worker
+
+    async def register_again(self) -> None:
+        """Register this worker's birth again: its ``rq:worker`` hash and ``rq:workers`` entries
+        are gone (a Redis restarted without persistence), so ``rq info`` would not list it."""
+        log.warning("worker %s: its registration is gone from Redis (restarted?); registering again", self.w.name)
+        try:
+            rq_worker = await asyncio.to_thread(self.register_birth)
+        except (redis.RedisError, OSError, ValueError) as exc:
+            log.warning("worker %s: could not register again (%s); will retry", self.w.name, exc)
+            return
+        with contextlib.suppress(Exception):
+            rq_worker.connection.close()
+
+    def register_death(self, rq_worker: RQWorker) -> None:
+        """Unregister from RQ and from the serving set (best effort: the worker is leaving)."""
+        with contextlib.suppress(Exception):
+            rq_worker.connection.zrem(K.serving(self.w.queue), self.w.name)
+        with contextlib.suppress(Exception):
+            rq_worker.register_death()  # type: ignore[no-untyped-call]
+            rq_worker.connection.close()
+
+    # ------------------------------------------------------------------ heartbeat
+
+    async def heartbeat_once(self) -> None:
+        """Extend every in-flight job and this worker's liveness (one pipeline per queue).
+
+        Raises:
+            redis.RedisError: Redis away or refusing writes.
+        """
+        w = self.w
+        by_queue = w.jobs.members_by_queue() or {w.queue: []}
+        state = "busy" if len(w.jobs) else "idle"
+        if not await w.redis.exists(K.rq_worker(w.name)):
+            await self.register_again()  # Redis restarted (or flushed): it forgot this worker
+        await asyncio.gather(*(w.records_for(q).heartbeat(m, state) for q, m in by_queue.items()))
+
+    async def heartbeat_loop(self) -> None:
+        """:meth:`heartbeat_once` every ``heartbeat_interval`` seconds, for ever."""
+        interval = self.w.settings.heartbeat_interval
+        while True:
+            try:
+                await self.heartbeat_once()
+            except redis.exceptions.NoPermissionError:
+                raise  # not transient (an ACL that does not let this worker write): supervised
+            except (redis.RedisError, OSError) as exc:
+                log.warning("worker %s: heartbeat failed (%s)", self.w.name, exc)
+                self.w.metrics.reconnect()
+            await asyncio.sleep(interval)  # periodic timer, not synchronisation
+
+    # ------------------------------------------------------------------ reaper
+
+    async def reap_once(self) -> int:
+        """Take back abandoned jobs of every queue this worker serves; returns how many."""
+        w = self.w
+        total = 0
+        for queue in list(w.fetcher.queues):
+            rec = w.records_for(queue)
+            expired = [m for m in await rec.expired_members() if m not in w.jobs]
+            if not expired:
+                continue
+            requeued, failed = await rec.reap(expired)
+            total += requeued + failed
+            if requeued or failed:
+                log.warning(
+                    "worker %s: took back %d abandoned jobs (%d re-queued, %d failed)",
+                    w.name, len(expired), requeued, failed,
+                )  # fmt: skip
+        return total
+
+    async def reaper_loop(self) -> None:
+        """:meth:`reap_once` every ``max(0.5, job_heartbeat_ttl / 4)`` seconds (jittered), for ever."""
+        interval = max(0.5, self.w.settings.job_heartbeat_ttl / 4)
+        while True:
+            await asyncio.sleep(interval * (0.5 + random.random()))  # jittered timer across the fleet
+            try:
+                await self.reap_once()
+            except (redis.RedisError, OSError) as exc:
+                log.warning("worker %s: reaper failed (%s)", self.w.name, exc)
