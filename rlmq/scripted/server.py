@@ -74,6 +74,11 @@ Directives in the prompt:
   ``tool result: <content>`` per tool message of the conversation.
 * ``[[mock:spend-all]]`` (or the server option ``spend_all``): the completion is exactly
   the limit in words (``tok tok ...``), ``finish_reason: "length"``.
+* ``[[mock:tokens:<n>]]`` / ``[[mock:tokens:<a>-<b>]]``: a model that stops early: the final
+  answer is padded with filler words to exactly ``n`` tokens (words), or to a length drawn
+  uniformly from ``a..b`` by a hash of the prompt (the same prompt always gets the same
+  length; :func:`answer_tokens` gives it). A smaller limit cuts it (``finish_reason:
+  "length"``); otherwise ``"stop"``. See :func:`answer_tokens`.
 * Faults, for resilience tests:
   ``[[mock:status:<code>]]`` / ``[[mock:status:<code>:retry-after=<seconds>]]`` (HTTP error
   with an OpenAI-style body, and a ``Retry-After`` header when given);
@@ -107,6 +112,7 @@ import re
 import signal
 import sys
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -121,6 +127,7 @@ __all__ = [
     "ROOT_TOOL_NAME",
     "MockLLMServer",
     "answer_from_chunk",
+    "answer_tokens",
     "create_app",
     "main",
     "root_code_directive",
@@ -150,6 +157,7 @@ _TOOL_RE = re.compile(r"\[\[mock:tool:([^:\]\s]+):(.*?)\]\]", re.DOTALL)
 _STATUS_RE = re.compile(r"\[\[mock:status:(\d{3})(?::retry-after=(\d+(?:\.\d+)?))?\]\]")
 _SLEEP_RE = re.compile(r"\[\[mock:sleep:(\d+(?:\.\d+)?)\]\]")
 _FAIL_TIMES_RE = re.compile(r"\[\[mock:fail-times:(\d+)\]\]")
+_TOKENS_RE = re.compile(r"\[\[mock:tokens:(\d+)(?:-(\d+))?\]\]")
 
 
 def root_code_directive(code: str, turn: int = 1) -> str:
@@ -732,6 +740,23 @@ def _sub_reply(messages: Sequence[dict[str, Any]], prompt: str, offers_tools: bo
     return _Reply(content=answer_from_chunk(prompt))
 
 
+def answer_tokens(prompt: str) -> int | None:
+    """The answer length (tokens = words) a ``[[mock:tokens:...]]`` directive in ``prompt`` asks for.
+
+    ``[[mock:tokens:250]]`` gives 250; ``[[mock:tokens:1-400]]`` gives a length in 1..400 drawn
+    by the CRC-32 of the whole prompt (deterministic, so a test can add up its demand).
+    ``None`` when the prompt has no such directive.
+    """
+    match = _TOKENS_RE.search(prompt)
+    if match is None:
+        return None
+    low = int(match.group(1))
+    high = int(match.group(2) or low)
+    if high <= low:
+        return max(1, low)
+    return max(1, low + zlib.crc32(prompt.encode()) % (high - low + 1))
+
+
 def _completion(state: _State, reply: _Reply, limit: int, spend_all: bool) -> tuple[dict[str, Any], int]:
     """The OpenAI message, finish_reason and completion tokens of ``reply``."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
@@ -811,6 +836,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             spend_all = "[[mock:spend-all]]" in prompt
         spend_all = spend_all or state.spend_all
         reply = _sub_reply(messages, prompt, bool(tool_names))
+        length = answer_tokens(prompt) if "[[mock:tokens:" in prompt else None
+        if length is not None and not reply.tool_calls:
+            words = (reply.content or "").split()[:length]
+            reply = _Reply(content=" ".join(words + ["tok"] * (length - len(words))))
 
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
