@@ -24,7 +24,6 @@ prints a table and saves ``bench/results/budget.json`` (``budget_quick.json`` wi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
