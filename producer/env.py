@@ -36,7 +36,7 @@ from rlmq.common.errors import ConfigError, RlmqError
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow, StopReason, SubLLMResult
-from rlmq.common.settings import Settings, Verbosity
+from rlmq.common.settings import BUDGET_ZERO, Settings, Verbosity
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.repl import Repl
@@ -146,8 +146,8 @@ class RLMEnv:
         for name in ("root_prompt_verbosity", "sub_prompt_verbosity"):
             if getattr(self, name) not in ("light", "medium", "heavy"):
                 raise ConfigError(f"{name} must be light, medium or heavy")
-        if self.sub_llm_max_completion_tokens is not None and self.sub_llm_max_completion_tokens < 0:
-            raise ConfigError("sub_llm_max_completion_tokens must be >= 0")
+        if self.sub_llm_max_completion_tokens is not None and self.sub_llm_max_completion_tokens < 1:
+            raise ConfigError(BUDGET_ZERO)
         self._root: RootModel | None = kwargs.get("root")
         self.metrics: Metrics | None = kwargs.get("metrics")
         self._redis: Redis | None = None
@@ -243,7 +243,9 @@ class RLMEnv:
         await self._redis.expire(keys.info, self.settings.rollout_key_ttl)
         await self._redis.zadd(K.LIVE_ROLLOUTS, {rid: time.time() + self.settings.rollout_key_ttl})
         if budget is not None:
-            await self.ledger.open(rid, budget)
+            await self.ledger.open(
+                rid, budget, self.sub_llm_per_call_max_tokens or self.settings.sub_llm_budget_grant_tokens
+            )
         batch_counter = 0
         sem = asyncio.Semaphore(1)
 
@@ -434,7 +436,8 @@ class RLMEnv:
             reply_ttl=self.settings.rollout_key_ttl,
         )
         snap = await self.ledger.snapshot(rid) if budget is not None else None
-        if budget is not None and (snap is None or snap.remaining <= 0):
+        # Refused up front only when spent: nothing free and nothing held by open reservations.
+        if budget is not None and (snap is None or (snap.remaining <= 0 and snap.held <= 0)):
             if snap is None:
                 # The ledger is gone (Redis restarted without persistence, or its TTL ran out).
                 # Opening a fresh one would forget what was already spent, so refuse instead.
@@ -448,6 +451,9 @@ class RLMEnv:
                 SubLLMResult(rollout_id=rid, batch_id=batch_id, index=i, job_id="", status="rejected", content=msg)
                 for i in range(len(prompts))
             ]
+            if snap is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.ledger.count_rejections(rid, len(results))  # the ledger counts every refusal
             if self.metrics:  # workers count what they run; calls refused here are counted here
                 for r in results:
                     self.metrics.observe_result(r)
@@ -521,6 +527,9 @@ class RLMEnv:
             "sub_llm_rejected_count": sum(1 for r in sub if r.status == "rejected"),
             "sub_llm_error_count": sum(1 for r in sub if r.status == "error"),
             "sub_llm_queue_wait_seconds_mean": round(sum(waits) / len(waits), 5) if waits else 0.0,
+            "sub_llm_budget_waits": sum(r.budget_waits for r in sub),
+            "sub_llm_budget_wait_seconds": round(sum(r.budget_wait_seconds for r in sub), 4),
+            "sub_llm_truncated_count": sum(1 for r in sub if r.truncated),
         }
 
     # ------------------------------------------------------------------ many rollouts

@@ -46,7 +46,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rlmq.common.errors import ModelError, PayloadError
-from rlmq.common.ledger import BudgetLedger, Grant
+from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
@@ -113,6 +113,9 @@ class _Run:
         self.grants = 0
         self.granted_tokens = 0
         self.released_tokens = 0
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.truncated = False
         self.messages: list[dict[str, Any]] = []
 
     async def run(self) -> tuple[SubCallStatus, str]:
@@ -125,6 +128,11 @@ class _Run:
             tools, offered = [], set()
         if request.budgeted and ctx.ledger is None:
             raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
+        # Whether the call is budgeted, and its limit, is the ledger's to say, not the job's: a job
+        # claiming `budgeted: false` is checked against Redis unless its rollout is known to have
+        # no ledger (the producer opens a ledger before it enqueues any job of its rollout).
+        ledger = ctx.ledger
+        check = ledger is not None and (request.budgeted or not ledger.known_unbudgeted(request.rollout_id))
         if request.system_prompt:
             self.messages.append({"role": "system", "content": request.system_prompt})
         self.messages.append({"role": "user", "content": request.prompt})
@@ -135,18 +143,27 @@ class _Run:
             grant: Grant | None = None
             reservation = f"{self.job_id}:{self.attempt}:{turn}"
             max_tokens = request.max_completion_tokens
-            if request.budgeted:
+            if check:
                 grant = await self._reserve(reservation)
-                if not grant.granted:
+                if grant is None:
+                    check = False  # no ledger, and the job said it has none: unbudgeted
+                elif not grant.granted:
                     spent = f"{grant.charged}/{grant.limit} completion tokens used"
+                    if grant.code == WAITED_OUT:
+                        spent = (
+                            f"waited {self.wait_seconds:.1f} s for tokens held by running calls until this "
+                            f"call's deadline; {spent}"
+                        )
                     if turn == 1:
                         return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
                     if last_text:
                         return "ok", last_text
                     return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
-                max_tokens = grant.tokens
+                else:
+                    max_tokens = grant.tokens
             if self.gate is not None:
-                await self.gate  # the worker's START has not confirmed this job yet
+                if grant is not None:
+                    await self.gate  # the worker's START has not confirmed this job yet
                 self.gate = None
             response = await self._call(turn, reservation, grant, max_tokens, tools)
             if grant is not None:
@@ -159,6 +176,7 @@ class _Run:
                     self.released_tokens += max(0, grant.tokens - used)
                 else:
                     await self._settle(reservation, used)
+            self.truncated = response.finish_reason == "length"
             if response.content:
                 last_text = response.content
             assistant: dict[str, Any] = {"role": "assistant", "content": response.content}
@@ -174,16 +192,25 @@ class _Run:
             await self._run_tools(response.tool_calls, offered, turn)
         raise AssertionError("unreachable: the loop returns on its last turn")  # pragma: no cover
 
-    async def _reserve(self, reservation: str) -> Grant:
+    async def _reserve(self, reservation: str) -> Grant | None:
+        """Reserve (waiting for releases) the grant of one model call; ``None``: unbudgeted."""
         ledger = self.ctx.ledger
         assert ledger is not None
+        request = self.request
+        margin = min(0.5, max(0.0, (request.deadline - request.enqueued_at) * 0.05))
         try:
-            grant = await ledger.reserve(self.request.rollout_id, reservation, self.request.max_completion_tokens)
+            grant, waits, seconds = await ledger.acquire(
+                request.rollout_id, reservation, request.max_completion_tokens, request.deadline, margin=margin
+            )
         except RedisError as exc:
             raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
-        if grant.code == 2:
+        self.waits += waits
+        self.wait_seconds += seconds
+        if grant.code == NO_LEDGER:
+            if not request.budgeted:
+                return None
             raise _Stop("budget_lost", "[error] sub-LLM budget ledger of this rollout is gone (expired or lost)")
-        if grant.code == 3:
+        if grant.code == ALREADY_SETTLED:
             raise _Stop(
                 "duplicate",
                 "[error] sub-LLM call already ran: another copy of this job attempt settled its reservation",
@@ -338,6 +365,9 @@ async def run_sub_llm(
         grants=run.grants,
         granted_tokens=run.granted_tokens,
         released_tokens=run.released_tokens,
+        budget_waits=run.waits,
+        budget_wait_seconds=round(run.wait_seconds, 4),
+        truncated=run.truncated,
         queue_wait_seconds=max(0.0, taken - request.enqueued_at),
         seconds=time.perf_counter() - t0,
         worker=ctx.worker_name,

@@ -129,6 +129,11 @@ class SubLLMWorker:
         self.queue = settings.worker_queue()
         self.name = name or default_worker_name()
         self.concurrency = settings.worker_concurrency
+        self.max_parked = (
+            settings.sub_llm_budget_max_parked
+            if settings.sub_llm_budget_max_parked is not None
+            else settings.worker_concurrency
+        )
         self.metrics = metrics or Metrics()
         self._client_factory = client_factory or (
             lambda: ChatClient(
@@ -172,6 +177,7 @@ class SubLLMWorker:
         s = self.settings
         self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
         self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
+        self.ledger.on_park = self._slot_free.set  # parked budget waiters give their slots back
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,
@@ -204,6 +210,7 @@ class SubLLMWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
+            await self.ledger.aclose()
             self._register_death(rq_worker)
             await self.redis.aclose()
             log.info("worker %s stopped after %d sub-calls", self.name, self.processed)
@@ -327,7 +334,7 @@ class SubLLMWorker:
         after_lane = False  # the last round served a lane entry: peek again only when woken
         try:
             while not self._stopping.is_set():
-                free = self.concurrency - len(self._inflight)
+                free = self.concurrency - len(self._inflight) + min(self.ledger.parked, self.max_parked)
                 entry = self._popped_lane_entry()
                 if entry is not None and (free <= 0 or not (idle or after_lane)):
                     # Popped by a pop left waiting from an idle spell, but this worker has found
@@ -539,7 +546,7 @@ class SubLLMWorker:
     ) -> None:
         """Run one sub-call; ``job`` is a future when the call started before ``START`` answered."""
         settles: list[tuple[str, str, int]] = []
-        gate = job if isinstance(job, asyncio.Future) and request.budgeted else None
+        gate = job if isinstance(job, asyncio.Future) else None  # awaited only if the call is budgeted
         # The call's last budget settlement rides with this job's FINISH round trip.
         result = await run_sub_llm(
             request,
