@@ -38,6 +38,7 @@ from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.settings import Settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.scripted.server import answer_tokens
 
@@ -66,8 +67,8 @@ async def one_batch(
     try:
         rid = f"bench-{kind}-{uuid.uuid4().hex[:10]}"
         ledger = BudgetLedger(redis, ttl=600)
-        if budget is not None:
-            await ledger.open(rid, budget)
+        if budget is not None:  # as RLMEnv opens it: the per-call cap, else the default grant
+            await ledger.open(rid, budget, cap or Settings().sub_llm_budget_grant_tokens)
         prompts = prompts_for(kind, n, latency, rid)
         demand = [answer_tokens(p) or 0 for p in prompts]
         spec = BatchSpec(
@@ -110,6 +111,34 @@ async def one_batch(
     }
 
 
+async def light(fleet: LocalFleet, n: int) -> dict[str, Any]:
+    """Unbudgeted one-prompt batches, one after another: p50 / mean latency (ms) when the batches
+    share a rollout (the worker remembers it has no ledger) and when each is a new rollout (every
+    call first asks Redis whether its rollout has a ledger: the price of not trusting the job)."""
+    redis = async_client(str(fleet.redis_url))
+    dispatcher = Dispatcher(redis)
+    queue = queue_name_for_model(fleet.model)
+    out: dict[str, Any] = {}
+    try:
+        for mode in ("warmup", "same_rollout", "new_rollout_each", "same_rollout_again", "new_rollout_each_again"):
+            shared = f"light-{uuid.uuid4().hex[:8]}"
+            lat: list[float] = []
+            for i in range(n):
+                rid = shared if mode.startswith("same") else f"light-{uuid.uuid4().hex[:10]}"
+                spec = BatchSpec(
+                    rollout_id=rid, batch_id=f"b{i}", model=fleet.model, queue=queue, timeout=30, parallelism=1
+                )
+                t0 = time.perf_counter()
+                (result,) = await dispatcher.run_batch(spec, [f"Quick {i}?"])
+                lat.append((time.perf_counter() - t0) * 1000)
+                assert result.status == "ok", result
+            lat.sort()
+            out[mode] = {"p50_ms": round(lat[len(lat) // 2], 3), "mean_ms": round(sum(lat) / len(lat), 3)}
+    finally:
+        await redis.aclose()
+    return out
+
+
 def scenario(fleet: LocalFleet, kind: str, n: int, budgets: list[int], latencies: list[float]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for latency in latencies:
@@ -143,6 +172,8 @@ def main() -> None:
     model = f"bench-budget-{uuid.uuid4().hex[:6]}"
     with LocalFleet(model=model, workers=3, worker_concurrency=64) as fleet:
         out["fixed"] = scenario(fleet, "fixed", 112, [3000], latencies)
+        out["light_unbudgeted"] = run_loop(light(fleet, 100 if a.quick else 400))
+        print("light, unbudgeted one-prompt batches:", json.dumps(out["light_unbudgeted"]), flush=True)
     budgets = [500, 5000] if a.quick else [500, 2000, 5000, 20000]
     with LocalFleet(model=model + "r", workers=4, worker_concurrency=64) as fleet:
         out["random"] = scenario(fleet, "random", 200 if a.quick else 500, budgets, latencies)

@@ -7,8 +7,11 @@ Such a call *parks* here: one pub/sub connection per process, subscribed to the
 rollout with a parked call, to which the ledger's settle script publishes. A parked call
 asks again when
 
-* a release of its rollout is published (all its rollout's parked calls ask again, in
-  one coalesced script call per process),
+* a release of its rollout is published: the message says how many tokens are free and how
+  many live reservations are left; the process wakes its parked calls of that rollout in
+  arrival order as long as their grants fit in what is free (every one of them when no live
+  reservation is left: they get the last remainder or a rejection). Woken calls ask again in
+  one coalesced script call per process,
 * the earliest live reservation's deadline passes (it stops counting as live: a dead
   worker's reservation holds its tokens, but nobody waits for it any more),
 * its subscription is confirmed again after the pub/sub connection was lost (a release
@@ -46,6 +49,21 @@ log = logging.getLogger(__name__)
 __all__ = ["ReleaseWaits"]
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _fits(data: Any) -> int | None:
+    """Tokens the parked calls may share after a release ``'<free> <live>'``; ``None``: wake them all
+    (no live reservation is left, so each gets the last remainder or a rejection)."""
+    try:
+        free, live = (int(x) for x in (data.decode() if isinstance(data, bytes) else str(data)).split())
+    except ValueError:
+        return None
+    return None if live <= 0 else free
+
+
 class ReleaseWaits:
     """The parked budgeted calls of one process and their pub/sub subscriptions.
 
@@ -64,7 +82,7 @@ class ReleaseWaits:
         self._confirmed: dict[str, asyncio.Event] = {}  # rollout -> subscription confirmed
         self._channels: dict[str, str] = {}  # channel -> rollout
         self._seen: dict[str, int] = {}  # rollout -> releases (and re-subscriptions) seen
-        self._parked: dict[str, set[asyncio.Future[None]]] = {}
+        self._parked: dict[str, dict[asyncio.Future[None], int]] = {}  # rollout -> parked call -> need
         self._closed = False
         self.parked = 0
         """Calls parked now (waiting for a release)."""
@@ -115,7 +133,7 @@ class ReleaseWaits:
                     continue  # a release came while asking: ask again at once
                 until = min(give_up, grant.retry_at) if grant.retry_at > now else give_up
                 t0 = time.monotonic()
-                await self._park(rollout_id, max(0.001, until - now))
+                await self._park(rollout_id, max(0.001, until - now), grant.need)
                 parks += 1
                 parked_seconds += time.monotonic() - t0
         finally:
@@ -124,28 +142,34 @@ class ReleaseWaits:
                 del self._refs[rollout_id]
                 await self._unsubscribe(rollout_id)
 
-    async def _park(self, rollout_id: str, timeout: float) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._parked.setdefault(rollout_id, set()).add(fut)
+    async def _park(self, rollout_id: str, timeout: float, need: int) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._parked.setdefault(rollout_id, {})[fut] = need
+        timer = loop.call_later(timeout, _resolve, fut)  # a deadline, not a polling interval
         self.parked += 1
         self._on_change()
         try:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(fut, timeout)
+            await fut
         finally:
+            timer.cancel()
             waiting = self._parked.get(rollout_id)
             if waiting is not None:
-                waiting.discard(fut)
+                waiting.pop(fut, None)
                 if not waiting:
                     del self._parked[rollout_id]
             self.parked -= 1
             self._on_change()
 
-    def _wake(self, rollout_id: str) -> None:
+    def _wake(self, rollout_id: str, free: int | None = None) -> None:
+        """Wake the parked calls of ``rollout_id`` whose grants fit in ``free`` tokens (``None``: all)."""
         self._seen[rollout_id] = self._seen.get(rollout_id, 0) + 1
-        for fut in self._parked.get(rollout_id, ()):
-            if not fut.done():
-                fut.set_result(None)
+        for fut, need in list(self._parked.get(rollout_id, {}).items()):
+            if free is not None:
+                if need > free:
+                    break  # arrival order: a later, smaller call does not overtake
+                free -= need
+            _resolve(fut)
 
     def _wake_all(self) -> None:
         for rollout_id in list(self._parked):
@@ -207,7 +231,7 @@ class ReleaseWaits:
                     event.set()
                 self._wake(rollout_id)  # (re)subscribed: a release may have gone unheard
             elif message.get("type") == "message":
-                self._wake(rollout_id)
+                self._wake(rollout_id, _fits(message.get("data")))
 
     async def aclose(self) -> None:
         """Wake every parked call (each asks once more, then gives up) and close the connection."""
