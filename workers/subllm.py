@@ -2,11 +2,16 @@
 
 This follows the sub-LLM tool loop of the reference ``RLMEnv`` (verifiers, March 2026:
 up to ``sub_llm_max_turns`` model turns, each of which may call sub-tools) but with
-rlmq's hard budget: before **every** model call the worker reserves
-``min(per-call cap, remaining)`` completion tokens in the rollout's Redis ledger and calls
-the model with ``max_tokens`` = that grant, then settles the reservation with what the
-server reported. There is no unbudgeted forced final-answer call: when the budget runs out
-mid-loop, the loop ends with the best answer it already has.
+rlmq's hard budget: before **every** model call the worker reserves a grant (at most the
+ledger's per-call cap) in the rollout's Redis ledger, waiting for a release when running
+calls hold the rest (:meth:`~rlmq.common.ledger.BudgetLedger.acquire`), and calls the model
+with ``max_tokens`` = that grant, then settles the reservation with what the server
+reported. There is no unbudgeted forced final-answer call: when the budget runs out
+mid-loop, the loop ends with the best answer it already has. Whether a call is budgeted is
+the ledger's to say: a job claiming ``budgeted: false`` for a rollout that has a ledger is
+budgeted all the same. A result reports its waits (``budget_waits``,
+``budget_wait_seconds``) and whether its last turn was cut (``truncated``,
+``finish_reason == "length"``).
 
 Settling (see :mod:`rlmq.common.ledger`):
 
