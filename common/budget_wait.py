@@ -212,8 +212,8 @@ class ReleaseWaits:
                 backoff = 0.05
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
-                log.warning("budget release listener lost Redis (%s); parked calls ask again", exc)
+            except Exception as exc:  # RedisError, OSError, or anything else: it must not die
+                log.warning("budget release listener failed (%r); parked calls ask again", exc)
                 self._wake_all()
                 await asyncio.sleep(backoff)  # reconnect backoff, not synchronisation
                 backoff = min(backoff * 2, 2.0)

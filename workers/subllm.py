@@ -121,6 +121,7 @@ class _Run:
         self.waits = 0
         self.wait_seconds = 0.0
         self.truncated = False
+        self.seen_ledger = False
         self.messages: list[dict[str, Any]] = []
 
     async def run(self) -> tuple[SubCallStatus, str]:
@@ -212,7 +213,7 @@ class _Run:
         self.waits += waits
         self.wait_seconds += seconds
         if grant.code == NO_LEDGER:
-            if not request.budgeted:
+            if not request.budgeted and not self.seen_ledger and not waits:  # a wait came from a ledger
                 return None
             raise _Stop("budget_lost", "[error] sub-LLM budget ledger of this rollout is gone (expired or lost)")
         if grant.code == ALREADY_SETTLED:
@@ -220,6 +221,7 @@ class _Run:
                 "duplicate",
                 "[error] sub-LLM call already ran: another copy of this job attempt settled its reservation",
             )
+        self.seen_ledger = True  # a ledger that vanishes later is lost, never "unbudgeted"
         if grant.granted:
             self.grants += 1
             self.granted_tokens += grant.tokens
