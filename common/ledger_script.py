@@ -147,7 +147,7 @@ for _, name in ipairs(names) do
     hset[#hset + 1] = f[name]
   end
 end
-if #hset > 0 then redis.call('HSET', KEYS[1], unpack(hset)) end
+if #hset > 0 and limit then redis.call('HSET', KEYS[1], unpack(hset)) end  -- never re-create a lost ledger
 local rargs = {}
 for _, id in ipairs(order) do
   rargs[#rargs + 1] = id

@@ -624,6 +624,29 @@ async def test_a_rollout_without_a_ledger_runs_unbudgeted_and_is_remembered(
     assert ledger.known_unbudgeted(ROLLOUT)  # later calls of this rollout skip the check
 
 
+async def test_a_ledger_lost_mid_call_is_not_a_licence_to_run_unbudgeted(
+    llm: ScriptedLLM,
+    ctx: SubLLMContext,
+    ledger: BudgetLedger,
+    redis: fakeredis.aioredis.FakeRedis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await ledger.open(ROLLOUT, 1000, cap=50)
+    llm.script = [tool_call("count_words", {"text": "a b"}, tokens=5), answer("done", tokens=5)]
+    chat = ctx.client.chat
+
+    async def chat_then_lose_the_ledger(**kw: Any) -> Any:
+        response = await chat(**kw)
+        await redis.delete(RolloutKeys(ROLLOUT).budget)  # Redis restarted without persistence
+        return response
+
+    monkeypatch.setattr(ctx.client, "chat", chat_then_lose_the_ledger)
+    req = make_request(budgeted=False, sub_tools=["rlmq.workers.tools.count_words"])  # the job says "no budget"
+    result = await run_sub_llm(req, ctx, job_id="j")
+    assert (result.status, result.error_kind, llm.calls) == ("error", "budget_lost", 1)
+    assert not await redis.exists(RolloutKeys(ROLLOUT).budget)  # the settlement did not re-create it
+
+
 def test_retry_after_parsing() -> None:
     from email.utils import formatdate
 
