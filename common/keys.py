@@ -93,6 +93,18 @@ class RolloutKeys:
         return namespace(self.tag, "resv")
 
     @property
+    def live_reservations(self) -> str:
+        """Sorted set: open reservation id -> its call's deadline (Unix seconds); the reservations
+        that may still give tokens back (a call finding the budget held waits for them)."""
+        return namespace(self.tag, "live")
+
+    @property
+    def released(self) -> str:
+        """Pub/sub channel (no TTL: channels hold nothing): the ledger's settle script publishes
+        here after a settlement, once the rollout has had a waiting call; waiters wake on it."""
+        return namespace(self.tag, "released")
+
+    @property
     def info(self) -> str:
         """Hash: what ``rlmq status`` shows of a live rollout (model, queue, started)."""
         return namespace(self.tag, "info")
@@ -105,7 +117,7 @@ class RolloutKeys:
 
     def all_static(self) -> list[str]:
         """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
-        return [self.budget, self.reservations, self.info]
+        return [self.budget, self.reservations, self.live_reservations, self.info]
 
 
 REPLY_FIELD = "r"

@@ -66,6 +66,17 @@ class Metrics:
         self.budget_rejections = Counter(
             "rlmq_budget_rejections", "Sub-LLM calls rejected because the rollout's budget was spent", registry=r
         )
+        self.budget_waits = Counter(
+            "rlmq_budget_waits", "Times a budgeted sub-LLM call parked waiting for a release of its budget", registry=r
+        )
+        self.budget_wait_seconds = Counter(
+            "rlmq_budget_wait_seconds", "Seconds budgeted sub-LLM calls spent parked waiting for budget", registry=r
+        )
+        self.truncated = Counter(
+            "rlmq_truncated",
+            'Sub-LLM calls whose last model turn ended with finish_reason "length" (cut by grant or cap)',
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "rlmq_queue_wait_seconds",
             "Seconds a sub-LLM job waited in the queue before a worker took it",
@@ -121,6 +132,11 @@ class Metrics:
                 self.tokens.labels(kind=name).inc(value)
         if result.status == "rejected":
             self.budget_rejections.inc()
+        if result.budget_waits:
+            self.budget_waits.inc(result.budget_waits)
+            self.budget_wait_seconds.inc(result.budget_wait_seconds)
+        if result.truncated:
+            self.truncated.inc()
         if result.job_id:  # made by a worker (not a producer's up-front rejection)
             self.queue_wait.observe(max(0.0, result.queue_wait_seconds))
             if result.status != "rejected":

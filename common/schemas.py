@@ -105,6 +105,12 @@ class SubLLMResult(_Strict):
     grants: int = 0
     granted_tokens: int = 0
     released_tokens: int = 0
+    budget_waits: int = Field(default=0, ge=0)
+    """Times the call parked waiting for a release of its rollout's budget."""
+    budget_wait_seconds: float = Field(default=0.0, ge=0)
+    """Seconds the call spent parked waiting for budget."""
+    truncated: bool = False
+    """The call's last model turn ended with ``finish_reason == "length"`` (cut by its grant or cap)."""
     queue_wait_seconds: float = 0.0
     seconds: float = 0.0
     """Wall time from the worker taking the job to the result (seconds)."""

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
 
 Verbosity = Literal["light", "medium", "heavy"]
+
+BUDGET_ZERO = (
+    "sub_llm_max_completion_tokens (--sub-llm-max-completion-tokens) must be >= 1: a budget of 0 "
+    "would refuse every sub-LLM call; leave it unset for no budget"
+)
 
 
 class Settings(BaseSettings):
@@ -47,8 +52,14 @@ class Settings(BaseSettings):
     # --- rollout (producer) ------------------------------------------------------------
     max_turns: int = Field(default=50, ge=1)
     sub_llm_max_turns: int = Field(default=5, ge=1)
-    sub_llm_max_completion_tokens: int | None = Field(default=None, ge=0)
+    sub_llm_max_completion_tokens: int | None = Field(default=None, ge=1)
+    """The rollout's sub-LLM budget (completion tokens), hard across all workers; ``None``: none.
+    0 is refused (it would refuse every sub-LLM call): leave it unset for no budget."""
     sub_llm_per_call_max_tokens: int | None = Field(default=None, ge=1)
+    """``max_tokens`` of every sub-LLM model call; with a budget, also the largest grant."""
+    sub_llm_budget_grant_tokens: int = Field(default=512, ge=1)
+    """With a budget and no ``sub_llm_per_call_max_tokens``: the largest grant of one model call
+    (tokens). A call waits for a grant this large while running calls may give tokens back."""
     root_max_completion_tokens: int | None = Field(default=None, ge=1)
     max_sub_llm_parallelism: int = Field(default=64, ge=1)
     max_output_length: int = Field(default=8192, ge=100)
@@ -83,6 +94,9 @@ class Settings(BaseSettings):
     job_max_attempts: int = Field(default=2, ge=1)
     result_ttl: int = Field(default=600, ge=0)
     """How long RQ keeps finished jobs (seconds); ``rq info`` and rq-dashboard show them."""
+    sub_llm_budget_max_parked: int | None = Field(default=None, ge=0)
+    """Budgeted calls waiting for a release that a worker does not count against its in-flight
+    concurrency (default: ``worker_concurrency``); past that, waiters hold slots."""
     allowed_sub_tools: list[str] = Field(default_factory=list)
     """Dotted import paths of sub-tools this worker may run (a job asking for others fails)."""
 
@@ -103,6 +117,13 @@ class Settings(BaseSettings):
             return type(self).model_validate({**self.model_dump(), **overrides})
         except ValidationError as exc:
             raise ConfigError(str(exc)) from exc
+
+    @field_validator("sub_llm_max_completion_tokens", mode="before")
+    @classmethod
+    def _no_zero_budget(cls, value: Any) -> Any:
+        if value is not None and str(value).strip() == "0":
+            raise ValueError(BUDGET_ZERO)
+        return value
 
     def sub_queue(self) -> str:
         """The queue the producer enqueues sub-LLM jobs on.

@@ -230,7 +230,7 @@ class RLMEnv:
         await self._redis.expire(keys.info, s.rollout_key_ttl)
         await self._redis.zadd(K.LIVE_ROLLOUTS, {rid: time.time() + s.rollout_key_ttl})
         if budget is not None:
-            await self.ledger.open(rid, budget)
+            await self.ledger.open(rid, budget, s.sub_llm_per_call_max_tokens or s.sub_llm_budget_grant_tokens)
         sem = asyncio.Semaphore(1)
         batches = self._batches
 

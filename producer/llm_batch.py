@@ -9,6 +9,7 @@ REPL's output (the ``llm_batch`` summary contract of ``shared/DESIGN.md``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from redis.exceptions import RedisError
@@ -60,8 +61,13 @@ class LlmBatchService:
             reply_ttl=s.rollout_key_ttl,
         )
 
-    async def refusal(self, rollout: Rollout) -> str | None:
-        """The ``[rejected]`` message when the rollout's budget is spent or its ledger lost, else ``None``."""
+    async def refusal(self, rollout: Rollout) -> tuple[str, bool] | None:
+        """Why the batch is refused up front, else ``None``: ``(message, spent)``, ``spent`` being
+        true for a spent budget (the ledger counts those refusals) and false for a lost ledger.
+
+        Refused up front only when spent: nothing free and nothing held by open reservations
+        (calls that find the rest reserved wait for a release on the worker instead).
+        """
         budget = rollout.budget
         if budget is None:
             return None
@@ -71,10 +77,11 @@ class LlmBatchService:
             # Opening a fresh one would forget what was already spent, so refuse instead.
             return (
                 "[rejected] sub-LLM token budget ledger lost (Redis restarted?); sub-LLM calls are "
-                "refused so the budget cannot be overshot"
+                "refused so the budget cannot be overshot",
+                False,
             )
-        if snap.remaining <= 0:
-            return f"[rejected] sub-LLM token budget spent: {snap.charged}/{budget} completion tokens used"
+        if snap.remaining <= 0 and snap.held <= 0:
+            return f"[rejected] sub-LLM token budget spent: {snap.charged}/{budget} completion tokens used", True
         return None
 
     async def run(self, rollout: Rollout, prompts: list[str]) -> tuple[list[str], str]:
@@ -88,12 +95,16 @@ class LlmBatchService:
         rollout.stats.batches.append(len(prompts))
         refused = await self.refusal(rollout)
         if refused is not None:
+            message, spent = refused
             results = [
                 SubLLMResult(
-                    rollout_id=rollout.id, batch_id=batch_id, index=i, job_id="", status="rejected", content=refused
+                    rollout_id=rollout.id, batch_id=batch_id, index=i, job_id="", status="rejected", content=message
                 )
                 for i in range(len(prompts))
             ]
+            if spent:
+                with contextlib.suppress(RedisError, OSError):
+                    await self.ledger.count_rejections(rollout.id, len(results))  # the ledger counts every refusal
             if self.metrics:  # workers count what they run; calls refused here are counted here
                 for r in results:
                     self.metrics.observe_result(r)

@@ -80,6 +80,9 @@ class RolloutStats:
             "repl_mean_time_seconds": round(sum(times) / len(times), 4) if times else 0.0,
             "sub_llm_rejected_count": sum(1 for r in sub if r.status == "rejected"),
             "sub_llm_error_count": sum(1 for r in sub if r.status == "error"),
+            "sub_llm_budget_waits": sum(r.budget_waits for r in sub),
+            "sub_llm_budget_wait_seconds": round(sum(r.budget_wait_seconds for r in sub), 4),
+            "sub_llm_truncated_count": sum(1 for r in sub if r.truncated),
             "sub_llm_queue_wait_seconds_mean": round(sum(waits) / len(waits), 5) if waits else 0.0,
         }
 

@@ -140,7 +140,7 @@ class Fetcher:
         after_lane = False  # the last round served a lane entry: peek again only when woken
         try:
             while not w.stopping.is_set():
-                free = w.concurrency - len(jobs)
+                free = w.concurrency - len(jobs) + min(w.ledger.parked, w.max_parked)
                 entry = self._popped_lane_entry()
                 if entry is not None and (free <= 0 or not (idle or after_lane)):
                     # Popped by a pop left waiting from an idle spell, but this worker has found

@@ -2,11 +2,16 @@
 
 This follows the sub-LLM tool loop of the reference ``RLMEnv`` (verifiers, March 2026:
 up to ``sub_llm_max_turns`` model turns, each of which may call sub-tools) but with
-rlmq's hard budget: before **every** model call the worker reserves
-``min(per-call cap, remaining)`` completion tokens in the rollout's Redis ledger and calls
-the model with ``max_tokens`` = that grant, then settles the reservation with what the
-server reported. There is no unbudgeted forced final-answer call: when the budget runs out
-mid-loop, the loop ends with the best answer it already has.
+rlmq's hard budget: before **every** model call the worker reserves a grant (at most the
+ledger's per-call cap) in the rollout's Redis ledger, waiting for a release when running
+calls hold the rest (:meth:`~rlmq.common.ledger.BudgetLedger.acquire`), and calls the model
+with ``max_tokens`` = that grant, then settles the reservation with what the server
+reported. There is no unbudgeted forced final-answer call: when the budget runs out
+mid-loop, the loop ends with the best answer it already has. Whether a call is budgeted is
+the ledger's to say: a job claiming ``budgeted: false`` for a rollout that has a ledger is
+budgeted all the same. A result reports its waits (``budget_waits``,
+``budget_wait_seconds``) and whether its last turn was cut (``truncated``,
+``finish_reason == "length"``).
 
 Settling (see :mod:`rlmq.common.ledger`):
 
@@ -46,7 +51,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rlmq.common.errors import ModelError, PayloadError
-from rlmq.common.ledger import BudgetLedger, Grant
+from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
@@ -113,6 +118,10 @@ class _Run:
         self.grants = 0
         self.granted_tokens = 0
         self.released_tokens = 0
+        self.waits = 0
+        self.wait_seconds = 0.0
+        self.truncated = False
+        self.seen_ledger = False
         self.messages: list[dict[str, Any]] = []
 
     async def run(self) -> tuple[SubCallStatus, str]:
@@ -125,6 +134,11 @@ class _Run:
             tools, offered = [], set()
         if request.budgeted and ctx.ledger is None:
             raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
+        # Whether the call is budgeted, and its limit, is the ledger's to say, not the job's: a job
+        # claiming `budgeted: false` is checked against Redis unless its rollout is known to have
+        # no ledger (the producer opens a ledger before it enqueues any job of its rollout).
+        ledger = ctx.ledger
+        check = ledger is not None and (request.budgeted or not ledger.known_unbudgeted(request.rollout_id))
         if request.system_prompt:
             self.messages.append({"role": "system", "content": request.system_prompt})
         self.messages.append({"role": "user", "content": request.prompt})
@@ -135,18 +149,27 @@ class _Run:
             grant: Grant | None = None
             reservation = f"{self.job_id}:{self.attempt}:{turn}"
             max_tokens = request.max_completion_tokens
-            if request.budgeted:
+            if check:
                 grant = await self._reserve(reservation)
-                if not grant.granted:
+                if grant is None:
+                    check = False  # no ledger, and the job said it has none: unbudgeted
+                elif not grant.granted:
                     spent = f"{grant.charged}/{grant.limit} completion tokens used"
+                    if grant.code == WAITED_OUT:
+                        spent = (
+                            f"waited {self.wait_seconds:.1f} s for tokens held by running calls until this "
+                            f"call's deadline; {spent}"
+                        )
                     if turn == 1:
                         return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
                     if last_text:
                         return "ok", last_text
                     return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
-                max_tokens = grant.tokens
+                else:
+                    max_tokens = grant.tokens
             if self.gate is not None:
-                await self.gate  # the worker's START has not confirmed this job yet
+                if grant is not None:
+                    await self.gate  # the worker's START has not confirmed this job yet
                 self.gate = None
             response = await self._call(turn, reservation, grant, max_tokens, tools)
             if grant is not None:
@@ -159,6 +182,7 @@ class _Run:
                     self.released_tokens += max(0, grant.tokens - used)
                 else:
                     await self._settle(reservation, used)
+            self.truncated = response.finish_reason == "length"
             if response.content:
                 last_text = response.content
             assistant: dict[str, Any] = {"role": "assistant", "content": response.content}
@@ -174,20 +198,30 @@ class _Run:
             await self._run_tools(response.tool_calls, offered, turn)
         raise AssertionError("unreachable: the loop returns on its last turn")  # pragma: no cover
 
-    async def _reserve(self, reservation: str) -> Grant:
+    async def _reserve(self, reservation: str) -> Grant | None:
+        """Reserve (waiting for releases) the grant of one model call; ``None``: unbudgeted."""
         ledger = self.ctx.ledger
         assert ledger is not None
+        request = self.request
+        margin = min(0.5, max(0.0, (request.deadline - request.enqueued_at) * 0.05))
         try:
-            grant = await ledger.reserve(self.request.rollout_id, reservation, self.request.max_completion_tokens)
+            grant, waits, seconds = await ledger.acquire(
+                request.rollout_id, reservation, request.max_completion_tokens, request.deadline, margin=margin
+            )
         except RedisError as exc:
             raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
-        if grant.code == 2:
+        self.waits += waits
+        self.wait_seconds += seconds
+        if grant.code == NO_LEDGER:
+            if not request.budgeted and not self.seen_ledger and not waits:  # a wait came from a ledger
+                return None
             raise _Stop("budget_lost", "[error] sub-LLM budget ledger of this rollout is gone (expired or lost)")
-        if grant.code == 3:
+        if grant.code == ALREADY_SETTLED:
             raise _Stop(
                 "duplicate",
                 "[error] sub-LLM call already ran: another copy of this job attempt settled its reservation",
             )
+        self.seen_ledger = True  # a ledger that vanishes later is lost, never "unbudgeted"
         if grant.granted:
             self.grants += 1
             self.granted_tokens += grant.tokens
@@ -338,6 +372,9 @@ async def run_sub_llm(
         grants=run.grants,
         granted_tokens=run.granted_tokens,
         released_tokens=run.released_tokens,
+        budget_waits=run.waits,
+        budget_wait_seconds=round(run.wait_seconds, 4),
+        truncated=run.truncated,
         queue_wait_seconds=max(0.0, taken - request.enqueued_at),
         seconds=time.perf_counter() - t0,
         worker=ctx.worker_name,

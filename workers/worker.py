@@ -105,6 +105,12 @@ class SubLLMWorker:
         self.queue = settings.worker_queue()
         self.name = name or default_worker_name()
         self.concurrency = settings.worker_concurrency
+        self.max_parked = (
+            settings.sub_llm_budget_max_parked
+            if settings.sub_llm_budget_max_parked is not None
+            else settings.worker_concurrency
+        )
+        """Budgeted calls parked for a release that do not count against ``concurrency``."""
         self.metrics = metrics or Metrics()
         self._client_factory = client_factory or (
             lambda: ChatClient(
@@ -155,6 +161,7 @@ class SubLLMWorker:
         s = self.settings
         self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
         self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
+        self.ledger.on_park = self.jobs.slot_free.set  # parked budget waiters give their slots back
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,
@@ -191,6 +198,7 @@ class SubLLMWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
+            await self.ledger.aclose()
             self.upkeep.register_death(rq_worker)
             await self.redis.aclose()
             log.info("worker %s stopped after %d sub-calls", self.name, self.processed)
@@ -263,7 +271,7 @@ class SubLLMWorker:
         # Records.finish), which saves a round trip per sub-call and means that when the
         # producer sees the result, the ledger has already released what the call did not use.
         final_settlement: list[tuple[str, str, int]] = []
-        gate = job if isinstance(job, asyncio.Future) and request.budgeted else None
+        gate = job if isinstance(job, asyncio.Future) else None  # awaited only if the call is budgeted
         result = await run_sub_llm(
             request,
             self.ctx,

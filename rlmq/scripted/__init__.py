@@ -74,6 +74,11 @@ Directives in the prompt:
   ``tool result: <content>`` per tool message of the conversation.
 * ``[[mock:spend-all]]`` (or the server option ``spend_all``): the completion is exactly
   the limit in words (``tok tok ...``), ``finish_reason: "length"``.
+* ``[[mock:tokens:<n>]]`` / ``[[mock:tokens:<a>-<b>]]``: a model that stops early: the final
+  answer is padded with filler words to exactly ``n`` tokens (words), or to a length drawn
+  uniformly from ``a..b`` by a hash of the prompt (the same prompt always gets the same
+  length; :func:`rlmq.scripted.markers.answer_tokens` gives it). A smaller limit cuts it
+  (``finish_reason: "length"``); otherwise ``"stop"``.
 * Faults, for resilience tests:
   ``[[mock:status:<code>]]`` / ``[[mock:status:<code>:retry-after=<seconds>]]`` (HTTP error
   with an OpenAI-style body, and a ``Retry-After`` header when given);

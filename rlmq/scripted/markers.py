@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import zlib
 from dataclasses import dataclass
 
 MODEL_FINGERPRINT = "rlmq-scripted-model"
@@ -27,6 +28,24 @@ _TOOL_RE = re.compile(r"\[\[mock:tool:([^:\]\s]+):(.*?)\]\]", re.DOTALL)
 _STATUS_RE = re.compile(r"\[\[mock:status:(\d{3})(?::retry-after=(\d+(?:\.\d+)?))?\]\]")
 _SLEEP_RE = re.compile(r"\[\[mock:sleep:(\d+(?:\.\d+)?)\]\]")
 _FAIL_TIMES_RE = re.compile(r"\[\[mock:fail-times:(\d+)\]\]")
+_TOKENS_RE = re.compile(r"\[\[mock:tokens:(\d+)(?:-(\d+))?\]\]")
+
+
+def answer_tokens(prompt: str) -> int | None:
+    """The answer length (tokens = words) a ``[[mock:tokens:...]]`` directive in ``prompt`` asks for.
+
+    ``[[mock:tokens:250]]`` gives 250; ``[[mock:tokens:1-400]]`` gives a length in 1..400 drawn
+    by the CRC-32 of the whole prompt (deterministic, so a test can add up its demand).
+    ``None`` when the prompt has no such directive.
+    """
+    match = _TOKENS_RE.search(prompt)
+    if match is None:
+        return None
+    low = int(match.group(1))
+    high = int(match.group(2) or low)
+    if high <= low:
+        return max(1, low)
+    return max(1, low + zlib.crc32(prompt.encode()) % (high - low + 1))
 
 
 def root_code_directive(code: str, turn: int = 1) -> str:

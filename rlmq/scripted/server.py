@@ -26,6 +26,7 @@ from rlmq.scripted.completions import (
     _completion,
     _error,
     _limit_of,
+    _Reply,
     _root_reply,
     _State,
     _sub_reply,
@@ -42,6 +43,7 @@ from rlmq.scripted.markers import (
     ROOT_TOOL_NAME,
     _Faults,
     _parse_faults,
+    answer_tokens,
     root_code_directive,
 )
 from rlmq.scripted.root_script import root_code_for
@@ -54,6 +56,7 @@ __all__ = [
     "ROOT_TOOL_NAME",
     "ScriptedModelServer",
     "answer_from_chunk",
+    "answer_tokens",
     "create_app",
     "main",
     "root_code_directive",
@@ -119,6 +122,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             spend_all = "[[mock:spend-all]]" in prompt
         spend_all = spend_all or state.spend_all
         reply = _sub_reply(messages, prompt, bool(tool_names))
+        length = answer_tokens(prompt) if "[[mock:tokens:" in prompt else None
+        if length is not None and not reply.tool_calls:
+            words = (reply.content or "").split()[:length]
+            reply = _Reply(content=" ".join(words + ["tok"] * (length - len(words))))
 
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)

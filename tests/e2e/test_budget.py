@@ -118,3 +118,4 @@ async def test_a_spent_budget_refuses_the_whole_batch_and_the_root_goes_on(spend
     assert all(r["job_id"] == "" for r in batches[1]["results"])  # refused up front: nothing enqueued
     assert served_to(spend_all_fleet, rid) == 100
     assert res.row.metrics["sub_llm_rejected_count"] == 2
+    assert res.row.metrics["sub_llm_budget_rejections"] == 2  # refused up front, still counted in the ledger

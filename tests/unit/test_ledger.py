@@ -1,15 +1,17 @@
-"""The budget ledger on fakeredis (Lua through lupa): grants, rejections, idempotence."""
+"""The budget ledger on fakeredis (Lua through lupa): grants, waits, rejections, idempotence."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import fakeredis
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmq.common.ledger import BudgetLedger
+import rlmq.common.ledger as ledger_module
+from rlmq.common.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger
 
 
 def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:
@@ -17,17 +19,85 @@ def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:
     return r, BudgetLedger(r, ttl=60)
 
 
-async def test_grant_is_min_of_cap_and_remaining() -> None:
+async def test_grant_is_min_of_cap_and_free_and_a_held_remainder_means_wait() -> None:
     _, ledger = make()
     await ledger.open("r1", 100)
-    g1 = await ledger.reserve("r1", "a", 60)
-    assert (g1.tokens, g1.charged, g1.code) == (60, 60, 0)
+    deadline = time.time() + 60
+    g1 = await ledger.reserve("r1", "a", 60, deadline)
+    assert (g1.tokens, g1.charged, g1.code) == (60, 60, GRANTED)
     g2 = await ledger.reserve("r1", "b", 60)
-    assert (g2.tokens, g2.charged) == (40, 100)
-    g3 = await ledger.reserve("r1", "c", 60)
-    assert (g3.tokens, g3.code, g3.granted) == (0, 1, False)
+    # 40 free, less than a full grant, and "a" may give tokens back: wait, until a's deadline at most
+    assert (g2.tokens, g2.code, g2.granted) == (0, WAIT, False)
+    assert abs(g2.retry_at - deadline) < 0.01
+    await ledger.settle("r1", "a", 10)  # a stopped early: 50 released
+    g3 = await ledger.reserve("r1", "b", 60)
+    assert (g3.tokens, g3.charged, g3.code) == (60, 70, GRANTED)
     snap = await ledger.snapshot("r1")
-    assert snap is not None and (snap.grants, snap.rejections, snap.remaining) == (2, 1, 0)
+    assert snap is not None and (snap.grants, snap.rejections, snap.waits, snap.held) == (2, 0, 1, 60)
+
+
+async def test_the_last_remainder_goes_to_one_call_and_only_a_spent_budget_rejects() -> None:
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    await ledger.reserve("r1", "a", 60)
+    await ledger.settle("r1", "a", 60)
+    g = await ledger.reserve("r1", "b", 60)  # 40 free, nothing open: the remainder, not a wait
+    assert (g.tokens, g.code) == (40, GRANTED)
+    assert (await ledger.reserve("r1", "c", 60)).code == WAIT  # b may give some back
+    await ledger.settle("r1", "b", 40)
+    rejected = await ledger.reserve("r1", "c", 60)
+    assert (rejected.tokens, rejected.code, rejected.charged) == (0, REJECTED, 100)
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and (snap.rejections, snap.used, snap.held) == (1, 100, 0)
+
+
+async def test_a_reservation_past_its_deadline_is_not_waited_for_but_stays_charged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    now = time.time()
+    await ledger.reserve("r1", "dead", 80, now + 5)  # its worker dies: never settled
+    assert (await ledger.reserve("r1", "b", 80)).code == WAIT
+    monkeypatch.setattr(ledger_module.time, "time", lambda: now + 6)  # past the dead call's deadline
+    g = await ledger.reserve("r1", "b", 80)
+    assert (g.tokens, g.code, g.charged) == (20, GRANTED, 100)  # the dead 80 stay charged
+    await ledger.settle("r1", "b", 20)
+    assert (await ledger.reserve("r1", "c", 80)).code == REJECTED
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and (snap.charged, snap.used, snap.held) == (100, 20, 80)
+
+
+async def test_the_ledger_cap_bounds_a_call_and_a_job_can_only_lower_it() -> None:
+    _, ledger = make()
+    await ledger.open("r1", 1000, cap=50)
+    assert (await ledger.reserve("r1", "big", 900)).tokens == 50  # a job asking for more gets the cap
+    assert (await ledger.reserve("r1", "none", None)).tokens == 50
+    assert (await ledger.reserve("r1", "small", 10)).tokens == 10
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and snap.cap == 50
+
+
+async def test_zero_budget_is_refused_and_up_front_refusals_are_counted() -> None:
+    _, ledger = make()
+    with pytest.raises(ValueError, match="budget of 0"):
+        await ledger.open("r0", 0)
+    with pytest.raises(ValueError):
+        await ledger.open("r0", 10, cap=0)
+    await ledger.open("r1", 10)
+    await ledger.count_rejections("r1", 3)
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and snap.rejections == 3
+
+
+async def test_a_missing_ledger_is_remembered_as_unbudgeted() -> None:
+    _, ledger = make()
+    assert not ledger.known_unbudgeted("free")
+    assert (await ledger.reserve("free", "a", 10)).code == NO_LEDGER
+    assert ledger.known_unbudgeted("free")
+    await ledger.open("capped", 10)
+    await ledger.reserve("capped", "a", 10)
+    assert not ledger.known_unbudgeted("capped")
 
 
 async def test_settle_releases_unused_once() -> None:
@@ -62,7 +132,7 @@ async def test_missing_ledger_and_unknown_reservation() -> None:
     assert s.code == 2 and s.charged == 0
 
 
-async def test_no_cap_grants_the_remainder() -> None:
+async def test_no_cap_grants_all_that_is_free() -> None:
     _, ledger = make()
     await ledger.open("r1", 25)
     g = await ledger.reserve("r1", "a", None)
@@ -94,8 +164,8 @@ async def test_parallel_reservations_never_exceed_the_limit() -> None:
     _, ledger = make()
     await ledger.open("r1", 1000)
     grants = await asyncio.gather(*(ledger.reserve("r1", f"c{i}", 64) for i in range(100)))
-    assert sum(g.tokens for g in grants) == 1000
-    assert sum(1 for g in grants if not g.granted) == 100 - 16
+    assert sum(g.tokens for g in grants) == 15 * 64  # 40 left: less than a full grant while 15 run
+    assert sum(1 for g in grants if g.code == WAIT) == 100 - 15
 
 
 # --- property: random interleavings of reserve, settle, retry and crash --------------------
@@ -108,7 +178,7 @@ op = st.tuples(
 
 
 @settings(max_examples=60, deadline=None)
-@given(limit=st.integers(0, 500), cap=st.integers(1, 200), ops=st.lists(op, max_size=60))
+@given(limit=st.integers(1, 500), cap=st.integers(1, 200), ops=st.lists(op, max_size=60))
 def test_ledger_invariants_hold_under_any_interleaving(limit: int, cap: int, ops: list[tuple[str, int, int]]) -> None:
     async def run() -> None:
         _, ledger = make()
@@ -127,6 +197,11 @@ def test_ledger_invariants_hold_under_any_interleaving(limit: int, cap: int, ops
                     assert g.code == 3 and g.tokens == 0
                 elif g.granted:
                     grants[call] = g.tokens
+                    assert g.tokens <= cap
+                elif g.code == WAIT:  # less than a full grant free, and an open call may give some back
+                    assert grants and limit - g.charged < min(cap, limit)
+                else:  # rejected only when nothing is free and nothing is open
+                    assert g.code == REJECTED and g.charged == limit and not grants
             elif kind in ("settle", "retry_settle") and call in grants and call not in crashed:
                 used = grants[call] * pct // 100
                 s = await ledger.settle("r", rid, used)

@@ -106,11 +106,12 @@ class ScriptedLLM:
             message["tool_calls"] = [
                 {"id": f"call_{self.calls}_{i}", "type": "function", "function": c} for i, c in enumerate(calls)
             ]
+        finish = "tool_calls" if calls else ("length" if tokens < step["tokens"] else "stop")
         out: dict[str, Any] = {
             "id": f"chatcmpl-{self.calls}",
             "object": "chat.completion",
             "model": body["model"],
-            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         }
         if step["usage"]:
             prompt = sum(len(str(m.get("content") or "")) for m in body["messages"])
@@ -600,6 +601,55 @@ async def test_parallel_calls_never_exceed_the_budget(
     assert llm.tokens_by_user[ROLLOUT] == 1000
     snap = await ledger.snapshot(ROLLOUT)
     assert snap is not None and (snap.charged, snap.used, snap.overrun) == (1000, 1000, 0)
+
+
+async def test_a_job_claiming_unbudgeted_gets_its_ledgers_rules(
+    llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger
+) -> None:
+    await ledger.open(ROLLOUT, 100, cap=40)
+    llm.default = answer("long", tokens=500)
+    forged = make_request(budgeted=False, max_completion_tokens=10_000)  # the payload lies
+    result = await run_sub_llm(forged, ctx, job_id="j0")
+    assert llm.requests[0]["max_tokens"] == 40  # the ledger's cap, not the job's
+    assert (result.status, result.grants, result.granted_tokens, result.truncated) == ("ok", 1, 40, True)
+    for i in range(1, 5):
+        await run_sub_llm(forged, ctx, job_id=f"j{i}")
+    assert llm.tokens_by_user[ROLLOUT] == 100  # the limit holds
+    snap = await ledger.snapshot(ROLLOUT)
+    assert snap is not None and (snap.used, snap.rejections) == (100, 2)
+
+
+async def test_a_rollout_without_a_ledger_runs_unbudgeted_and_is_remembered(
+    llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger
+) -> None:
+    llm.default = answer("free", tokens=5)
+    result = await run_sub_llm(make_request(max_completion_tokens=64), ctx, job_id="j0")
+    assert (result.status, result.grants, result.truncated) == ("ok", 0, False)
+    assert llm.requests[0]["max_tokens"] == 64
+    assert ledger.known_unbudgeted(ROLLOUT)  # later calls of this rollout skip the check
+
+
+async def test_a_ledger_lost_mid_call_is_not_a_licence_to_run_unbudgeted(
+    llm: ScriptedLLM,
+    ctx: SubLLMContext,
+    ledger: BudgetLedger,
+    redis: fakeredis.aioredis.FakeRedis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await ledger.open(ROLLOUT, 1000, cap=50)
+    llm.script = [tool_call("count_words", {"text": "a b"}, tokens=5), answer("done", tokens=5)]
+    chat = ctx.client.chat
+
+    async def chat_then_lose_the_ledger(**kw: Any) -> Any:
+        response = await chat(**kw)
+        await redis.delete(RolloutKeys(ROLLOUT).budget)  # Redis restarted without persistence
+        return response
+
+    monkeypatch.setattr(ctx.client, "chat", chat_then_lose_the_ledger)
+    req = make_request(budgeted=False, sub_tools=["rlmq.workers.tools.count_words"])  # the job says "no budget"
+    result = await run_sub_llm(req, ctx, job_id="j")
+    assert (result.status, result.error_kind, llm.calls) == ("error", "budget_lost", 1)
+    assert not await redis.exists(RolloutKeys(ROLLOUT).budget)  # the settlement did not re-create it
 
 
 def test_retry_after_parsing() -> None:
