@@ -249,7 +249,7 @@ class RLMEnv:
 
         async def handle_batch(prompts: list[str]) -> tuple[list[str], str]:
             nonlocal batch_counter
-            async with sem:  # one batch of a rollout at a time; its parallelism is per rollout
+            async with repl.serving(), sem:  # the REPL's own account pauses its cell timeout (not the child's word)
                 batch_counter += 1
                 return await self._run_batch(rid, f"b{batch_counter}", prompts, sub_model, queue, stats, trajectory)
 
@@ -281,10 +281,18 @@ class RLMEnv:
             code_execution_timeout=self.code_execution_timeout,
             max_startup_wait_seconds=self.max_startup_wait_seconds,
             pip_install_packages=self.pip_install_packages,
+            max_batch_bytes=self.settings.max_batch_bytes,
+            max_batch_prompts=self.settings.max_batch_prompts,
         )
+        deadline = asyncio.timeout(self.settings.rollout_timeout)  # a wall-clock deadline of its own
         try:
-            await repl.start()
-            stop, final = await self._root_loop(model, messages, repl, stats, trajectory)
+            async with deadline:
+                await repl.start()
+                stop, final = await self._root_loop(model, messages, repl, stats, trajectory)
+        except TimeoutError as exc:
+            stop, error = "error", f"{type(exc).__name__}: {exc}"
+            if deadline.expired():
+                error = f"RolloutTimeout: the rollout ran past its deadline of {self.settings.rollout_timeout:g} s"
         except RlmqError as exc:
             stop, error = "error", f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # a rollout never takes the evaluation down with it

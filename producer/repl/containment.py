@@ -1,0 +1,110 @@
+"""What a REPL child is contained by, and saying so once when it is less than full.
+
+Some containment needs Linux namespaces (root, or unprivileged user namespaces): without
+them the REPL keeps the host's network, file system and Unix sockets. The first REPL started
+in a process that got less than full containment logs one warning naming what is then not
+contained, and :func:`containment_seen` gives the same record to ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Containment", "containment_seen", "note_containment"]
+
+log = logging.getLogger("rlmq.repl")
+
+
+@dataclass(frozen=True)
+class Containment:
+    """What one started REPL child reported about its own containment.
+
+    Attributes:
+        network: in a network namespace of its own (no TCP/UDP, no abstract Unix sockets).
+        private_fs: in a mount namespace of its own with a private, size-limited tmpfs over
+            ``/tmp``, ``/dev/shm``, ``/run``, ``/var/tmp``, removed with the REPL.
+        read_only_root: the rest of the host file system is read-only to it.
+        hidden_sockets: listening path-named host Unix sockets covered (outside those folders).
+        own_uid: runs under a uid of its own (the producer runs as root).
+        not_contained: plain-language list of what is then NOT contained.
+    """
+
+    network: bool
+    private_fs: bool
+    read_only_root: bool
+    hidden_sockets: int
+    own_uid: bool
+    not_contained: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_ready(cls, message: dict[str, Any], *, isolate_network: bool) -> Containment:
+        """Build it from the child's ``ready`` message (``isolate_network``: whether it was asked)."""
+        net = message.get("net_isolated") is True
+        fs = message.get("fs_private") is True
+        ro = message.get("ro_root") is True
+        hidden = message.get("hidden_sockets")
+        uid = isinstance(message.get("uid"), int)
+        missing: list[str] = []
+        if not net:
+            why = "" if isolate_network else " (no interception Unix socket was given)"
+            missing.append(f"network: the REPL can open TCP/UDP connections to anything the host reaches{why}")
+        if not fs:
+            if isinstance(message.get("fs_error"), str):
+                missing.append(f"the private file system failed: {message['fs_error'][:300]}")
+            missing.append(
+                "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there can outlive it, "
+                "and it can connect to host Unix sockets (databases under /run, say)"
+            )
+        elif not ro:
+            missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")
+        if not uid:
+            missing.append(
+                "user: the REPL runs as the producer's user (it can read what that user can, "
+                "signal its processes and read its /proc entries)"
+            )
+        return cls(
+            network=net,
+            private_fs=fs,
+            read_only_root=ro,
+            hidden_sockets=hidden if isinstance(hidden, int) else 0,
+            own_uid=uid,
+            not_contained=missing,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (for ``meta.json``)."""
+        return asdict(self)
+
+
+class _Seen:
+    """The first containment seen in this process (one warning, one record)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.first: Containment | None = None
+
+
+_SEEN = _Seen()
+
+
+def note_containment(containment: Containment) -> None:
+    """Record the containment of a started REPL; the first one in this process that is not
+    full is logged once at WARNING on the ``rlmq.repl`` logger."""
+    with _SEEN.lock:
+        if _SEEN.first is not None:
+            return
+        _SEEN.first = containment
+    if containment.not_contained:
+        log.warning(
+            "the REPL sandbox is not fully contained on this host (no namespaces: needs root or "
+            "unprivileged user namespaces); NOT contained: %s",
+            "; ".join(containment.not_contained),
+        )
+
+
+def containment_seen() -> dict[str, Any] | None:
+    """The containment of the first REPL started in this process (a dict), or ``None``."""
+    return None if _SEEN.first is None else _SEEN.first.as_dict()
