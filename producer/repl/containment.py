@@ -80,31 +80,35 @@ class Containment:
 
 
 class _Seen:
-    """The first containment seen in this process (one warning, one record)."""
+    """Containments seen in this process: the first, and the first that was not full."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.first: Containment | None = None
+        self.degraded: Containment | None = None
 
 
 _SEEN = _Seen()
 
 
 def note_containment(containment: Containment) -> None:
-    """Record the containment of a started REPL; the first one in this process that is not
-    full is logged once at WARNING on the ``rlmq.repl`` logger."""
+    """Record the containment of a started REPL. The first one in this process that is not
+    full is logged at WARNING on the ``rlmq.repl`` logger, once (later ones are not)."""
     with _SEEN.lock:
-        if _SEEN.first is not None:
+        if _SEEN.first is None:
+            _SEEN.first = containment
+        if not containment.not_contained or _SEEN.degraded is not None:
             return
-        _SEEN.first = containment
-    if containment.not_contained:
-        log.warning(
-            "the REPL sandbox is not fully contained on this host (no namespaces: needs root or "
-            "unprivileged user namespaces); NOT contained: %s",
-            "; ".join(containment.not_contained),
-        )
+        _SEEN.degraded = containment
+    log.warning(
+        "the REPL sandbox is not fully contained on this host (namespaces need root or unprivileged "
+        "user namespaces); NOT contained: %s",
+        "; ".join(containment.not_contained),
+    )
 
 
 def containment_seen() -> dict[str, Any] | None:
-    """The containment of the first REPL started in this process (a dict), or ``None``."""
-    return None if _SEEN.first is None else _SEEN.first.as_dict()
+    """For ``meta.json``: the first less-than-full containment of a REPL in this process, else
+    the first containment seen (a dict, see :class:`Containment`), or ``None`` (no REPL started)."""
+    seen = _SEEN.degraded or _SEEN.first
+    return None if seen is None else seen.as_dict()
