@@ -55,8 +55,8 @@ class Containment:
             if isinstance(message.get("fs_error"), str):
                 missing.append(f"the private file system failed: {message['fs_error'][:300]}")
             missing.append(
-                "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there can outlive it, "
-                "and it can connect to host Unix sockets (databases under /run, say)"
+                "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there (and its System V "
+                "IPC objects) can outlive it, and it can connect to host Unix sockets (databases under /run, say)"
             )
         elif not ro:
             missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")

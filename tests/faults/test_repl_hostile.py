@@ -334,6 +334,84 @@ async def test_writes_outside_are_refused_and_no_secret_is_seen(repl: Repl) -> N
     assert own.output.strip() == "'ok'"
 
 
+SYSV_SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+shmid = libc.shmget(KEY, 1 << 20, 0o1666)  # IPC_CREAT | 0666: persists until removed
+print("SHMID", shmid, ctypes.get_errno())
+"""
+
+
+def _host_shm_keys() -> set[int]:
+    with open("/proc/sysvipc/shm") as f:
+        next(f)
+        return {int(line.split()[0]) for line in f if line.strip()}
+
+
+async def test_system_v_shared_memory_does_not_outlive_the_repl(namespaces: bool, icpt: InterceptionServer) -> None:
+    import ctypes
+
+    key = 0x7A000000 + int(uuid.uuid4().hex[:6], 16)
+    async with sandbox(namespaces, icpt) as repl:
+        res = await repl.execute(f"KEY = {key}\n" + SYSV_SHM)
+        shmid = int(res.output.split()[1])
+        assert shmid >= 0, res.output
+    left = key in _host_shm_keys()
+    if left:  # remove it from the host whatever the mode
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+    if namespaces:
+        assert not left, "a System V segment outlived the REPL"
+    else:
+        assert left and any("System V" in m for m in repl.containment.not_contained)  # type: ignore[union-attr]
+
+
+CONTAIN_AS_NOBODY = """
+import os, socket, sys
+sys.path.insert(0, sys.argv[1])
+import repl_child
+work = sys.argv[2]
+report = repl_child._contain({"workdir": work, "context_path": work + "/context.json", "unix_socket": None,
+                              "isolate_network": True, "scratch_bytes": 1 << 20})
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[3])), timeout=2)
+    reached = "CONNECTED"
+except OSError as exc:
+    reached = "REFUSED"
+print(report["net_isolated"], report["fs_private"], os.getuid(), reached, sorted(os.listdir("/run")), os.getcwd())
+"""
+
+
+def test_without_root_the_child_contains_itself_in_a_user_namespace() -> None:
+    """An unprivileged REPL child (``nobody``, the system Python: the child is stdlib-only)
+    gets its network and mount namespaces through a user namespace: the host's Redis on
+    127.0.0.1 is unreachable, the host's /run is hidden, HOME is its private tmpfs."""
+    import pwd
+
+    if not ROOT:
+        pytest.fail("this test switches to the user 'nobody' and needs root to do so")
+    runuser = shutil.which("runuser")
+    py = shutil.which("python3.11", path="/usr/bin:/usr/local/bin") or shutil.which("python3", path="/usr/bin")
+    assert runuser and py, "needs runuser and a system python3"
+    here = os.path.dirname(os.path.abspath(__import__("rlmq.producer.repl_child").producer.repl_child.__file__))
+    nobody = pwd.getpwnam("nobody").pw_uid
+    work = subprocess.run([runuser, "-u", "nobody", "--", "mktemp", "-d"], capture_output=True, text=True, check=True)
+    workdir = work.stdout.strip()
+    try:
+        with EmbeddedRedis() as server:
+            proc = subprocess.run(
+                [runuser, "-u", "nobody", "--", py, "-I", "-c", CONTAIN_AS_NOBODY, here, workdir, str(server.port)],
+                capture_output=True, text=True, timeout=30, cwd="/",
+            )  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    net, fs, uid, reached, run, cwd = proc.stdout.split(" ", 5)
+    assert (net, fs, reached) == ("True", "True", "REFUSED"), proc.stdout
+    assert int(uid) == nobody
+    assert run == "[]" and cwd.strip() == "/tmp/home", proc.stdout
+
+
 # --------------------------------------------------------------------------- sockets
 
 
