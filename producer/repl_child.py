@@ -29,7 +29,7 @@ repr of a last expression, output of subprocesses) goes there, in order.
    drops to a uid of its own when it runs as root (``run_as``), applies the resource
    limits, loads ``context`` from the JSON file and answers
    ``{"type": "ready", "pid": int, "uid": int | null, "net_isolated": bool,
-   "fs_private": bool, "ro_root": bool, "hidden_sockets": int}``.
+   "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int}``.
 2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
@@ -194,7 +194,8 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
     system becomes read-only; a tmpfs of ``scratch_bytes`` bytes (nosuid, nodev) covers
     ``/tmp``, and folders of it cover ``/dev/shm``, ``/var/tmp`` and ``/run`` (so ``/var/run``),
     hiding the host's files and Unix sockets there; every other listening host Unix socket
-    is covered with ``/dev/null``; the work dir (context, packages) is bound read-only at
+    is covered with ``/dev/null``; as root, a procfs of its own with ``hidepid`` hides the
+    processes of other uids (their command lines too); the work dir (context, packages) is bound read-only at
     ``/tmp/.rlmq/work`` and the interception socket's folder at ``/tmp/.rlmq/ipc``; HOME and
     cwd become ``/tmp/home``. The tmpfs lives as long as a process of this namespace does,
     and all of them are killed with the REPL, so nothing it writes outlives it. An IPC
@@ -203,13 +204,19 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
     before privileges are dropped.
 
     Returns:
-        ``{"net_isolated", "fs_private", "ro_root": bool, "hidden_sockets": int,
+        ``{"net_isolated", "fs_private", "ro_root", "proc_hidden": bool, "hidden_sockets": int,
         "paths": {"context_path", "sys_path", "unix_socket", "home"}}`` (paths as seen
         from inside).
     """
     workdir = init["workdir"]
     sock = init.get("unix_socket")
-    report: dict[str, Any] = {"net_isolated": False, "fs_private": False, "ro_root": False, "hidden_sockets": 0}
+    report: dict[str, Any] = {
+        "net_isolated": False,
+        "fs_private": False,
+        "ro_root": False,
+        "hidden_sockets": 0,
+        "proc_hidden": False,
+    }
     report["paths"] = {
         "context_path": init["context_path"],
         "sys_path": list(init.get("sys_path") or []),
@@ -275,6 +282,13 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
                 report["hidden_sockets"] += 1
             except OSError:
                 pass
+        for options in ("hidepid=invisible", "hidepid=2"):  # other uids' processes: not even listed
+            try:
+                _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, options)  # 8: MS_NOEXEC
+                report["proc_hidden"] = True
+                break
+            except OSError:
+                continue
         os.mkdir(HOME, 0o700)
         os.chdir(HOME)
     except OSError as exc:

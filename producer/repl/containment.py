@@ -28,6 +28,7 @@ class Containment:
             ``/tmp``, ``/dev/shm``, ``/run``, ``/var/tmp``, removed with the REPL.
         read_only_root: the rest of the host file system is read-only to it.
         hidden_sockets: listening path-named host Unix sockets covered (outside those folders).
+        hidden_processes: other uids' processes are not listed in its ``/proc`` (``hidepid``).
         own_uid: runs under a uid of its own (the producer runs as root).
         not_contained: plain-language list of what is then NOT contained.
     """
@@ -36,6 +37,7 @@ class Containment:
     private_fs: bool
     read_only_root: bool
     hidden_sockets: int
+    hidden_processes: bool
     own_uid: bool
     not_contained: list[str] = field(default_factory=list)
 
@@ -47,10 +49,14 @@ class Containment:
         ro = message.get("ro_root") is True
         hidden = message.get("hidden_sockets")
         uid = isinstance(message.get("uid"), int)
+        procs = message.get("proc_hidden") is True
         missing: list[str] = []
         if not net:
             why = "" if isolate_network else " (no interception Unix socket was given)"
-            missing.append(f"network: the REPL can open TCP/UDP connections to anything the host reaches{why}")
+            missing.append(
+                f"network: the REPL can open TCP/UDP connections to anything the host reaches, and abstract "
+                f"Unix sockets{why}"
+            )
         if not fs:
             if isinstance(message.get("fs_error"), str):
                 missing.append(f"the private file system failed: {message['fs_error'][:300]}")
@@ -60,6 +66,8 @@ class Containment:
             )
         elif not ro:
             missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")
+        if not procs:
+            missing.append("processes: the REPL can list the host's processes and read their command lines")
         if not uid:
             missing.append(
                 "user: the REPL runs as the producer's user (it can read what that user can, "
@@ -70,6 +78,7 @@ class Containment:
             private_fs=fs,
             read_only_root=ro,
             hidden_sockets=hidden if isinstance(hidden, int) else 0,
+            hidden_processes=procs,
             own_uid=uid,
             not_contained=missing,
         )

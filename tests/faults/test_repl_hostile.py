@@ -292,8 +292,8 @@ async def test_files_stop_at_the_scratch_size_and_do_not_outlive_the_repl(
             assert fs_private
             assert left == [], f"files outlived the REPL: {left}"
         else:  # the fallback: files can outlive it, and it says so
-            assert not fs_private and "files outlive" not in not_contained
-            assert "its files there can outlive it" in not_contained
+            assert not fs_private
+            assert "can outlive it" in not_contained, not_contained
     finally:
         for p in paths:
             with contextlib.suppress(FileNotFoundError):
@@ -328,7 +328,8 @@ async def test_writes_outside_are_refused_and_no_secret_is_seen(repl: Repl) -> N
     if not (ROOT and uid != "0"):
         pytest.fail(f"the REPL did not drop privileges (uid {uid}); environ: {res.output!r}")
     assert int(uid) >= 100_000
-    assert "REFUSED PermissionError" in res.output, res.output
+    # hidden (namespaces: its own /proc with hidepid) or refused (another uid's entry)
+    assert "REFUSED FileNotFoundError" in res.output or "REFUSED PermissionError" in res.output, res.output
     assert "REFUSED" in res2.output and "WROTE" not in res2.output, res2.output
     own = await repl.execute("open('mine.txt', 'w').write('ok')\nopen('mine.txt').read()")
     assert own.output.strip() == "'ok'"
@@ -486,6 +487,29 @@ async def test_tcp_to_a_local_redis_is_refused(repl: Repl, namespaces: bool) -> 
         assert repl.network_isolated is False and "PONG" in res.output
         assert any(m.startswith("network:") for m in repl.containment.not_contained)  # type: ignore[union-attr]
     await alive(repl)
+
+
+async def test_host_processes_are_hidden(repl: Repl, namespaces: bool) -> None:
+    res = await repl.execute(
+        textwrap.dedent(
+            f"""
+            import os
+            try:
+                cmd = open("/proc/{os.getpid()}/cmdline", "rb").read()
+                print("SEEN", len(cmd), len([p for p in os.listdir("/proc") if p.isdigit()]))
+            except OSError as exc:
+                print("HIDDEN", type(exc).__name__, len([p for p in os.listdir("/proc") if p.isdigit()]))
+            """
+        )
+    )
+    assert repl.containment is not None
+    if namespaces:
+        assert res.output.startswith("HIDDEN FileNotFoundError"), res.output
+        assert int(res.output.split()[2]) < 40  # its own processes only (the host runs hundreds)
+        assert repl.containment.hidden_processes
+    else:
+        assert res.output.startswith("SEEN"), res.output
+        assert any(m.startswith("processes:") for m in repl.containment.not_contained)
 
 
 # --------------------------------------------------------------------------- what held before
