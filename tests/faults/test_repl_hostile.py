@@ -512,6 +512,29 @@ async def test_host_processes_are_hidden(repl: Repl, namespaces: bool) -> None:
         assert any(m.startswith("processes:") for m in repl.containment.not_contained)
 
 
+ESCAPE = """
+import subprocess
+script = (
+    "umount /tmp; umount -l /run; mount -o remount,rw /; ls -a /tmp /run; "
+    "touch /var/lib/rlmq-pwned && echo WROTE-HOST"
+)
+out = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                     capture_output=True, text=True)
+print(out.returncode, out.stdout.split())
+"""
+
+
+async def test_a_user_namespace_of_its_own_does_not_undo_the_private_file_system(icpt: InterceptionServer) -> None:
+    """The cell becomes root of a user and mount namespace of its own and tries to unmount
+    its private /tmp and /run and remount / read-write: the mounts it inherited are locked."""
+    assert shutil.which("unshare"), "needs util-linux unshare"
+    async with sandbox(True, icpt) as repl:
+        res = await repl.execute(ESCAPE)
+    assert "WROTE-HOST" not in res.output and not os.path.exists("/var/lib/rlmq-pwned"), res.output
+    listed = eval(res.output.strip().split(" ", 1)[1])  # noqa: S307 - our own repr of a list
+    assert set(listed) <= {"/tmp:", "/run:", ".", "..", "home", ".rlmq"}, listed
+
+
 # --------------------------------------------------------------------------- what held before
 
 
