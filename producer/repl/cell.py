@@ -4,11 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from rlmq.producer.repl.handle import ChildHandle
 
-__all__ = ["CellClock", "run_cell"]
+__all__ = ["CellClock", "CellResult", "run_cell"]
+
+
+@dataclass
+class CellResult:
+    """What one :meth:`Repl.execute` call produced.
+
+    Attributes:
+        output: stdout + stderr (tracebacks included) + the repr of a last expression,
+            cut to ``max_output_length`` characters with a marker, plus a note when
+            the REPL timed out, died, or its answer was cut.
+        answer_ready: ``bool(answer["ready"])`` after the cell.
+        answer_content: ``str(answer["content"])`` after the cell, at most
+            ``max_answer_length`` characters.
+        seconds: wall time of the cell (seconds), up to its end, timeout or death.
+        timed_out: the cell hit ``code_execution_timeout`` (the REPL was restarted).
+        restarted: the REPL was restarted during or after this cell (timeout, crash, or a
+            message over the size limit); its variables and imports are gone.
+    """
+
+    output: str
+    answer_ready: bool
+    answer_content: str
+    seconds: float
+    timed_out: bool
+    restarted: bool
 
 
 class CellClock:

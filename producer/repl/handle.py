@@ -10,7 +10,7 @@ from typing import Any
 
 from rlmq.producer.repl.output import OutputBuffer
 
-__all__ = ["MIN_OWN_UID", "ChildHandle", "kill_uid", "killpg"]
+__all__ = ["MIN_OWN_UID", "ChildHandle", "describe_death", "kill_uid", "killpg"]
 
 _READ_CHUNK = 1 << 18  # bytes per read of the child's output pipe
 
@@ -187,3 +187,22 @@ def killpg(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def describe_death(status: int | None, cpu_seconds: int | None, memory_bytes: int | None) -> str:
+    """A sentence for the model about how the child ended (``status``: its exit status, negative
+    for a signal, ``None``: it stopped answering and was killed)."""
+    if status is None:
+        return "the REPL process stopped answering (its control pipe was closed) and was killed"
+    if status >= 0:
+        return f"the REPL process died (exit code {status})"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    detail = ""
+    if -status == signal.SIGXCPU and cpu_seconds is not None:
+        detail = f"; CPU time limit of {cpu_seconds} s reached"
+    elif -status == signal.SIGKILL and memory_bytes is not None:
+        detail = "; possibly out of memory"
+    return f"the REPL process died (killed by {name}{detail})"

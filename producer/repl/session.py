@@ -6,52 +6,25 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from rlmq.common.errors import ReplError
-from rlmq.producer.repl.cell import CellClock, run_cell
+from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.containment import Containment, note_containment
-from rlmq.producer.repl.handle import MIN_OWN_UID, ChildHandle
+from rlmq.producer.repl.handle import MIN_OWN_UID, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
 
-__all__ = ["CellResult", "Repl"]
+__all__ = ["Repl"]
 
 _CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repl_child.py")
 _REAP_GRACE = 2.0  # seconds a child that closed its reply pipe gets to exit before SIGKILL
 _MESSAGE_SLACK = 64 * 1024  # bytes of a reply line besides the answer's characters
 _RESET_NOTE = "its state (variables, imports) was reset. `context`, `llm_batch` and `answer` are available again."
-
-
-@dataclass
-class CellResult:
-    """What one :meth:`Repl.execute` call produced.
-
-    Attributes:
-        output: stdout + stderr (tracebacks included) + the repr of a last expression,
-            cut to ``max_output_length`` characters with a marker, plus a note when
-            the REPL timed out, died, or its answer was cut.
-        answer_ready: ``bool(answer["ready"])`` after the cell.
-        answer_content: ``str(answer["content"])`` after the cell, at most
-            ``max_answer_length`` characters.
-        seconds: wall time of the cell (seconds), up to its end, timeout or death.
-        timed_out: the cell hit ``code_execution_timeout`` (the REPL was restarted).
-        restarted: the REPL was restarted during or after this cell (timeout, crash, or a
-            message over the size limit); its variables and imports are gone.
-    """
-
-    output: str
-    answer_ready: bool
-    answer_content: str
-    seconds: float
-    timed_out: bool
-    restarted: bool
 
 
 class Repl:
@@ -362,7 +335,8 @@ class Repl:
                     )
                 else:
                     status = await child.reap(_REAP_GRACE)
-                    note = f"[{self._describe_death(status)}; it was restarted and {_RESET_NOTE}]"
+                    death = describe_death(status, self._cpu_seconds, self._memory_bytes)
+                    note = f"[{death}; it was restarted and {_RESET_NOTE}]"
                 child.kill()  # whatever the cell started in the process group goes too
                 child.drain_output()
                 text, dropped = child.output.take()
@@ -389,22 +363,6 @@ class Repl:
             return await run_cell(child, code, clock, self._llm_batch_timeout)
         finally:
             self._clock = None
-
-    def _describe_death(self, status: int | None) -> str:
-        if status is None:
-            return "the REPL process stopped answering (its control pipe was closed) and was killed"
-        if status >= 0:
-            return f"the REPL process died (exit code {status})"
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        detail = ""
-        if -status == signal.SIGXCPU and self._cpu_seconds is not None:
-            detail = f"; CPU time limit of {self._cpu_seconds} s reached"
-        elif -status == signal.SIGKILL and self._memory_bytes is not None:
-            detail = "; possibly out of memory"
-        return f"the REPL process died (killed by {name}{detail})"
 
     # ------------------------------------------------------------------ start-up
 
