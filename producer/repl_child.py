@@ -113,6 +113,27 @@ def _hand_over(uid: int | None, paths: tuple[str, ...]) -> None:
         os.chmod(path, 0o700)
 
 
+def _share_read_only(uid: int | None, path: str) -> None:
+    """Let ``uid`` read and search ``path`` (a folder the producer writes into) through its
+    group, never write it: owner stays root, group ``uid``, mode 0750. The producer rewrites
+    ``context.json`` there at every restart, so the REPL must not be able to plant a symlink
+    in it (nor rename the folder: it does not own it)."""
+    if uid is None:
+        return
+    os.chown(path, 0, uid)
+    os.chmod(path, 0o750)
+
+
+def _host_home(workdir: str, uid: int | None) -> str:
+    """Without a private file system: HOME and cwd are ``<workdir>/home``, the REPL's own."""
+    home = os.path.join(workdir, "home")
+    os.makedirs(home, exist_ok=True)
+    _hand_over(uid, (home,))
+    os.chdir(home)
+    os.environ.update({"HOME": home, "TMPDIR": home})
+    return home
+
+
 def _drop_privileges(uid: int | None) -> None:
     """As root, become ``uid`` (no groups) and set ``no_new_privs`` so setuid programs cannot
     regain privileges; ``None``: nothing."""
@@ -205,8 +226,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"net_isolated", "fs_private", "ro_root", "proc_hidden": bool, "hidden_sockets": int,
-        "paths": {"context_path", "sys_path", "unix_socket", "home"}}`` (paths as seen
-        from inside).
+        "paths": {"context_path", "sys_path", "unix_socket"}}`` (paths as seen from inside).
     """
     workdir = init["workdir"]
     sock = init.get("unix_socket")
@@ -221,7 +241,6 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
         "context_path": init["context_path"],
         "sys_path": list(init.get("sys_path") or []),
         "unix_socket": sock,
-        "home": workdir,
     }
     if not init.get("namespaces", True):
         return report
@@ -304,7 +323,6 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
     paths["sys_path"] = [inside(p) for p in paths["sys_path"]]
     if sock:
         paths["unix_socket"] = os.path.join(_PRIVATE, "ipc", os.path.basename(sock))
-    paths["home"] = HOME
     os.environ.update({"HOME": HOME, "TMPDIR": SCRATCH})
     if os.environ.get("PYTHONPATH"):
         os.environ["PYTHONPATH"] = os.pathsep.join(inside(p) for p in os.environ["PYTHONPATH"].split(os.pathsep))
@@ -680,10 +698,13 @@ def main(argv: list[str]) -> int:
         return 0
     init = json.loads(line)
     uid = _own_uid(init.get("run_as"))
-    _hand_over(uid, (".",))  # the work dir (cwd), before it is bound read-only
+    _share_read_only(uid, init["workdir"])  # context and packages: readable, never writable
     contained = _contain(init)
     paths = contained.pop("paths")
-    _hand_over(uid, (HOME,) if contained["fs_private"] else ())
+    if contained["fs_private"]:
+        _hand_over(uid, (HOME,))
+    else:
+        _host_home(init["workdir"], uid)
     _drop_privileges(uid)
     _apply_limits(
         init.get("cpu_seconds"),

@@ -107,9 +107,10 @@ def rmtree(path: str) -> None:
     """Remove ``path`` even when cells made parts of it read-only."""
 
     def onerror(func: Callable[..., Any], p: str, _exc: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            os.chmod(p, stat.S_IRWXU)
+        try:  # never through a symlink the REPL planted: chmod would follow it
+            for q in (os.path.dirname(p), p):
+                if not os.path.islink(q):
+                    os.chmod(q, stat.S_IRWXU)
             func(p)
         except OSError:
             pass

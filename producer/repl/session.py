@@ -396,7 +396,9 @@ class Repl:
         """Start a child and wait for its ``ready`` message."""
         assert self._workdir is not None
         context_path = os.path.join(self._workdir, "context.json")
-        with open(context_path, "w", encoding="utf-8") as f:
+        # The folder is the producer's (the REPL may only read it); O_NOFOLLOW all the same.
+        fd = os.open(context_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(self._context_json)
         init = {
             "op": "init",

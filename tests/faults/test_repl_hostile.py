@@ -413,6 +413,40 @@ def test_without_root_the_child_contains_itself_in_a_user_namespace() -> None:
     assert run == "[]" and cwd.strip() == "/tmp/home", proc.stdout
 
 
+PLANT_SYMLINK = """
+import os
+for p in ("/tmp/.rlmq/work/context.json", os.path.join(os.path.dirname(os.getcwd()), "context.json")):
+    try:
+        os.remove(p)
+        os.symlink(VICTIM, p)
+        print("PLANTED", p)
+    except OSError as exc:
+        print("REFUSED", p, type(exc).__name__)
+os._exit(1)
+"""
+
+
+async def test_a_planted_symlink_does_not_make_the_producer_write_through_it(
+    namespaces: bool, icpt: InterceptionServer
+) -> None:
+    """The producer rewrites ``context.json`` when it restarts the REPL: a cell that swaps it
+    for a symlink to a root-only file, then dies, must not get that file overwritten."""
+    victim = f"/tmp/rlmq-victim-{uuid.uuid4().hex}"  # noqa: S108
+    with open(victim, "w") as f:
+        f.write("root's own\n")
+    os.chmod(victim, 0o600)
+    try:
+        async with sandbox(namespaces, icpt) as repl:
+            res = await repl.execute(f"VICTIM = {victim!r}\n" + PLANT_SYMLINK)
+            assert res.restarted and "PLANTED" not in res.output, res.output
+            await alive(repl)
+            assert (await repl.execute("context")).output == "'ctx'\n"
+        with open(victim) as f:
+            assert f.read() == "root's own\n"
+    finally:
+        os.unlink(victim)
+
+
 # --------------------------------------------------------------------------- sockets
 
 

@@ -299,7 +299,7 @@ async def test_environment_has_no_secret_and_cwd_is_the_work_dir(
         assert lines[1] == "/tmp/home /tmp/home /tmp"
     else:
         assert r.containment is not None and not r.containment.private_fs
-        assert lines[1] == f"{workdir} {workdir} {workdir}"
+        assert lines[1] == f"{workdir}/home {workdir}/home {workdir}/home"
     assert lines[2] == "False False"
     assert lines[3] == "False False"  # the token is not on the command line either
     assert not os.path.exists(workdir)
