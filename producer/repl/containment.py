@@ -60,10 +60,17 @@ class Containment:
         if not fs:
             if isinstance(message.get("fs_error"), str):
                 missing.append(f"the private file system failed: {message['fs_error'][:300]}")
-            missing.append(
-                "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there (and its System V "
-                "IPC objects) can outlive it, and it can connect to host Unix sockets (databases under /run, say)"
-            )
+            if uid:
+                missing.append(
+                    "files: the REPL shares the host's /tmp, /var/tmp, /dev/shm and /run (its own files and "
+                    "System V IPC objects there are removed when it ends; disk use is limited per file, not in "
+                    "total), and it can connect to host Unix sockets (databases under /run, say)"
+                )
+            else:
+                missing.append(
+                    "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there (and its System V "
+                    "IPC objects) can outlive it, and it can connect to host Unix sockets (databases under /run, say)"
+                )
         elif not ro:
             missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")
         if not procs:

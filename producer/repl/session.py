@@ -18,6 +18,7 @@ from rlmq.producer.repl.containment import Containment, note_containment
 from rlmq.producer.repl.handle import MIN_OWN_UID, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
+from rlmq.producer.repl.sweep import sweep_uid
 
 __all__ = ["Repl"]
 
@@ -46,11 +47,14 @@ class Repl:
     (the child cannot pause it); what the child sends the parent is bounded (cell output,
     answer, ``llm_batch`` bodies) and a child that sends more is killed; no variable of the
     producer's environment reaches the child; CPU time, memory, processes and file size are
-    limited; every process the cell starts dies with the REPL. Where the kernel allows
+    limited; every process the cell starts dies with the REPL; as root, the child runs under a
+    uid of its own and, once it is dead, what that uid left in the host's world-writable
+    folders and System V IPC is removed (:func:`~.sweep.sweep_uid`). Where the kernel allows
     namespaces (as root, or through an unprivileged user namespace), also: no network but the
     interception Unix socket, a host file system that is read-only, host ``/tmp``, ``/run``,
     ``/var/run``, ``/dev/shm``, ``/var/tmp`` and listening host Unix sockets hidden, and a
-    private tmpfs of ``scratch_bytes`` as the only writable place, gone with the REPL.
+    private tmpfs of ``scratch_bytes`` as the only writable place, gone with the REPL (its
+    files do not survive a restart either); as root, other uids' processes hidden.
     :attr:`containment` says which of these the running child got.
 
     Args:
@@ -167,6 +171,7 @@ class Repl:
         self._child: ChildHandle | None = None
         self._clock: CellClock | None = None
         self._serving = 0
+        self._to_sweep: set[int] = set()
         self._lock = asyncio.Lock()
         self._closed = False
         self.restarts = 0  # times the child was restarted after a timeout or a death
@@ -234,6 +239,7 @@ class Repl:
                 await asyncio.wait_for(child.proc.wait(), 10.0)
             except TimeoutError:  # pragma: no cover - SIGKILL does not fail
                 pass
+        await self._sweep()
         workdir, self._workdir = self._workdir, None
         if workdir is not None:
             rmtree(workdir)
@@ -344,6 +350,7 @@ class Repl:
                 child.kill()
                 child.release()
             self.restarts += 1
+            await self._sweep()
             await self._ensure_started()
             return CellResult(
                 output=_append(with_marker(text, dropped), note),
@@ -432,8 +439,18 @@ class Repl:
         uid = ready.get("uid")
         child.uid = uid if isinstance(uid, int) and uid >= MIN_OWN_UID else None
         self.containment = Containment.from_ready(ready, isolate_network=self._isolate_network)
+        if child.uid is not None and not self.containment.private_fs:
+            self._to_sweep.add(child.uid)  # its files in /tmp & co. are removed once it is dead
         note_containment(self.containment)
         return child
+
+    async def _sweep(self) -> None:
+        """Remove what dead children's own uids left in the host's world-writable folders and
+        System V IPC (only children without a private file system; see :mod:`.sweep`)."""
+        alive = self._child.uid if self._child is not None else None
+        for uid in sorted(self._to_sweep - {alive}):
+            self._to_sweep.discard(uid)
+            await asyncio.to_thread(sweep_uid, uid)
 
 
 def _append(output: str, note: str) -> str:

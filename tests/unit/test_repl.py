@@ -102,6 +102,14 @@ def test_truncate_output_keeps_head_and_adds_marker() -> None:
         truncate_output("x", -1)
 
 
+def test_sweep_refuses_a_uid_that_is_not_a_repls_own() -> None:
+    from rlmq.producer.repl.sweep import sweep_uid
+
+    for uid in (0, os.getuid(), 65534, 99_999):
+        with pytest.raises(ValueError, match="not a REPL's own"):
+            sweep_uid(uid)
+
+
 # --------------------------------------------------------------------------- cells
 
 
