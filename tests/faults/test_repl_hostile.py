@@ -515,6 +515,23 @@ async def test_host_unix_sockets_are_unreachable(namespaces: bool, icpt: Interce
         os.rmdir(var_dir)
 
 
+async def test_abstract_unix_sockets_of_the_host_are_unreachable(repl: Repl, namespaces: bool) -> None:
+    name = f"\0rlmq-hostile-{uuid.uuid4().hex[:12]}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(name)
+    server.listen(4)
+    try:
+        res = await repl.execute(f"PATHS = [{name!r}]\n" + CONNECT)
+    finally:
+        server.close()
+    seen = eval(res.output.strip().splitlines()[-1])  # noqa: S307 - our own repr of a dict
+    if namespaces:  # abstract names live in the network namespace
+        assert seen[name].startswith("REFUSED"), seen
+    else:
+        assert seen[name] == "CONNECTED", seen
+        assert any("abstract" in m for m in repl.containment.not_contained)  # type: ignore[union-attr]
+
+
 async def test_tcp_to_a_local_redis_is_refused(repl: Repl, namespaces: bool) -> None:
     with EmbeddedRedis() as server:
         res = await repl.execute(
