@@ -76,7 +76,9 @@ class _Channel:
         self._lock = threading.Lock()
 
     def send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode("utf-8", "surrogatepass")
+        # UTF-8, not \u escapes: at most 6 bytes a character (control characters), which the
+        # parent's line limit (6 * max_answer_length + slack) admits
+        data = (json.dumps(message, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
         with self._lock:
             self._file.write(data)
             self._file.flush()

@@ -200,6 +200,17 @@ async def test_huge_answer_is_cut_and_producer_memory_stays_bounded(namespaces: 
         assert rss["grew"] < RSS_BOUND, rss
 
 
+@pytest.mark.parametrize(
+    "char", ["\\U0001f600", "\\x00", "\\ud800", "\\\\"], ids=["emoji", "nul", "surrogate", "backslash"]
+)
+async def test_an_answer_of_the_longest_kind_at_the_limit_is_kept_whole(icpt: InterceptionServer, char: str) -> None:
+    """The parent's line limit admits a full-length answer of the costliest characters."""
+    async with sandbox(True, icpt, max_answer_length=200_000) as repl:
+        res = await repl.execute(f"answer['content'] = '{char}' * 200_000")
+        assert not res.restarted, res.output
+        assert len(res.answer_content) == 200_000 and res.output == ""
+
+
 FORGE_RESULT = """
 import gc
 ch = [o for o in gc.get_objects() if type(o).__name__ == "_Channel"][0]
