@@ -29,7 +29,8 @@ repr of a last expression, output of subprocesses) goes there, in order.
    drops to a uid of its own when it runs as root (``run_as``), applies the resource
    limits, loads ``context`` from the JSON file and answers
    ``{"type": "ready", "pid": int, "uid": int | null, "net_isolated": bool,
-   "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int}``.
+   "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int,
+   "no_user_namespaces": bool}``.
 2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
@@ -179,6 +180,59 @@ def _mount(libc: Any, source: str | None, target: str, fstype: str | None, flags
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, clone, unshare, clone3)
+    "x86_64": (0xC000003E, 56, 272, 435),
+    "aarch64": (0xC00000B7, 220, 97, 435),
+}
+
+
+def _forbid_user_namespaces() -> bool:
+    """Install a seccomp filter on this process (inherited by all it starts) that refuses
+    ``unshare`` and ``clone`` with ``CLONE_NEWUSER`` (EPERM) and ``clone3`` (ENOSYS, so libc
+    falls back to ``clone``): the cell cannot become root of a user namespace of its own,
+    where it could mount file systems the REPL's limits do not count (a tmpfs is memory).
+    Sets ``no_new_privs`` first (required). Returns whether the filter is in place."""
+    import ctypes
+    import platform
+
+    arch = _SECCOMP_ARCH.get(platform.machine())
+    if arch is None:
+        return False
+    audit, nr_clone, nr_unshare, nr_clone3 = arch
+    allow, errno_ret = 0x7FFF0000, 0x00050000
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    program = [
+        (ld, 0, 0, 4),  # 0: arch
+        (jeq, 0, 4, audit),  # 1: another ABI: allow (6)
+        (ld, 0, 0, 0),  # 2: syscall number
+        (jeq, 7, 0, nr_clone3),  # 3: -> 11
+        (jeq, 2, 0, nr_unshare),  # 4: -> 7
+        (jeq, 1, 0, nr_clone),  # 5: -> 7
+        (ret, 0, 0, allow),  # 6
+        (ld, 0, 0, 16),  # 7: args[0], low 32 bits (the flags)
+        (jset, 1, 0, CLONE_NEWUSER),  # 8: -> 10
+        (ret, 0, 0, allow),  # 9
+        (ret, 0, 0, errno_ret | 1),  # 10: EPERM
+        (ret, 0, 0, errno_ret | 38),  # 11: ENOSYS
+    ]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    try:
+        libc = _libc()
+        filters = (SockFilter * len(program))(*[SockFilter(*insn) for insn in program])
+        prog = SockFprog(len(program), filters)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            return False
+        return int(libc.prctl(22, 2, ctypes.byref(prog), 0, 0)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    except (AttributeError, OSError):
+        return False
+
+
 def _read_only_root(libc: Any) -> bool:
     """Make every mount of this (private) mount namespace read-only: ``mount_setattr(2)``
     with ``AT_RECURSIVE`` on ``/`` (Linux >= 5.12, x86_64 / arm64 syscall number 442)."""
@@ -275,7 +329,10 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
             fds["ipc"] = os.open(os.path.dirname(sock), os.O_PATH | os.O_DIRECTORY)
         report["ro_root"] = _read_only_root(libc)
         scratch = int(init.get("scratch_bytes") or 256 * 1024**2)
-        _mount(libc, "rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},mode=1777")
+        inodes = max(1024, scratch // 4096)  # an empty file is kernel memory too
+        _mount(
+            libc, "rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes={inodes},mode=1777"
+        )
         os.mkdir(_PRIVATE, 0o755)
         for name, fd in fds.items():
             target = os.path.join(_PRIVATE, name)
@@ -708,6 +765,7 @@ def main(argv: list[str]) -> int:
     else:
         _host_home(init["workdir"], uid)
     _drop_privileges(uid)
+    contained["no_user_namespaces"] = _forbid_user_namespaces()
     _apply_limits(
         init.get("cpu_seconds"),
         init.get("memory_bytes"),

@@ -29,6 +29,8 @@ class Containment:
         read_only_root: the rest of the host file system is read-only to it.
         hidden_sockets: listening path-named host Unix sockets covered (outside those folders).
         hidden_processes: other uids' processes are not listed in its ``/proc`` (``hidepid``).
+        no_user_namespaces: a seccomp filter refuses it user namespaces of its own (where it
+            could mount a tmpfs no limit of the REPL counts).
         own_uid: runs under a uid of its own (the producer runs as root).
         not_contained: plain-language list of what is then NOT contained.
     """
@@ -38,6 +40,7 @@ class Containment:
     read_only_root: bool
     hidden_sockets: int
     hidden_processes: bool
+    no_user_namespaces: bool
     own_uid: bool
     not_contained: list[str] = field(default_factory=list)
 
@@ -50,6 +53,7 @@ class Containment:
         hidden = message.get("hidden_sockets")
         uid = isinstance(message.get("uid"), int)
         procs = message.get("proc_hidden") is True
+        no_userns = message.get("no_user_namespaces") is True
         missing: list[str] = []
         if not net:
             why = "" if isolate_network else " (no interception Unix socket was given)"
@@ -75,6 +79,8 @@ class Containment:
             missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")
         if not procs:
             missing.append("processes: the REPL can list the host's processes and read their command lines")
+        if not no_userns:
+            missing.append("user namespaces: the REPL may create its own and mount file systems there (memory)")
         if not uid:
             missing.append(
                 "user: the REPL runs as the producer's user (it can read what that user can, "
@@ -86,6 +92,7 @@ class Containment:
             read_only_root=ro,
             hidden_sockets=hidden if isinstance(hidden, int) else 0,
             hidden_processes=procs,
+            no_user_namespaces=no_userns,
             own_uid=uid,
             not_contained=missing,
         )
