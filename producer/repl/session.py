@@ -47,15 +47,15 @@ class Repl:
     (the child cannot pause it); what the child sends the parent is bounded (cell output,
     answer, ``llm_batch`` bodies) and a child that sends more is killed; no variable of the
     producer's environment reaches the child; CPU time, memory, processes and file size are
-    limited; every process the cell starts dies with the REPL; a seccomp filter refuses it user
-    namespaces of its own; as root, the child runs under a
-    uid of its own and, once it is dead, what that uid left in the host's world-writable
-    folders and System V IPC is removed (:func:`~.sweep.sweep_uid`). Where the kernel allows
-    namespaces (as root, or through an unprivileged user namespace), also: no network but the
-    interception Unix socket, a host file system that is read-only, host ``/tmp``, ``/run``,
-    ``/var/run``, ``/dev/shm``, ``/var/tmp`` and listening host Unix sockets hidden, and a
-    private tmpfs of ``scratch_bytes`` as the only writable place, gone with the REPL (its
-    files do not survive a restart either); as root, other uids' processes hidden.
+    limited; every process the cell starts dies with the REPL; a seccomp filter refuses it
+    user namespaces of its own. As root, the child runs under a uid of its own and, once it
+    is dead, what that uid left in the host's world-writable folders and System V IPC is
+    removed (:func:`~.sweep.sweep_uid`). Where the kernel allows namespaces (as root, or
+    through an unprivileged user namespace), also: no network but the interception Unix
+    socket; a read-only host file system; host ``/tmp``, ``/run``, ``/var/run``,
+    ``/dev/shm``, ``/var/tmp`` and listening host Unix sockets hidden; a private tmpfs of
+    ``scratch_bytes`` as the only writable place, gone with the REPL (and with a restart);
+    as root, other uids' processes hidden.
     :attr:`containment` says which of these the running child got.
 
     Args:
