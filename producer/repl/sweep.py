@@ -89,8 +89,8 @@ def _sweep_sysv(uid: int) -> int:
 def sweep_uid(uid: int, roots: tuple[str, ...] = WORLD_WRITABLE) -> int:
     """Remove every file, folder and System V object owned by ``uid`` under ``roots``.
 
-    Call it only once every process of ``uid`` is dead. Walks the whole of each root (cost:
-    proportional to the entries there; tens of milliseconds for a few thousand).
+    Call it only once every process of ``uid`` is dead. Walks the whole of each root, so its
+    cost grows with the entries there (it runs in a thread, at a REPL's restart and close).
 
     Args:
         uid: a REPL's own uid (>= 100000; others are refused with ``ValueError``).
