@@ -20,7 +20,8 @@ repr of a last expression, output of subprocesses) goes there, in order.
        {"op": "init", "url": str, "token": str, "llm_batch_timeout": float (s),
         "workdir": str, "context_path": str, "sys_path": [str, ...],
         "cpu_seconds": int | null, "memory_bytes": int | null,
-        "max_processes": int | null, "scratch_bytes": int, "run_as": "auto" | int | null,
+        "max_processes": int | null, "scratch_bytes": int, "max_open_files": int | null,
+        "run_as": "auto" | int | null,
         "unix_socket": str | null, "isolate_network": bool, "namespaces": bool,
         "max_answer_length": int (characters), "max_batch_bytes": int,
         "max_batch_prompts": int}
@@ -460,10 +461,13 @@ def _apply_limits(
     max_processes: int | None = None,
     own_uid: bool = False,
     file_bytes: int | None = None,
+    open_files: int | None = None,
 ) -> None:
-    """Set RLIMIT_CORE=0, RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC and RLIMIT_FSIZE on this process
-    (inherited by its children). Python ignores SIGXFSZ, so a write past ``file_bytes`` fails
-    with ``OSError(EFBIG)``.
+    """Set RLIMIT_CORE=0, RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE and RLIMIT_NOFILE
+    on this process (inherited by its children). Python ignores SIGXFSZ, so a write past
+    ``file_bytes`` fails with ``OSError(EFBIG)``; past ``open_files`` (per process) ``open``
+    and ``connect`` fail with EMFILE, which bounds the connections one process of the cell
+    can hold open to the interception socket (each costs the producer a descriptor).
 
     RLIMIT_NPROC counts every process and thread of the real uid: with a uid of its own
     (root parent, see :func:`_drop_privileges`) it is ``max_processes``; otherwise the uid's
@@ -484,6 +488,8 @@ def _apply_limits(
     lower(resource.RLIMIT_CORE, 0, 0)
     if file_bytes is not None:
         lower(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
+    if open_files is not None:
+        lower(resource.RLIMIT_NOFILE, open_files, open_files)
     if max_processes is not None and os.getuid() != 0:
         n = max_processes if own_uid else _tasks_of(os.getuid()) + max_processes
         lower(resource.RLIMIT_NPROC, n, n)
@@ -772,6 +778,7 @@ def main(argv: list[str]) -> int:
         init.get("max_processes"),
         uid is not None,
         init.get("scratch_bytes"),
+        init.get("max_open_files"),
     )
     for path in reversed(paths["sys_path"]):
         sys.path.insert(0, path)

@@ -162,9 +162,32 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 def kill_uid(uid: int) -> None:
-    """SIGKILL every process running as ``uid`` (a REPL's own uid; never below 100000)."""
+    """SIGKILL every process running as ``uid`` (a REPL's own uid; never below 100000).
+
+    As root: a forked helper becomes ``uid`` and sends ``kill(-1, SIGKILL)``, which the
+    kernel delivers to every process of that uid at once (no race with a process forking
+    meanwhile) and which needs no file descriptor, so it works even when a cell has used up
+    the producer's (many connections to the interception socket, say). Otherwise, or if
+    the fork fails: a sweep of ``/proc``, three times.
+    """
     if uid < MIN_OWN_UID or uid == os.getuid():
         return
+    if os.geteuid() == 0:
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
+        if pid == 0:  # the helper: only system calls, then out
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)  # every process this uid may signal: its own
+            finally:
+                os._exit(0)
+        if pid > 0:
+            os.waitpid(pid, 0)
+            return
     for _ in range(3):  # a process forking meanwhile: sweep again
         found = False
         for name in os.listdir("/proc"):

@@ -83,6 +83,7 @@ class Repl:
         memory_bytes: RLIMIT_AS of the child (bytes); beyond it ``MemoryError``.
         max_processes: RLIMIT_NPROC of the child (processes and threads at once).
         scratch_bytes: size of the private tmpfs (bytes) and the child's RLIMIT_FSIZE.
+        max_open_files: RLIMIT_NOFILE of each of the child's processes (``None``: inherited).
         run_as: ``"auto"``: as root the child drops to a uid of its own
             (``100000 + its pid``, no groups, no_new_privs) before any cell runs. ``None``: no.
         unix_socket: path of the interception server's Unix socket; when given, ``llm_batch``
@@ -115,6 +116,7 @@ class Repl:
         memory_bytes: int | None = 2 * 1024**3,
         max_processes: int | None = 64,
         scratch_bytes: int = 256 * 1024**2,
+        max_open_files: int | None = 256,
         run_as: str | int | None = "auto",
         unix_socket: str | None = None,
         isolate_network: bool = True,
@@ -156,6 +158,7 @@ class Repl:
         self._memory_bytes = memory_bytes
         self._max_processes = max_processes
         self._scratch_bytes = scratch_bytes
+        self._max_open_files = max_open_files
         self._run_as = run_as
         self._unix_socket = unix_socket
         self._isolate_network = isolate_network and unix_socket is not None
@@ -420,6 +423,7 @@ class Repl:
             "memory_bytes": self._memory_bytes,
             "max_processes": self._max_processes,
             "scratch_bytes": self._scratch_bytes,
+            "max_open_files": self._max_open_files,
             "run_as": self._run_as,
             "unix_socket": self._unix_socket,
             "isolate_network": self._isolate_network,

@@ -607,6 +607,74 @@ async def test_a_cell_cannot_become_root_of_a_user_namespace_of_its_own(repl: Re
     await alive(repl)
 
 
+FLOOD = """
+import gc, os, socket, time
+path = next(o for o in gc.get_objects() if type(o).__name__ == "_UnixHandler")._path
+held = []
+def flood():
+    while True:
+        try:
+            s = socket.socket(socket.AF_UNIX)
+        except OSError as exc:
+            return exc.errno
+        try:
+            s.connect(path)
+        except OSError as exc:
+            s.close()
+            return exc.errno
+        held.append(s)
+errno = flood()
+print("HELD", len(held), errno)
+"""
+
+FORK_FLOOD = """
+for _ in range(FORKS):
+    if os.fork() == 0:
+        flood()
+        time.sleep(600)
+        os._exit(0)
+print("FORKED")
+"""
+
+
+async def test_a_connection_flood_is_bounded_per_process_and_the_repl_still_dies(
+    namespaces: bool, icpt: InterceptionServer
+) -> None:
+    """Each connection to the interception socket costs the producer a descriptor. One process
+    of the cell holds at most ``max_open_files`` (RLIMIT_NOFILE); and when a cell's processes
+    have used up all the producer's descriptors, closing the REPL still kills every one."""
+    import resource
+
+    me = psutil.Process()
+    async with sandbox(namespaces, icpt, max_open_files=64) as repl:
+        base = me.num_fds()
+        res = await repl.execute(FLOOD)
+        assert res.output.startswith("HELD"), res.output
+        held, errno = (int(x) for x in res.output.split()[1:3])
+        assert 40 <= held <= 64 and errno == 24, res.output  # EMFILE in the cell, not in the producer
+        await asyncio.sleep(0.2)  # let the server accept what is queued (a bound, not a sync point)
+        assert me.num_fds() - base <= 64 + 8, (me.num_fds(), base)
+        pgid, uid = repl.pid, repl._child.uid if repl._child else None  # noqa: SLF001
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (me.num_fds() + 16, hard))  # the producer near its limit
+        try:
+            res = await asyncio.wait_for(repl.execute("FORKS = 4\n" + FORK_FLOOD), 60)
+            assert "FORKED" in res.output, res.output
+            await repl.close()  # with the producer's descriptors used up
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert pgid is not None and uid is not None
+
+    def gone() -> bool:
+        for p in psutil.process_iter(["uids"]):
+            with contextlib.suppress(psutil.Error):
+                if p.info["uids"] and p.info["uids"].real == uid:
+                    return False
+        return True
+
+    wait_until(gone, 20, f"every process of the REPL's uid {uid} to be gone")
+
+
 # --------------------------------------------------------------------------- what held before
 
 
