@@ -741,6 +741,35 @@ class _CellRunner:
         return ready, str.__str__(content)
 
 
+def _die_with_the_producer(cmd_fd: int, own_uid: bool) -> None:
+    """Watch the command pipe from a daemon thread: when its write end closes (the producer
+    closed the REPL, or died, even of SIGKILL), kill this REPL's whole process group and, with a
+    uid of its own, every process of that uid (``kill(-1)``), so a cell sleeping forever, or its
+    processes, cannot outlive a dead producer. ``poll`` with no event asked reports only the
+    hang-up and consumes nothing the main loop reads."""
+    import select
+    import signal
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(cmd_fd, 0)
+        while True:
+            try:
+                events = poller.poll()
+            except InterruptedError:
+                continue
+            if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events):
+                break
+        if own_uid:
+            try:
+                os.kill(-1, signal.SIGKILL)  # every process of this REPL's own uid, this one last
+            except OSError:
+                pass
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rlmq-producer-watch", daemon=True).start()
+
+
 def _stdio(fd: int) -> io.TextIOWrapper:
     # Unbuffered text over the raw fd, as ``python -u`` does: nothing is lost on os._exit.
     return io.TextIOWrapper(
@@ -772,6 +801,7 @@ def main(argv: list[str]) -> int:
         _host_home(init["workdir"], uid)
     _drop_privileges(uid)
     contained["no_user_namespaces"] = _forbid_user_namespaces()
+    _die_with_the_producer(cmd_fd, uid is not None)
     _apply_limits(
         init.get("cpu_seconds"),
         init.get("memory_bytes"),

@@ -730,6 +730,62 @@ async def test_os_exit_is_reported_and_restarted(repl: Repl) -> None:
     await alive(repl)
 
 
+PRODUCER = """
+import asyncio, json, sys
+from rlmq.producer.repl import Repl
+
+async def main():
+    async with Repl(context="c", endpoint_url="http://127.0.0.1:9/x", token="t", code_execution_timeout=600,
+                    namespaces=sys.argv[1] == "1") as r:
+        await r.execute("import os")
+        print(json.dumps({"pid": r.pid, "uid": r._child.uid}), flush=True)
+        await r.execute(sys.argv[2])
+
+asyncio.run(main())
+"""
+
+ESCAPEE = """
+import os, time
+if os.fork() == 0:
+    os.setsid()  # out of the REPL's process group
+    time.sleep(600)
+    os._exit(0)
+time.sleep(600)
+"""
+
+
+def test_when_the_producer_is_killed_no_process_of_the_repl_lives_on(namespaces: bool) -> None:
+    """``kill -9`` of the producer while a cell sleeps and a process it started left the
+    REPL's process group: both go (the REPL watches its command pipe for the hang-up)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, "1" if namespaces else "0", ESCAPEE],
+        stdout=subprocess.PIPE, cwd=repo, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        uid = info["uid"]
+        assert isinstance(uid, int), info
+
+        def of_uid() -> list[int]:
+            found = []
+            for p in psutil.process_iter(["uids"]):
+                with contextlib.suppress(psutil.Error):
+                    if p.info["uids"] and p.info["uids"].real == uid:
+                        found.append(p.pid)
+            return found
+
+        wait_until(lambda: len(of_uid()) >= 2, 20, "the cell's escaped process to start")
+        proc.kill()  # the producer dies of SIGKILL: no close(), no cleanup of its own
+        proc.wait(10)
+        wait_until(lambda: of_uid() == [], 20, f"every process of the REPL's uid {uid} to be gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 # --------------------------------------------------------------------------- saying what is not contained
 
 
