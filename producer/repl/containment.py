@@ -84,7 +84,8 @@ class Containment:
         if not uid:
             missing.append(
                 "user: the REPL runs as the producer's user (it can read what that user can, "
-                "signal its processes and read its /proc entries)"
+                "signal its processes and read its /proc entries, and a process it starts in a "
+                "session of its own can outlive it)"
             )
         return cls(
             network=net,

@@ -47,7 +47,8 @@ class Repl:
     (the child cannot pause it); what the child sends the parent is bounded (cell output,
     answer, ``llm_batch`` bodies) and a child that sends more is killed; no variable of the
     producer's environment reaches the child; CPU time, memory, processes and file size are
-    limited; every process the cell starts dies with the REPL; a seccomp filter refuses it
+    limited; every process the cell starts dies with the REPL (and with a producer killed by
+    SIGKILL: the child watches its command pipe); a seccomp filter refuses it
     user namespaces of its own. As root, the child runs under a uid of its own and, once it
     is dead, what that uid left in the host's world-writable folders and System V IPC is
     removed (:func:`~.sweep.sweep_uid`). Where the kernel allows namespaces (as root, or
