@@ -234,14 +234,17 @@ def _forbid_user_namespaces() -> bool:
         return False
 
 
-def _read_only_root(libc: Any) -> bool:
-    """Make every mount of this (private) mount namespace read-only: ``mount_setattr(2)``
-    with ``AT_RECURSIVE`` on ``/`` (Linux >= 5.12, x86_64 / arm64 syscall number 442)."""
+def _read_only(libc: Any, path: str = "/", writable: bool = False) -> bool:
+    """Make every mount at and under ``path`` of this (private) mount namespace read-only, or
+    (``writable``) the one mount at ``path`` writable again: ``mount_setattr(2)`` (Linux >= 5.12,
+    x86_64 / arm64 syscall 442), ``AT_RECURSIVE`` when making read-only."""
     import ctypes
 
-    attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # attr_set=MOUNT_ATTR_RDONLY, attr_clr, propagation, userns_fd
+    # struct mount_attr: attr_set, attr_clr, propagation, userns_fd; MOUNT_ATTR_RDONLY = 1
+    attr = (ctypes.c_uint64 * 4)(0, 1, 0, 0) if writable else (ctypes.c_uint64 * 4)(1, 0, 0, 0)
+    flags = 0 if writable else 0x8000
     try:
-        return int(libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(attr), ctypes.sizeof(attr))) == 0
+        return int(libc.syscall(442, -100, path.encode(), flags, ctypes.byref(attr), ctypes.sizeof(attr))) == 0
     except (AttributeError, OSError):
         return False
 
@@ -323,55 +326,69 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
         report["net_isolated"] = want_net and _isolate_network()
         return report
     report["net_isolated"] = want_net
+    done: list[str] = []  # mount points of this namespace, to undo if a later step fails
+    fds: dict[str, int] = {}
+
+    def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        _mount(libc, source, target, fstype, flags, data)
+        if not flags & MS_REMOUNT:
+            done.append(target)
+
     try:
         _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
-        fds = {"work": os.open(workdir, os.O_PATH | os.O_DIRECTORY)}
+        fds["work"] = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
         if sock:
             fds["ipc"] = os.open(os.path.dirname(sock), os.O_PATH | os.O_DIRECTORY)
-        report["ro_root"] = _read_only_root(libc)
         scratch = int(init.get("scratch_bytes") or 256 * 1024**2)
         inodes = max(1024, scratch // 4096)  # an empty file is kernel memory too
-        _mount(
-            libc, "rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes={inodes},mode=1777"
-        )
+        mount("rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes={inodes},mode=1777")
         os.mkdir(_PRIVATE, 0o755)
-        for name, fd in fds.items():
+        for name in list(fds):
             target = os.path.join(_PRIVATE, name)
             os.mkdir(target, 0o755)
-            _mount(libc, f"/proc/self/fd/{fd}", target, None, MS_BIND)
-            os.close(fd)
-            try:  # already read-only with ro_root; in a user namespace locked flags may refuse this
-                _mount(libc, None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-            except OSError:
-                if not report["ro_root"]:
-                    raise
+            mount(f"/proc/self/fd/{fds[name]}", target, None, MS_BIND)
+            os.close(fds.pop(name))
         for name, target, mode in (("shm", "/dev/shm", 0o1777), ("vartmp", "/var/tmp", 0o1777), ("run", "/run", 0o755)):  # noqa: S108
             inner = os.path.join(_PRIVATE, name)
             os.mkdir(inner)
             os.chmod(inner, mode)
             if os.path.isdir(target) and not os.path.islink(target):
-                _mount(libc, inner, target, None, MS_BIND)
+                mount(inner, target, None, MS_BIND)
         if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
-            _mount(libc, os.path.join(_PRIVATE, "run"), "/var/run", None, MS_BIND)
+            mount(os.path.join(_PRIVATE, "run"), "/var/run", None, MS_BIND)
         for path in host_sockets:
             if _under(path, _COVERED) or not os.path.exists(path):
                 continue
             try:
-                _mount(libc, "/dev/null", path, None, MS_BIND)
+                mount("/dev/null", path, None, MS_BIND)
                 report["hidden_sockets"] += 1
             except OSError:
                 pass
         for options in ("hidepid=invisible", "hidepid=2"):  # other uids' processes: not even listed
             try:
-                _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, options)  # 8: MS_NOEXEC
+                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, options)  # 8: MS_NOEXEC
                 report["proc_hidden"] = True
                 break
             except OSError:
                 continue
         os.mkdir(HOME, 0o700)
+        # Last: everything read-only (the work dir and socket binds too), then the scratch
+        # space's own mounts writable again.
+        report["ro_root"] = _read_only(libc)  # False on kernels before 5.12: the host stays as it is
+        for target in (SCRATCH, "/dev/shm", "/var/tmp") if report["ro_root"] else ():  # noqa: S108
+            if target in done and not _read_only(libc, target, writable=True):
+                raise OSError(f"{target} could not be made writable again")
         os.chdir(HOME)
     except OSError as exc:
-        report["fs_error"] = str(exc)
+        for fd in fds.values():
+            os.close(fd)
+        if report["ro_root"]:  # past the point of return: fail the start loudly
+            raise
+        # Back to the host's view (the namespace stays private; the REPL is then as without one).
+        for target in reversed(done):
+            libc.umount2(target.encode(), 2)  # MNT_DETACH
+        report.update(hidden_sockets=0, proc_hidden=False, fs_error=str(exc))
+        os.chdir(workdir)
         return report
     work = os.path.join(_PRIVATE, "work")
 

@@ -786,6 +786,18 @@ def test_when_the_producer_is_killed_no_process_of_the_repl_lives_on(namespaces:
             proc.wait(10)
 
 
+async def test_a_private_file_system_that_cannot_be_set_up_falls_back_and_says_why() -> None:
+    """The interception socket's folder is gone when the REPL starts: no private file system,
+    the REPL works in its host folder, and the reason is in what is not contained."""
+    async with Repl(
+        context="c", endpoint_url="http://127.0.0.1:9/x", token="t", unix_socket="/nonexistent-rlmq/x.sock"
+    ) as repl:
+        assert repl.containment is not None and not repl.containment.private_fs
+        assert any(m.startswith("the private file system failed") for m in repl.containment.not_contained)
+        res = await repl.execute("import os\nopen('f', 'w').write('ok')\nos.getcwd()")
+        assert res.output.strip() == repr(f"{repl.workdir}/home"), res.output
+
+
 # --------------------------------------------------------------------------- saying what is not contained
 
 
