@@ -72,8 +72,9 @@ class Repl:
             reply line longer than ``6 * max_answer_length + 64 KiB`` bytes kills the child.
         code_execution_timeout: seconds a cell may run before the REPL is killed and
             restarted with its state reset. Unless ``pause_timeout_during_llm_batch``
-            is false, time during which the parent serves an ``llm_batch`` request of this
-            REPL (see :meth:`serving`) does not count; the child's word plays no part.
+            is false, time during which the parent serves an ``llm_batch`` request that
+            reached it during the cell (see :meth:`serving`) does not count; the child's word
+            plays no part.
         max_startup_wait_seconds: seconds allowed for a (re)start of the child, and
             separately for the ``pip install`` of ``pip_install_packages``.
         pip_install_packages: pip requirement specifiers installed once, before the
@@ -175,7 +176,6 @@ class Repl:
         self._packages_installed = not self._pip_packages
         self._child: ChildHandle | None = None
         self._clock: CellClock | None = None
-        self._serving = 0
         self._to_sweep: set[int] = set()
         self._lock = asyncio.Lock()
         self._closed = False
@@ -252,18 +252,18 @@ class Repl:
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
         """Wrap the parent's serving of one ``llm_batch`` request of this REPL (the handler the
-        interception server calls for this REPL's token): while at least one is being served,
-        the running cell's timeout is paused. This is the parent's own account; nothing the
-        child sends can pause the timeout."""
-        self._serving += 1
-        if self._clock is not None:
-            self._clock.add_serving(+1)
+        interception server calls for this REPL's token): while at least one request that
+        arrived during the running cell is being served, that cell's timeout is paused. This is
+        the parent's own account; nothing the child sends can pause the timeout, and a request
+        still in flight from an earlier cell does not pause a later one."""
+        clock = self._clock
+        if clock is not None:
+            clock.add_serving(+1)
         try:
             yield
         finally:
-            self._serving -= 1
-            if self._clock is not None:
-                self._clock.add_serving(-1)
+            if clock is not None:
+                clock.add_serving(-1)
 
     # ------------------------------------------------------------------ cells
 
@@ -369,7 +369,6 @@ class Repl:
     async def _run_cell(self, child: ChildHandle, code: str) -> tuple[dict[str, Any] | None, bool]:
         """Send the cell and wait for its result: (result message or None if the child died, timed out)."""
         clock = CellClock(self.code_execution_timeout, self._pause_during_llm_batch)
-        clock.serving = self._serving
         self._clock = clock
         try:
             return await run_cell(child, code, clock, self._llm_batch_timeout)

@@ -151,6 +151,19 @@ async def test_llm_batch_served_by_the_parent_pauses_the_timeout(namespaces: boo
         assert res.seconds >= 5
 
 
+async def test_a_batch_left_in_flight_by_an_earlier_cell_does_not_pause_a_later_one(
+    namespaces: bool, icpt: InterceptionServer
+) -> None:
+    async with sandbox(namespaces, icpt, batch_seconds=8) as repl:
+        # the batch reaches the parent while this cell still runs (it waits 2.5 s), and stays in flight
+        res = await repl.execute(
+            "import threading, time\nthreading.Thread(target=llm_batch, args=(['slow'],)).start()\ntime.sleep(2.5)"
+        )
+        assert not res.timed_out, res
+        res = await repl.execute("import time\ntime.sleep(30)")
+        assert res.timed_out and res.seconds < 3 + 2.5, res.seconds  # not 8 s of someone else's batch + 3
+
+
 async def test_infinite_loop_times_out_and_restarts(repl: Repl) -> None:
     res = await repl.execute("while True:\n    pass")
     assert res.timed_out and res.restarted
