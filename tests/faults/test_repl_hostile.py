@@ -18,6 +18,12 @@ user namespace of its own). What each asserts:
 * Unix sockets: listening sockets the test makes under ``/run``, ``/tmp`` and ``/var/lib``,
   and MariaDB's and PostgreSQL's under ``/run`` when present, cannot be reached with
   namespaces; TCP to a Redis on 127.0.0.1 neither;
+* processes: other uids' processes hidden (namespaces, root); a cell cannot become root of
+  a user namespace of its own (seccomp); one process holds at most ``max_open_files``
+  connections to the interception socket, and when the cell has used up the producer's
+  descriptors closing the REPL still kills all of it; ``kill -9`` of the producer leaves no
+  process of the REPL alive, not even one that left its process group;
+* the producer's own folder: a symlink planted for ``context.json`` is never written through;
 * what held before: fork bombs, memory hogs, ``os._exit``, no secrets, no writes outside,
   the producer's environment unreadable.
 """
