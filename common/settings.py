@@ -65,6 +65,8 @@ class Settings(BaseSettings):
     max_output_length: int = Field(default=8192, ge=100)
     code_execution_timeout: float = Field(default=120.0, gt=0)
     max_startup_wait_seconds: float = Field(default=120.0, gt=0)
+    rollout_timeout: float = Field(default=3600.0, gt=0)
+    """Wall-clock deadline of one whole rollout (seconds); past it the rollout ends in ``error``."""
     sub_call_timeout: float = Field(default=300.0, gt=0)
     """Deadline of one sub-call, from enqueue to result (seconds)."""
     concurrency: int = Field(default=4, ge=1)

@@ -235,7 +235,9 @@ class RLMEnv:
         batches = self._batches
 
         async def handle_batch(prompts: list[str]) -> tuple[list[str], str]:
-            async with sem:  # one batch of a rollout at a time; its parallelism is per rollout
+            # The REPL's own account of what it serves pauses its cell timeout (never the child's word);
+            # one batch of a rollout at a time, its parallelism is per rollout.
+            async with repl.serving(), sem:
                 return await batches.run(ro, prompts)
 
         token = self._server.register(handle_batch)
@@ -266,10 +268,18 @@ class RLMEnv:
             code_execution_timeout=s.code_execution_timeout,
             max_startup_wait_seconds=s.max_startup_wait_seconds,
             pip_install_packages=s.pip_install_packages,
+            max_batch_bytes=s.max_batch_bytes,
+            max_batch_prompts=s.max_batch_prompts,
         )
+        deadline = asyncio.timeout(s.rollout_timeout)  # a wall-clock deadline of its own
         try:
-            await repl.start()
-            stop, final = await root_loop(self._root, ro, repl)
+            async with deadline:
+                await repl.start()
+                stop, final = await root_loop(self._root, ro, repl)
+        except TimeoutError as exc:
+            stop, error = "error", f"{type(exc).__name__}: {exc}"
+            if deadline.expired():
+                error = f"RolloutTimeout: the rollout ran past its deadline of {s.rollout_timeout:g} s"
         except RlmqError as exc:
             stop, error = "error", f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # a rollout never takes the evaluation down with it

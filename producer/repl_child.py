@@ -18,21 +18,30 @@ repr of a last expression, output of subprocesses) goes there, in order.
    argv or the environment, which other users of the host can read)::
 
        {"op": "init", "url": str, "token": str, "llm_batch_timeout": float (s),
-        "context_path": str, "sys_path": [str, ...],
+        "workdir": str, "context_path": str, "sys_path": [str, ...],
         "cpu_seconds": int | null, "memory_bytes": int | null,
-        "max_processes": int | null, "run_as": "auto" | int | null}
+        "max_processes": int | null, "scratch_bytes": int, "max_open_files": int | null,
+        "run_as": "auto" | int | null,
+        "unix_socket": str | null, "isolate_network": bool, "namespaces": bool,
+        "max_answer_length": int (characters), "max_batch_bytes": int,
+        "max_batch_prompts": int}
 
-   The child drops to a uid of its own when it runs as root (``run_as``), applies
-   the resource limits, loads ``context`` from the JSON file and answers
-   ``{"type": "ready", "pid": int, "uid": int | null}``.
+   The child contains itself (:func:`_contain`: namespaces, private scratch space),
+   drops to a uid of its own when it runs as root (``run_as``), applies the resource
+   limits, loads ``context`` from the JSON file and answers
+   ``{"type": "ready", "pid": int, "uid": int | null, "net_isolated": bool,
+   "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int,
+   "no_user_namespaces": bool}``.
 2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
-   fd 1/2 before).
-3. child -> parent, at any time (also from threads of the cell):
-   ``{"type": "llm_batch", "inflight": int}`` whenever an ``llm_batch`` HTTP
-   request starts or ends, ``inflight`` being the number now in flight. The
-   parent may pause its cell timeout while it is positive.
+   fd 1/2 before). ``answer_content`` is cut to ``max_answer_length`` characters
+   here (with a note in the cell's output); the parent checks again, and kills a
+   child whose line is longer than its limit.
+
+Nothing else flows from child to parent: the parent keeps its own account of the
+``llm_batch`` requests it serves (they reach it on the interception socket), so
+nothing the child says can pause its cell timeout.
 
 EOF on ``cmd_fd`` makes the child exit. Death of the child (``os._exit``, a
 signal, a crash) shows as EOF on ``reply_fd``.
@@ -69,7 +78,9 @@ class _Channel:
         self._lock = threading.Lock()
 
     def send(self, message: dict[str, Any]) -> None:
-        data = (json.dumps(message) + "\n").encode("utf-8", "surrogatepass")
+        # UTF-8, not \u escapes: at most 6 bytes a character (control characters), which the
+        # parent's line limit (6 * max_answer_length + slack) admits
+        data = (json.dumps(message, ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
         with self._lock:
             self._file.write(data)
             self._file.flush()
@@ -79,14 +90,13 @@ UID_BASE = 100_000
 """When started as root, the child runs as uid/gid ``UID_BASE + its pid`` (no name, no groups)."""
 
 
-def _drop_privileges(spec: str | int | None) -> int | None:
-    """When running as root, become an unprivileged uid of this REPL's own; return it.
+def _own_uid(spec: str | int | None) -> int | None:
+    """The unprivileged uid this REPL will run as, or ``None`` (it stays as it is).
 
     ``spec``: ``"auto"`` (``UID_BASE + pid``: unique among live REPLs of this host, so one
-    REPL's processes, files and RLIMIT_NPROC count are its own), an int uid, or ``None``
-    (stay as is). Its work dir (the cwd) is handed to that uid first. Not root: nothing
-    changes (returns ``None``). Also sets ``no_new_privs`` so setuid programs cannot regain
-    privileges.
+    REPL's processes and RLIMIT_NPROC count are its own), an int uid, or ``None``. Not root:
+    ``None``. Two REPLs far apart in time may get the same uid (pids wrap); with a private
+    file system (:func:`_contain`) no file of the earlier one is left for the later one.
     """
     if spec is None or os.geteuid() != 0:
         return None
@@ -95,8 +105,44 @@ def _drop_privileges(spec: str | int | None) -> int | None:
     uid = UID_BASE + os.getpid() if spec == "auto" else int(spec)
     if uid <= 0:
         raise ValueError("the REPL never runs as root when asked to drop privileges")
-    os.chown(".", uid, uid)
-    os.chmod(".", 0o700)
+    return uid
+
+
+def _hand_over(uid: int | None, paths: tuple[str, ...]) -> None:
+    """Give ``paths`` (folders) to ``uid`` with mode 0700 (nothing when ``uid`` is ``None``)."""
+    if uid is None:
+        return
+    for path in paths:
+        os.chown(path, uid, uid)
+        os.chmod(path, 0o700)
+
+
+def _share_read_only(uid: int | None, path: str) -> None:
+    """Let ``uid`` read and search ``path`` (a folder the producer writes into) through its
+    group, never write it: owner stays root, group ``uid``, mode 0750. The producer rewrites
+    ``context.json`` there at every restart, so the REPL must not be able to plant a symlink
+    in it (nor rename the folder: it does not own it)."""
+    if uid is None:
+        return
+    os.chown(path, 0, uid)
+    os.chmod(path, 0o750)
+
+
+def _host_home(workdir: str, uid: int | None) -> str:
+    """Without a private file system: HOME and cwd are ``<workdir>/home``, the REPL's own."""
+    home = os.path.join(workdir, "home")
+    os.makedirs(home, exist_ok=True)
+    _hand_over(uid, (home,))
+    os.chdir(home)
+    os.environ.update({"HOME": home, "TMPDIR": home})
+    return home
+
+
+def _drop_privileges(uid: int | None) -> None:
+    """As root, become ``uid`` (no groups) and set ``no_new_privs`` so setuid programs cannot
+    regain privileges; ``None``: nothing."""
+    if uid is None:
+        return
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
@@ -107,11 +153,258 @@ def _drop_privileges(spec: str | int | None) -> int | None:
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
     except (ImportError, OSError, AttributeError):  # some Pythons ship without ctypes
         pass
-    return uid
 
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+SCRATCH = "/tmp"  # noqa: S108 - inside the REPL's own mount namespace: its private tmpfs
+HOME = "/tmp/home"  # noqa: S108
+_PRIVATE = "/tmp/.rlmq"  # noqa: S108 - root-owned: the interception socket's folder, the work dir (read-only)
+_COVERED = ("/tmp", "/run", "/var/run", "/dev/shm", "/var/tmp")  # noqa: S108
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(libc: Any, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    import ctypes
+
+    enc = [None if x is None else x.encode() for x in (source, target, fstype, data)]
+    if libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, clone, unshare, clone3)
+    "x86_64": (0xC000003E, 56, 272, 435),
+    "aarch64": (0xC00000B7, 220, 97, 435),
+}
+
+
+def _forbid_user_namespaces() -> bool:
+    """Install a seccomp filter on this process (inherited by all it starts) that refuses
+    ``unshare`` and ``clone`` with ``CLONE_NEWUSER`` (EPERM) and ``clone3`` (ENOSYS, so libc
+    falls back to ``clone``): the cell cannot become root of a user namespace of its own,
+    where it could mount file systems the REPL's limits do not count (a tmpfs is memory).
+    Sets ``no_new_privs`` first (required). Returns whether the filter is in place."""
+    import ctypes
+    import platform
+
+    arch = _SECCOMP_ARCH.get(platform.machine())
+    if arch is None:
+        return False
+    audit, nr_clone, nr_unshare, nr_clone3 = arch
+    allow, errno_ret = 0x7FFF0000, 0x00050000
+    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
+    program = [
+        (ld, 0, 0, 4),  # 0: arch
+        (jeq, 0, 4, audit),  # 1: another ABI: allow (6)
+        (ld, 0, 0, 0),  # 2: syscall number
+        (jeq, 7, 0, nr_clone3),  # 3: -> 11
+        (jeq, 2, 0, nr_unshare),  # 4: -> 7
+        (jeq, 1, 0, nr_clone),  # 5: -> 7
+        (ret, 0, 0, allow),  # 6
+        (ld, 0, 0, 16),  # 7: args[0], low 32 bits (the flags)
+        (jset, 1, 0, CLONE_NEWUSER),  # 8: -> 10
+        (ret, 0, 0, allow),  # 9
+        (ret, 0, 0, errno_ret | 1),  # 10: EPERM
+        (ret, 0, 0, errno_ret | 38),  # 11: ENOSYS
+    ]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    try:
+        libc = _libc()
+        filters = (SockFilter * len(program))(*[SockFilter(*insn) for insn in program])
+        prog = SockFprog(len(program), filters)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+            return False
+        return int(libc.prctl(22, 2, ctypes.byref(prog), 0, 0)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    except (AttributeError, OSError):
+        return False
+
+
+def _read_only(libc: Any, path: str = "/", writable: bool = False) -> bool:
+    """Make every mount at and under ``path`` of this (private) mount namespace read-only, or
+    (``writable``) the one mount at ``path`` writable again: ``mount_setattr(2)`` (Linux >= 5.12,
+    x86_64 / arm64 syscall 442), ``AT_RECURSIVE`` when making read-only."""
+    import ctypes
+
+    # struct mount_attr: attr_set, attr_clr, propagation, userns_fd; MOUNT_ATTR_RDONLY = 1
+    attr = (ctypes.c_uint64 * 4)(0, 1, 0, 0) if writable else (ctypes.c_uint64 * 4)(1, 0, 0, 0)
+    flags = 0 if writable else 0x8000
+    try:
+        return int(libc.syscall(442, -100, path.encode(), flags, ctypes.byref(attr), ctypes.sizeof(attr))) == 0
+    except (AttributeError, OSError):
+        return False
+
+
+def _host_unix_sockets() -> list[str]:
+    """Paths of the path-named Unix sockets listening in this network namespace (``/proc/net/unix``)."""
+    paths: list[str] = []
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[7].startswith("/") and int(fields[3], 16) & 0x10000:
+                    paths.append(fields[7])
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + "/") for r in roots)
+
+
+def _contain(init: dict[str, Any]) -> dict[str, Any]:
+    """Put this process (and all it will start) into namespaces of its own, where it can.
+
+    With a mount namespace (as root, or in an unprivileged user namespace): the host file
+    system becomes read-only; a tmpfs of ``scratch_bytes`` bytes (nosuid, nodev) covers
+    ``/tmp``, and folders of it cover ``/dev/shm``, ``/var/tmp`` and ``/run`` (so ``/var/run``),
+    hiding the host's files and Unix sockets there; every other listening host Unix socket
+    is covered with ``/dev/null``; as root, a procfs of its own with ``hidepid`` hides the
+    processes of other uids (their command lines too); the work dir (context, packages) is bound read-only at
+    ``/tmp/.rlmq/work`` and the interception socket's folder at ``/tmp/.rlmq/ipc``; HOME and
+    cwd become ``/tmp/home``. The tmpfs lives as long as a process of this namespace does,
+    and all of them are killed with the REPL, so nothing it writes outlives it. An IPC
+    namespace makes System V and POSIX message-queue objects die with it too, and a network
+    namespace leaves it no interface (with ``isolate_network``). Must run single-threaded,
+    before privileges are dropped.
+
+    Returns:
+        ``{"net_isolated", "fs_private", "ro_root", "proc_hidden": bool, "hidden_sockets": int,
+        "paths": {"context_path", "sys_path", "unix_socket"}}`` (paths as seen from inside).
+    """
+    workdir = init["workdir"]
+    sock = init.get("unix_socket")
+    report: dict[str, Any] = {
+        "net_isolated": False,
+        "fs_private": False,
+        "ro_root": False,
+        "hidden_sockets": 0,
+        "proc_hidden": False,
+    }
+    report["paths"] = {
+        "context_path": init["context_path"],
+        "sys_path": list(init.get("sys_path") or []),
+        "unix_socket": sock,
+    }
+    if not init.get("namespaces", True):
+        return report
+    want_net = bool(init.get("isolate_network"))
+    host_sockets = _host_unix_sockets()
+    try:
+        libc = _libc()
+    except (ImportError, OSError):
+        return report
+    flags = CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if want_net else 0)
+    if os.geteuid() != 0:
+        uid, gid = os.getuid(), os.getgid()
+        if int(libc.unshare(CLONE_NEWUSER | flags)) != 0:
+            report["net_isolated"] = want_net and _isolate_network()
+            return report
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            try:
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            except OSError:
+                pass
+    elif int(libc.unshare(flags)) != 0:
+        report["net_isolated"] = want_net and _isolate_network()
+        return report
+    report["net_isolated"] = want_net
+    done: list[str] = []  # mount points of this namespace, to undo if a later step fails
+    fds: dict[str, int] = {}
+
+    def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+        _mount(libc, source, target, fstype, flags, data)
+        if not flags & MS_REMOUNT:
+            done.append(target)
+
+    try:
+        _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
+        fds["work"] = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
+        if sock:
+            fds["ipc"] = os.open(os.path.dirname(sock), os.O_PATH | os.O_DIRECTORY)
+        scratch = int(init.get("scratch_bytes") or 256 * 1024**2)
+        inodes = max(1024, scratch // 4096)  # an empty file is kernel memory too
+        mount("rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes={inodes},mode=1777")
+        os.mkdir(_PRIVATE, 0o755)
+        for name in list(fds):
+            target = os.path.join(_PRIVATE, name)
+            os.mkdir(target, 0o755)
+            mount(f"/proc/self/fd/{fds[name]}", target, None, MS_BIND)
+            os.close(fds.pop(name))
+        for name, target, mode in (("shm", "/dev/shm", 0o1777), ("vartmp", "/var/tmp", 0o1777), ("run", "/run", 0o755)):  # noqa: S108
+            inner = os.path.join(_PRIVATE, name)
+            os.mkdir(inner)
+            os.chmod(inner, mode)
+            if os.path.isdir(target) and not os.path.islink(target):
+                mount(inner, target, None, MS_BIND)
+        if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
+            mount(os.path.join(_PRIVATE, "run"), "/var/run", None, MS_BIND)
+        for path in host_sockets:
+            if _under(path, _COVERED) or not os.path.exists(path):
+                continue
+            try:
+                mount("/dev/null", path, None, MS_BIND)
+                report["hidden_sockets"] += 1
+            except OSError:
+                pass
+        for options in ("hidepid=invisible", "hidepid=2"):  # other uids' processes: not even listed
+            try:
+                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, options)  # 8: MS_NOEXEC
+                report["proc_hidden"] = True
+                break
+            except OSError:
+                continue
+        os.mkdir(HOME, 0o700)
+        # Last: everything read-only (the work dir and socket binds too), then the scratch
+        # space's own mounts writable again.
+        report["ro_root"] = _read_only(libc)  # False on kernels before 5.12: the host stays as it is
+        for target in (SCRATCH, "/dev/shm", "/var/tmp") if report["ro_root"] else ():  # noqa: S108
+            if target in done and not _read_only(libc, target, writable=True):
+                raise OSError(f"{target} could not be made writable again")
+        os.chdir(HOME)
+    except OSError as exc:
+        for fd in fds.values():
+            os.close(fd)
+        if report["ro_root"]:  # past the point of return: fail the start loudly
+            raise
+        # Back to the host's view (the namespace stays private; the REPL is then as without one).
+        for target in reversed(done):
+            libc.umount2(target.encode(), 2)  # MNT_DETACH
+        report.update(hidden_sockets=0, proc_hidden=False, fs_error=str(exc))
+        os.chdir(workdir)
+        return report
+    work = os.path.join(_PRIVATE, "work")
+
+    def inside(path: str) -> str:
+        return os.path.join(work, os.path.relpath(path, workdir))
+
+    paths = report["paths"]
+    paths["context_path"] = inside(paths["context_path"])
+    paths["sys_path"] = [inside(p) for p in paths["sys_path"]]
+    if sock:
+        paths["unix_socket"] = os.path.join(_PRIVATE, "ipc", os.path.basename(sock))
+    os.environ.update({"HOME": HOME, "TMPDIR": SCRATCH})
+    if os.environ.get("PYTHONPATH"):
+        os.environ["PYTHONPATH"] = os.pathsep.join(inside(p) for p in os.environ["PYTHONPATH"].split(os.pathsep))
+    report["fs_private"] = True
+    return report
 
 
 def _isolate_network() -> bool:
@@ -180,9 +473,18 @@ def _tasks_of(uid: int) -> int:
 
 
 def _apply_limits(
-    cpu_seconds: int | None, memory_bytes: int | None, max_processes: int | None = None, own_uid: bool = False
+    cpu_seconds: int | None,
+    memory_bytes: int | None,
+    max_processes: int | None = None,
+    own_uid: bool = False,
+    file_bytes: int | None = None,
+    open_files: int | None = None,
 ) -> None:
-    """Set RLIMIT_CORE=0, RLIMIT_AS, RLIMIT_CPU and RLIMIT_NPROC on this process (inherited by its children).
+    """Set RLIMIT_CORE=0, RLIMIT_AS, RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE and RLIMIT_NOFILE
+    on this process (inherited by its children). Python ignores SIGXFSZ, so a write past
+    ``file_bytes`` fails with ``OSError(EFBIG)``; past ``open_files`` (per process) ``open``
+    and ``connect`` fail with EMFILE, which bounds the connections one process of the cell
+    can hold open to the interception socket (each costs the producer a descriptor).
 
     RLIMIT_NPROC counts every process and thread of the real uid: with a uid of its own
     (root parent, see :func:`_drop_privileges`) it is ``max_processes``; otherwise the uid's
@@ -201,6 +503,10 @@ def _apply_limits(
         resource.setrlimit(which, (soft, hard))
 
     lower(resource.RLIMIT_CORE, 0, 0)
+    if file_bytes is not None:
+        lower(resource.RLIMIT_FSIZE, file_bytes, file_bytes)
+    if open_files is not None:
+        lower(resource.RLIMIT_NOFILE, open_files, open_files)
     if max_processes is not None and os.getuid() != 0:
         n = max_processes if own_uid else _tasks_of(os.getuid()) + max_processes
         lower(resource.RLIMIT_NPROC, n, n)
@@ -255,22 +561,17 @@ class _UnixHandler(urllib.request.HTTPHandler):
 
 
 def _make_llm_batch(
-    url: str, token: str, timeout: float, channel: _Channel, unix_socket: str | None = None
+    url: str,
+    token: str,
+    timeout: float,
+    unix_socket: str | None = None,
+    max_batch_bytes: int = 64 * 1024 * 1024,
+    max_batch_prompts: int = 10_000,
 ) -> Callable[[list[str]], list[str]]:
     handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
     if unix_socket:
         handlers.append(_UnixHandler(unix_socket))
     opener = urllib.request.build_opener(*handlers)
-    inflight = [0]
-    lock = threading.Lock()
-
-    def _notify(delta: int) -> None:
-        with lock:
-            inflight[0] += delta
-            try:
-                channel.send({"type": "llm_batch", "inflight": inflight[0]})
-            except OSError:
-                pass
 
     def llm_batch(prompts: list[str]) -> list[str]:
         """Send a batch of prompts to sub-LLMs and return their answers, in order.
@@ -285,6 +586,7 @@ def _make_llm_batch(
 
         Raises:
             TypeError: ``prompts`` is not a list of str.
+            ValueError: the batch is over the limits (prompts, bytes); send smaller batches.
             RuntimeError: the batch was refused (for example the budget is spent)
                 or the sub-LLM service could not be reached.
         """
@@ -297,7 +599,16 @@ def _make_llm_batch(
                 )
         if not prompts:
             return []
+        if len(prompts) > max_batch_prompts:
+            raise ValueError(
+                f"llm_batch got {len(prompts)} prompts; at most {max_batch_prompts} per call: split the batch"
+            )
         body = json.dumps({"prompts": prompts}).encode("utf-8", "surrogatepass")
+        if len(body) > max_batch_bytes:
+            raise ValueError(
+                f"llm_batch prompts take {len(body)} bytes; at most {max_batch_bytes} per call: "
+                "send shorter prompts or split the batch"
+            )
         request = urllib.request.Request(
             url,
             data=body,
@@ -306,7 +617,6 @@ def _make_llm_batch(
         )
         error: str | None = None
         raw = b""
-        _notify(+1)
         try:
             with opener.open(request, timeout=timeout) as response:
                 raw = response.read()
@@ -315,8 +625,6 @@ def _make_llm_batch(
         except (urllib.error.URLError, OSError) as exc:
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             error = f"llm_batch could not reach the sub-LLM service: {reason}"
-        finally:
-            _notify(-1)
         if error is not None:
             raise RuntimeError(error)
         try:
@@ -360,11 +668,12 @@ def _format_exception(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-class _Repl:
-    """The persistent namespace and the cell runner."""
+class _CellRunner:
+    """The child's side: the persistent namespace and the runner of cells in it."""
 
-    def __init__(self, namespace: dict[str, Any], out: TextIO, err: TextIO) -> None:
+    def __init__(self, namespace: dict[str, Any], out: TextIO, err: TextIO, max_answer_length: int) -> None:
         self.namespace = namespace
+        self.max_answer_length = max_answer_length
         self.out = out
         self.err = err
         self.cells = 0
@@ -437,7 +746,45 @@ class _Repl:
             content = content if isinstance(content, str) else str(content)
         except Exception as exc:  # noqa: BLE001
             content = f"<answer['content'] could not be converted to str: {exc!r}>"
-        return ready, content
+        if not isinstance(content, str):  # a str subclass whose __str__ returns something else
+            content = "<answer['content'] is not a str>"
+        if len(content) > self.max_answer_length:
+            self._write(
+                self.err,
+                f"[answer['content'] has {len(content)} characters; only the first {self.max_answer_length} "
+                "reach the producer]\n",
+            )
+            content = str.__getitem__(content, slice(0, self.max_answer_length))
+        return ready, str.__str__(content)
+
+
+def _die_with_the_producer(cmd_fd: int, own_uid: bool) -> None:
+    """Watch the command pipe from a daemon thread: when its write end closes (the producer
+    closed the REPL, or died, even of SIGKILL), kill this REPL's whole process group and, with a
+    uid of its own, every process of that uid (``kill(-1)``), so a cell sleeping forever, or its
+    processes, cannot outlive a dead producer. ``poll`` with no event asked reports only the
+    hang-up and consumes nothing the main loop reads."""
+    import select
+    import signal
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(cmd_fd, 0)
+        while True:
+            try:
+                events = poller.poll()
+            except InterruptedError:
+                continue
+            if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events):
+                break
+        if own_uid:
+            try:
+                os.kill(-1, signal.SIGKILL)  # every process of this REPL's own uid, this one last
+            except OSError:
+                pass
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rlmq-producer-watch", daemon=True).start()
 
 
 def _stdio(fd: int) -> io.TextIOWrapper:
@@ -461,10 +808,26 @@ def main(argv: list[str]) -> int:
     if not line:
         return 0
     init = json.loads(line)
-    net_isolated = bool(init.get("isolate_network")) and _isolate_network()
-    uid = _drop_privileges(init.get("run_as"))
-    _apply_limits(init.get("cpu_seconds"), init.get("memory_bytes"), init.get("max_processes"), uid is not None)
-    for path in reversed(init.get("sys_path") or []):
+    uid = _own_uid(init.get("run_as"))
+    _share_read_only(uid, init["workdir"])  # context and packages: readable, never writable
+    contained = _contain(init)
+    paths = contained.pop("paths")
+    if contained["fs_private"]:
+        _hand_over(uid, (HOME,))
+    else:
+        _host_home(init["workdir"], uid)
+    _drop_privileges(uid)
+    contained["no_user_namespaces"] = _forbid_user_namespaces()
+    _die_with_the_producer(cmd_fd, uid is not None)
+    _apply_limits(
+        init.get("cpu_seconds"),
+        init.get("memory_bytes"),
+        init.get("max_processes"),
+        uid is not None,
+        init.get("scratch_bytes"),
+        init.get("max_open_files"),
+    )
+    for path in reversed(paths["sys_path"]):
         sys.path.insert(0, path)
 
     out, err = _stdio(1), _stdio(2)
@@ -473,7 +836,7 @@ def main(argv: list[str]) -> int:
     sys.argv = [""]
     sys.dont_write_bytecode = True  # -I ignores PYTHONDONTWRITEBYTECODE
 
-    with open(init["context_path"], encoding="utf-8") as f:
+    with open(paths["context_path"], encoding="utf-8") as f:
         context = json.load(f)
 
     # Cells run in a fresh ``__main__`` module, so objects they define pickle normally
@@ -484,23 +847,29 @@ def main(argv: list[str]) -> int:
             "__builtins__": builtins,
             "context": context,
             "llm_batch": _make_llm_batch(
-                init["url"], init["token"], float(init["llm_batch_timeout"]), channel, init.get("unix_socket")
+                init["url"],
+                init["token"],
+                float(init["llm_batch_timeout"]),
+                paths["unix_socket"],
+                int(init.get("max_batch_bytes") or 64 * 1024 * 1024),
+                int(init.get("max_batch_prompts") or 10_000),
             ),
             "answer": {"content": "", "ready": False},
         }
     )
     sys.modules["__main__"] = main_module
+    max_answer = int(init.get("max_answer_length", 1_000_000))
     del init, context
-    repl = _Repl(main_module.__dict__, out, err)
+    runner = _CellRunner(main_module.__dict__, out, err, max_answer)
 
-    channel.send({"type": "ready", "pid": os.getpid(), "uid": uid, "net_isolated": net_isolated})
+    channel.send({"type": "ready", "pid": os.getpid(), "uid": uid, **contained})
     while True:
         line = commands.readline()
         if not line:
             return 0
         message = json.loads(line)
         if message.get("op") == "exec":
-            channel.send(repl.run(message["code"]))
+            channel.send(runner.run(message["code"]))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 * ``trajectories.jsonl``: one JSON per rollout: ``id``, ``messages``, ``trajectory``
   (root turns, REPL cells with code and output, each ``llm_batch`` with its sub-calls);
 * ``meta.json``: the command, the settings (secrets left out, URL passwords masked),
-  timings;
+  timings, and ``repl_containment`` (what the REPL sandbox got on this host and what it could
+  not contain; ``null`` when no REPL started);
 * ``report.html``: one static file (inline CSS and SVG, no script, no CDN) with accuracy,
   stop reasons, token and time charts, and every rollout's trajectory, readable.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlmq.producer.env import RolloutResult
+from rlmq.producer.repl import containment_seen
 
 # Cut lengths in the HTML report (characters); the run folder's JSONL files keep everything.
 MAX_PROMPT = 4000
@@ -97,6 +99,7 @@ def write_run(folder: str | Path, results: Sequence[RolloutResult], meta: dict[s
     if meta.get("started") is not None and meta.get("finished") is not None:
         meta.setdefault("seconds", round(float(meta["finished"]) - float(meta["started"]), 3))
     meta.setdefault("rollouts", len(results))
+    meta.setdefault("repl_containment", containment_seen())  # what the REPL sandbox could not contain here
     meta.setdefault("files", ["rows.jsonl", "trajectories.jsonl", "meta.json", "report.html"])
     (path / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
     (path / "report.html").write_text(render_report(results, meta), encoding="utf-8")

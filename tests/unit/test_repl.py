@@ -1,4 +1,4 @@
-"""Tests of the REPL sandbox (producer/repl.py and producer/repl_child.py).
+"""Tests of the REPL sandbox (producer/repl/ and producer/repl_child.py).
 
 Each test starts real child interpreters; none needs the network (the interception
 server is a tiny aiohttp app on 127.0.0.1 started here, in the test's own loop,
@@ -47,6 +47,7 @@ class FakeServer:
     url: str
     requests: list[dict[str, Any]] = field(default_factory=list)
     delay: float = 0.0  # seconds the server takes to answer (a slow sub-LLM batch)
+    repl: Repl | None = None  # whose timeout the serving pauses (as RLMEnv's batch handler does)
 
 
 @pytest.fixture
@@ -64,7 +65,11 @@ async def server() -> AsyncIterator[FakeServer]:
         if "spent" in prompts:
             return web.json_response({"error": "sub-LLM token budget spent: 100/100"}, status=429)
         if fake.delay:
-            await asyncio.sleep(fake.delay)
+            if fake.repl is not None:
+                async with fake.repl.serving():
+                    await asyncio.sleep(fake.delay)  # a slow sub-LLM batch, served by the parent
+            else:
+                await asyncio.sleep(fake.delay)
         return web.json_response(
             {
                 "results": [p.upper() for p in prompts],
@@ -95,6 +100,14 @@ def test_truncate_output_keeps_head_and_adds_marker() -> None:
     assert truncate_output("", 0) == ""
     with pytest.raises(ValueError):
         truncate_output("x", -1)
+
+
+def test_sweep_refuses_a_uid_that_is_not_a_repls_own() -> None:
+    from rlmq.producer.repl.sweep import sweep_uid
+
+    for uid in (0, os.getuid(), 65534, 99_999):
+        with pytest.raises(ValueError, match="not a REPL's own"):
+            sweep_uid(uid)
 
 
 # --------------------------------------------------------------------------- cells
@@ -264,10 +277,16 @@ async def test_cancelled_cell_kills_the_child_and_next_cell_works(repl: Repl) ->
 # --------------------------------------------------------------------------- isolation
 
 
-async def test_environment_has_no_secret_and_cwd_is_the_work_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "no-namespaces"])
+async def test_environment_has_no_secret_and_cwd_is_the_work_dir(
+    monkeypatch: pytest.MonkeyPatch, namespaces: bool, tmp_path: Path
+) -> None:
     monkeypatch.setenv("RLMQ_TEST_SECRET", "s3cret")
     monkeypatch.setenv("REDIS_URL", "redis://secret-host:6379/0")
-    r = make_repl()
+    socket_dir = tmp_path / "ipc"
+    socket_dir.mkdir()
+    os.chmod(tmp_path, 0o755)
+    r = make_repl(namespaces=namespaces, unix_socket=str(socket_dir / "llm_batch.sock"))
     async with r:
         workdir = r.workdir
         assert workdir is not None and os.path.isdir(workdir)
@@ -283,7 +302,12 @@ async def test_environment_has_no_secret_and_cwd_is_the_work_dir(monkeypatch: py
         lines = (await r.execute(code)).output.splitlines()
     allowed = {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
     assert set(eval(lines[0])) == allowed  # noqa: S307 - our own repr of a list of str
-    assert lines[1] == f"{workdir} {workdir} {workdir}"
+    if namespaces:  # a private tmpfs: HOME and cwd in it, the host's /tmp hidden
+        assert r.containment is not None and r.containment.private_fs, r.containment
+        assert lines[1] == "/tmp/home /tmp/home /tmp"
+    else:
+        assert r.containment is not None and not r.containment.private_fs
+        assert lines[1] == f"{workdir}/home {workdir}/home {workdir}/home"
     assert lines[2] == "False False"
     assert lines[3] == "False False"  # the token is not on the command line either
     assert not os.path.exists(workdir)
@@ -374,13 +398,20 @@ async def test_llm_batch_unreachable_server(repl: Repl) -> None:
 
 
 async def test_llm_batch_time_does_not_count_toward_timeout(server: FakeServer) -> None:
+    """The parent pauses a cell's timeout while it serves that REPL's llm_batch (its own account)."""
     server.delay = 0.8
     async with make_repl(endpoint_url=server.url, code_execution_timeout=0.5) as r:
+        server.repl = r
         result = await r.execute("llm_batch(['slow'])")
         assert result.output.endswith("['SLOW']\n") and not result.timed_out
+        # a serving that is not the parent's (nobody wraps it in serving()) pauses nothing
+        server.repl = None
+        result = await r.execute("llm_batch(['slow'])")
+        assert result.timed_out and result.restarted
     async with make_repl(
         endpoint_url=server.url, code_execution_timeout=0.5, pause_timeout_during_llm_batch=False
     ) as r:
+        server.repl = r
         result = await r.execute("llm_batch(['slow'])")
         assert result.timed_out and result.restarted
 
@@ -409,7 +440,7 @@ def _make_wheel(directory: Path) -> Path:
 async def test_pip_install_packages_from_a_local_wheel(tmp_path: Path) -> None:
     wheel = _make_wheel(tmp_path)
     async with make_repl(pip_install_packages=[str(wheel)]) as r:
-        code = "import os, rlmqdemo\nrlmqdemo.VALUE, os.environ['PYTHONPATH'] == os.path.abspath('site-packages')"
+        code = "import os, rlmqdemo\nrlmqdemo.VALUE, os.environ['PYTHONPATH'].endswith('/site-packages')"
         result = await r.execute(code)
         assert result.output == "(42, True)\n"
         # still importable after a restart

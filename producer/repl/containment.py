@@ -1,0 +1,138 @@
+"""What a REPL child is contained by, and saying so once when it is less than full.
+
+Some containment needs Linux namespaces (root, or unprivileged user namespaces): without
+them the REPL keeps the host's network, file system and Unix sockets. The first REPL started
+in a process that got less than full containment logs one warning naming what is then not
+contained, and :func:`containment_seen` gives the same record to ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Containment", "containment_seen", "note_containment"]
+
+log = logging.getLogger("rlmq.repl")
+
+
+@dataclass(frozen=True)
+class Containment:
+    """What one started REPL child reported about its own containment.
+
+    Attributes:
+        network: in a network namespace of its own (no TCP/UDP, no abstract Unix sockets).
+        private_fs: in a mount namespace of its own with a private, size-limited tmpfs over
+            ``/tmp``, ``/dev/shm``, ``/run``, ``/var/tmp``, removed with the REPL.
+        read_only_root: the rest of the host file system is read-only to it.
+        hidden_sockets: listening path-named host Unix sockets covered (outside those folders).
+        hidden_processes: other uids' processes are not listed in its ``/proc`` (``hidepid``).
+        no_user_namespaces: a seccomp filter refuses it user namespaces of its own (where it
+            could mount a tmpfs no limit of the REPL counts).
+        own_uid: runs under a uid of its own (the producer runs as root).
+        not_contained: plain-language list of what is then NOT contained.
+    """
+
+    network: bool
+    private_fs: bool
+    read_only_root: bool
+    hidden_sockets: int
+    hidden_processes: bool
+    no_user_namespaces: bool
+    own_uid: bool
+    not_contained: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_ready(cls, message: dict[str, Any], *, isolate_network: bool) -> Containment:
+        """Build it from the child's ``ready`` message (``isolate_network``: whether it was asked)."""
+        net = message.get("net_isolated") is True
+        fs = message.get("fs_private") is True
+        ro = message.get("ro_root") is True
+        hidden = message.get("hidden_sockets")
+        uid = isinstance(message.get("uid"), int)
+        procs = message.get("proc_hidden") is True
+        no_userns = message.get("no_user_namespaces") is True
+        missing: list[str] = []
+        if not net:
+            why = "" if isolate_network else " (no interception Unix socket was given)"
+            missing.append(
+                f"network: the REPL can open TCP/UDP connections to anything the host reaches, and abstract "
+                f"Unix sockets{why}"
+            )
+        if not fs:
+            if isinstance(message.get("fs_error"), str):
+                missing.append(f"the private file system failed: {message['fs_error'][:300]}")
+            if uid:
+                missing.append(
+                    "files: the REPL shares the host's /tmp, /var/tmp, /dev/shm and /run (its own files and "
+                    "System V IPC objects there are removed when it ends; disk use is limited per file, not in "
+                    "total), and it can connect to host Unix sockets (databases under /run, say)"
+                )
+            else:
+                missing.append(
+                    "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there (and its System V "
+                    "IPC objects) can outlive it, and it can connect to host Unix sockets (databases under /run, say)"
+                )
+        elif not ro:
+            missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")
+        if not procs:
+            missing.append("processes: the REPL can list the host's processes and read their command lines")
+        if not no_userns:
+            missing.append("user namespaces: the REPL may create its own and mount file systems there (memory)")
+        if not uid:
+            missing.append(
+                "user: the REPL runs as the producer's user (it can read what that user can, "
+                "signal its processes and read its /proc entries, and a process it starts in a "
+                "session of its own can outlive it)"
+            )
+        return cls(
+            network=net,
+            private_fs=fs,
+            read_only_root=ro,
+            hidden_sockets=hidden if isinstance(hidden, int) else 0,
+            hidden_processes=procs,
+            no_user_namespaces=no_userns,
+            own_uid=uid,
+            not_contained=missing,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (for ``meta.json``)."""
+        return asdict(self)
+
+
+class _Seen:
+    """Containments seen in this process: the first, and the first that was not full."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.first: Containment | None = None
+        self.degraded: Containment | None = None
+
+
+_SEEN = _Seen()
+
+
+def note_containment(containment: Containment) -> None:
+    """Record the containment of a started REPL. The first one in this process that is not
+    full is logged at WARNING on the ``rlmq.repl`` logger, once (later ones are not)."""
+    with _SEEN.lock:
+        if _SEEN.first is None:
+            _SEEN.first = containment
+        if not containment.not_contained or _SEEN.degraded is not None:
+            return
+        _SEEN.degraded = containment
+    log.warning(
+        "the REPL sandbox is not fully contained on this host (namespaces need root or unprivileged "
+        "user namespaces); NOT contained: %s",
+        "; ".join(containment.not_contained),
+    )
+
+
+def containment_seen() -> dict[str, Any] | None:
+    """For ``meta.json``: the first less-than-full containment of a REPL in this process, else
+    the first containment seen (a dict, see :class:`Containment`), or ``None`` (no REPL started)."""
+    seen = _SEEN.degraded or _SEEN.first
+    return None if seen is None else seen.as_dict()

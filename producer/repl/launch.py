@@ -1,0 +1,218 @@
+"""Preparing a REPL child's start: its environment, its interpreter, its packages, its folder."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlmq.common.errors import ReplStartupError
+from rlmq.producer.repl.handle import ChildHandle, killpg
+from rlmq.producer.repl.output import OutputBuffer
+from rlmq.producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
+
+__all__ = ["child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
+
+_REAP_GRACE = 2.0  # seconds a child that closed its reply pipe gets to exit before SIGKILL
+_PIP_ENV_KEYS = ("PATH", "HOME", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
+
+
+def child_env(workdir: str, site_packages: str | None) -> dict[str, str]:
+    """The child's whole environment, built from scratch (no variable of the producer's).
+
+    Args:
+        workdir: the REPL's folder (HOME and TMPDIR until the child moves into its scratch space).
+        site_packages: the folder of installed packages (put on ``PYTHONPATH``), or ``None``.
+    """
+    python_bin = os.path.dirname(sys.executable)
+    env = {
+        "PATH": os.pathsep.join([python_bin, "/usr/local/bin", "/usr/bin", "/bin"]),
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if site_packages:
+        env["PYTHONPATH"] = site_packages
+    return env
+
+
+def _is_network_setting(key: str) -> bool:
+    lower = key.lower()
+    return lower.startswith("pip_") or lower in ("http_proxy", "https_proxy", "no_proxy", "all_proxy")
+
+
+async def pip_install(packages: Sequence[str], target: str, workdir: str, timeout: float) -> None:
+    """``pip install --target <target> <packages>`` in a process group of its own.
+
+    Args:
+        packages: pip requirement specifiers.
+        target: the folder the packages go to.
+        workdir: cwd and TMPDIR of pip.
+        timeout: seconds pip may take; then its group is killed.
+
+    Raises:
+        ReplStartupError: pip failed or did not finish within ``timeout``.
+    """
+    env = {k: v for k, v in os.environ.items() if k in _PIP_ENV_KEYS or _is_network_setting(k)}
+    env.update({"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1"})
+    cmd = [
+        sys.executable, "-m", "pip", "install", "--quiet", "--no-input", "--disable-pip-version-check",
+        "--target", target, *packages,
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        cwd=workdir,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except BaseException as exc:
+        killpg(proc.pid)
+        await proc.wait()
+        if isinstance(exc, asyncio.TimeoutError):
+            raise ReplStartupError(f"pip install of {list(packages)} did not finish within {timeout:g} s") from None
+        raise
+    if proc.returncode != 0:
+        tail = out.decode("utf-8", "replace")[-2000:]
+        raise ReplStartupError(f"pip install of {list(packages)} failed (exit code {proc.returncode}):\n{tail}")
+
+
+def child_interpreter(run_as: str | int | None) -> str:
+    """The Python that runs the REPL child: this one, unless the child will drop to its own
+    uid and this interpreter's stdlib is private to root (pyenv under /root, say); then a
+    system Python of the same version, when there is one, so the dropped child can import."""
+    import sysconfig
+
+    if run_as is None or os.geteuid() != 0 or _reachable_by_others(sysconfig.get_paths()["stdlib"]):
+        return sys.executable
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (f"/usr/local/bin/python{version}", f"/usr/bin/python{version}"):
+        if os.access(candidate, os.X_OK) and _reachable_by_others(candidate):
+            return candidate
+    return sys.executable  # the child then stays root (see repl_child._drop_privileges)
+
+
+def rmtree(path: str) -> None:
+    """Remove ``path`` even when cells made parts of it read-only."""
+
+    def onerror(func: Callable[..., Any], p: str, _exc: Any) -> None:
+        try:  # never through a symlink the REPL planted: chmod would follow it
+            for q in (os.path.dirname(p), p):
+                if not os.path.islink(q):
+                    os.chmod(q, stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=onerror)
+
+
+async def spawn_child(
+    argv: list[str],
+    *,
+    workdir: str,
+    env: dict[str, str],
+    init: dict[str, Any],
+    max_message_bytes: int,
+    max_output_length: int,
+    timeout: float,
+) -> tuple[ChildHandle, dict[str, Any]]:
+    """Start a REPL child (``argv`` + its two pipe fds), send it ``init`` and wait for ``ready``.
+
+    Args:
+        argv: interpreter, flags and the child program.
+        workdir: its cwd.
+        env: its whole environment.
+        init: the init message (see ``repl_child``).
+        max_message_bytes: the longest reply line the parent reads.
+        max_output_length: characters of a cell's output kept.
+        timeout: seconds until ``ready``.
+
+    Returns:
+        (the handle, the ``ready`` message).
+
+    Raises:
+        ReplStartupError: not ready within ``timeout``, or the child failed to start.
+    """
+    loop = asyncio.get_running_loop()
+    cmd_r, cmd_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    out_r, out_w = os.pipe()
+    parent_fds = [cmd_w, reply_r, out_r]
+    child_fds = [cmd_r, reply_w, out_w]
+    proc: asyncio.subprocess.Process | None = None
+    child: ChildHandle | None = None
+    try:
+        for fd in parent_fds:
+            os.set_blocking(fd, False)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            str(cmd_r),
+            str(reply_w),
+            cwd=workdir,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=out_w,
+            pass_fds=(cmd_r, reply_w),
+            start_new_session=True,
+        )
+        for fd in child_fds:
+            os.close(fd)
+        child_fds = []
+        reader = asyncio.StreamReader(limit=max_message_bytes)
+        reply_file = os.fdopen(reply_r, "rb", buffering=0)
+        parent_fds.remove(reply_r)  # owned by reply_file, then by the transport
+        try:
+            transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), reply_file)
+        except BaseException:
+            reply_file.close()
+            raise
+        child = ChildHandle(proc, reader, transport, cmd_w, out_r, OutputBuffer(max_output_length))
+        parent_fds = []
+        ready = await asyncio.wait_for(_handshake(child, init), timeout)
+    except BaseException as exc:
+        output = ""
+        if child is not None:
+            child.kill()
+            await child.proc.wait()
+            child.drain_output()
+            output, _ = child.output.take()
+            child.release()
+        elif proc is not None:
+            killpg(proc.pid)
+            await proc.wait()
+        for fd in parent_fds + child_fds:
+            os.close(fd)
+        if isinstance(exc, asyncio.TimeoutError):
+            raise ReplStartupError(f"the REPL was not ready within {timeout:g} s" + _tail(output)) from None
+        if isinstance(exc, (ReplStartupError, OSError)):
+            raise ReplStartupError(f"the REPL failed to start: {exc}" + _tail(output)) from None
+        raise
+    child.output.take()  # start-up noise (warnings) is nobody's cell output
+    return child, ready
+
+
+async def _handshake(child: ChildHandle, init: dict[str, Any]) -> dict[str, Any]:
+    await child.send(init)
+    message = await child.receive()
+    if message is None or message.get("type") != "ready":
+        status = await child.reap(_REAP_GRACE)
+        raise ReplStartupError(f"the child exited before it was ready (status {status})")
+    return message
+
+
+def _tail(output: str, limit: int = 2000) -> str:
+    output = output.strip()
+    return f"; its output:\n{output[-limit:]}" if output else ""
