@@ -38,6 +38,7 @@ from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import Settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.scripted.server import answer_tokens
@@ -74,12 +75,10 @@ async def one_batch(
         spec = BatchSpec(
             rollout_id=rid,
             batch_id="b0",
-            model=fleet.model,
             queue=queue_name_for_model(fleet.model),
-            timeout=120.0,
+            sub_call_timeout=120.0,
             parallelism=n,
-            budgeted=budget is not None,
-            max_completion_tokens=cap,
+            call=SubCallOptions(model=fleet.model, budgeted=budget is not None, max_completion_tokens=cap),
         )
         t0 = time.perf_counter()
         results = await Dispatcher(redis).run_batch(spec, prompts)
@@ -126,7 +125,12 @@ async def light(fleet: LocalFleet, n: int) -> dict[str, Any]:
             for mode in lat:
                 rid = shared if mode == "seen_rollout" else f"light-{uuid.uuid4().hex[:10]}"
                 spec = BatchSpec(
-                    rollout_id=rid, batch_id=f"b{i + 20}", model=fleet.model, queue=queue, timeout=30, parallelism=1
+                    rollout_id=rid,
+                    batch_id=f"b{i + 20}",
+                    queue=queue,
+                    sub_call_timeout=30,
+                    parallelism=1,
+                    call=SubCallOptions(model=fleet.model),
                 )
                 t0 = time.perf_counter()
                 (result,) = await dispatcher.run_batch(spec, [f"Quick {i}?"])

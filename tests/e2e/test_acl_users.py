@@ -20,6 +20,7 @@ from rlmq.common import keys as K
 from rlmq.common.acl import ROLES, acl_rules
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 pytestmark = pytest.mark.e2e
@@ -55,8 +56,10 @@ async def test_a_fleet_runs_with_its_acl_users(acl_urls: dict[str, str], tmp_pat
         client = async_client(acl_urls["producer"])
         try:
             await BudgetLedger(client).open("acl1", 500)
-            spec = BatchSpec(rollout_id="acl1", batch_id="b1", model=model, queue=queue, timeout=30,
-                             parallelism=10, budgeted=True, max_completion_tokens=40)  # fmt: skip
+            call = SubCallOptions(model=model, budgeted=True, max_completion_tokens=40)
+            spec = BatchSpec(
+                rollout_id="acl1", batch_id="b1", queue=queue, sub_call_timeout=30, parallelism=10, call=call
+            )
             results = await Dispatcher(client).run_batch(spec, [f"Question {i}: who?" for i in range(12)])
             snap = await BudgetLedger(client).snapshot("acl1")
         finally:

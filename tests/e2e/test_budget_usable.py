@@ -23,7 +23,7 @@ from rlmq.cli.local import LocalFleet
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model, tenant_queue
 from rlmq.common.ledger import BudgetLedger
-from rlmq.common.schemas import DatasetRow, SubLLMResult
+from rlmq.common.schemas import DatasetRow, SubCallOptions, SubLLMResult
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.env import RLMEnv
@@ -134,15 +134,15 @@ async def test_a_job_claiming_no_budget_is_held_to_its_rollouts_ledger(early_fle
     rid = f"forged-{uuid.uuid4().hex[:8]}"
     try:
         await BudgetLedger(redis).open(rid, 300, cap=100)
+        # The payload says "no budget" and asks for 5,000 tokens a call.
+        forged = SubCallOptions(model=MODEL, budgeted=False, max_completion_tokens=5000)
         spec = BatchSpec(
             rollout_id=rid,
             batch_id="b1",
-            model=MODEL,
             queue=queue_name_for_model(MODEL),
-            timeout=60,
+            sub_call_timeout=60,
             parallelism=10,
-            budgeted=False,  # the payload says "no budget" and asks for 5,000 tokens a call
-            max_completion_tokens=5000,
+            call=forged,
         )
         results = await Dispatcher(redis).run_batch(spec, [f"Spend it {i}. [[mock:spend-all]]" for i in range(10)])
         snap = await BudgetLedger(redis).snapshot(rid)
@@ -169,7 +169,12 @@ async def test_parked_calls_do_not_hold_a_small_worker_hostage(
 
         def spec(rid: str, queue: str, n: int, budgeted: bool) -> BatchSpec:
             return BatchSpec(
-                rollout_id=rid, batch_id="b1", model=model, queue=queue, timeout=60, parallelism=n, budgeted=budgeted
+                rollout_id=rid,
+                batch_id="b1",
+                queue=queue,
+                sub_call_timeout=60,
+                parallelism=n,
+                call=SubCallOptions(model=model, budgeted=budgeted),
             )
 
         dispatcher = Dispatcher(redis)
