@@ -49,6 +49,11 @@ class SubLLMRequest(_Strict):
     temperature: float | None = None
     include_messages: bool = False
     """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
+    session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    """Sent to the model server as ``X-Session-ID`` (verifiers' per-rollout routing header), so
+    a session-affinity router keeps a rollout's calls on one server. The producer sets the
+    rollout id; under the verifiers harness that is the trace id, the value verifiers sends on
+    the root calls."""
 
 
 class LaneJob(_Strict):

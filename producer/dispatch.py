@@ -127,6 +127,7 @@ class Dispatcher:
                     max_completion_tokens=spec.max_completion_tokens,
                     budgeted=spec.budgeted,
                     include_messages=spec.include_messages,
+                    session_id=spec.rollout_id,
                     enqueued_at=now,
                     deadline=now + spec.timeout,
                 )

@@ -51,6 +51,8 @@ from rlmq.common.errors import ModelError
 __all__ = ["ChatClient", "ChatResponse", "estimate_tokens"]
 
 _RETRY_STATUSES = frozenset({408, 409, 429})
+SESSION_ID_HEADER = "X-Session-ID"
+"""verifiers' per-rollout routing header (``verifiers.v1.clients.client.SESSION_ID_HEADER``)."""
 _SNIPPET = 300
 
 
@@ -286,6 +288,7 @@ class ChatClient:
         temperature: float | None = None,
         user: str | None = None,
         deadline: float | None = None,
+        session_id: str | None = None,
     ) -> ChatResponse:
         """Run one chat completion, retrying transient failures.
 
@@ -297,6 +300,7 @@ class ChatClient:
             temperature: sampling temperature (omitted when ``None``).
             user: the OpenAI ``user`` field (rlmq sends the rollout id).
             deadline: Unix time (seconds) after which no attempt starts and no retry waits.
+            session_id: sent as the ``X-Session-ID`` header (omitted when ``None``).
 
         Returns:
             The parsed response.
@@ -315,12 +319,13 @@ class ChatClient:
         if user is not None:
             payload["user"] = user
         data = json.dumps(payload).encode()
+        extra = {SESSION_ID_HEADER: session_id} if session_id else None
         # Fast path: the first attempt runs outside tenacity (whose bookkeeping costs tens
         # of microseconds per call). When it fails retryably, tenacity takes over from there:
         # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
         # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
         try:
-            return await self._attempt(data, messages, deadline)
+            return await self._attempt(data, messages, deadline, extra)
         except _Failure as exc:
             if not exc.retryable or self.retries == 0:
                 raise self._give_up(exc, 1, False) from None
@@ -333,7 +338,7 @@ class ChatClient:
             if first is not None:
                 failure, first = first, None
                 raise failure
-            return await self._attempt(data, messages, deadline)
+            return await self._attempt(data, messages, deadline, extra)
 
         stop: Any = stop_after_attempt(self.retries + 1)
         at_deadline: _StopAtDeadline | None = None
@@ -362,7 +367,9 @@ class ChatClient:
             message += f": {exc.detail}"
         return ModelError(message, exc.status)
 
-    async def _attempt(self, data: bytes, messages: list[dict[str, Any]], deadline: float | None) -> ChatResponse:
+    async def _attempt(
+        self, data: bytes, messages: list[dict[str, Any]], deadline: float | None, extra: dict[str, str] | None
+    ) -> ChatResponse:
         self.attempts += 1
         timeout = self._timeout
         seconds = self.timeout
@@ -375,7 +382,7 @@ class ChatClient:
                 timeout = aiohttp.ClientTimeout(total=left)
         session = self._get_session()
         try:
-            async with session.post(self.url, data=data, timeout=timeout) as resp:
+            async with session.post(self.url, data=data, timeout=timeout, headers=extra) as resp:
                 status = resp.status
                 body = await resp.read()
                 headers = resp.headers
