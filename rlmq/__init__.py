@@ -9,6 +9,12 @@ The public API, for a trainer or an evaluation script::
     from rlmq import RLMEnv, Settings, DatasetRow, load_settings
 
 Importing ``rlmq`` connects to nothing and imports nothing optional (no verifiers).
+
+With the ``verifiers`` extra, ``rlmq`` is also a verifiers v1 plug-in id: verifiers' loader
+imports the module named by the id and takes the ``Harness`` / ``Taskset`` / ``Env``
+subclasses listed in its ``__all__``. ``RlmqHarness``, ``RlmqTaskset`` and ``RlmqEnv`` (the
+taskset's env) are listed here and resolved lazily (PEP 562 ``__getattr__``) from
+:mod:`rlmq.verifiers_plugin`, so only asking for one of them imports verifiers.
 """
 
 from __future__ import annotations
@@ -18,12 +24,18 @@ from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMRequest, SubLLMResu
 from rlmq.common.settings import Settings, load_settings
 from rlmq.producer.env import RLMEnv, RolloutResult
 
+_PLUGIN = ("RlmqEnv", "RlmqHarness", "RlmqTaskset")
+"""verifiers plug-in classes, resolved on first access (see the module docstring)."""
+
 __all__ = [
     "ConfigError",
     "DatasetRow",
     "RLMEnv",
     "ResultRow",
+    "RlmqEnv",
     "RlmqError",
+    "RlmqHarness",
+    "RlmqTaskset",
     "RolloutResult",
     "Settings",
     "SubLLMRequest",
@@ -31,3 +43,22 @@ __all__ = [
     "load_settings",
     "read_dataset",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``rlmq.RlmqHarness`` / ``rlmq.RlmqTaskset`` / ``rlmq.RlmqEnv``: imported from :mod:`rlmq.verifiers_plugin`
+    on first access.
+
+    Raises:
+        AttributeError: any other missing name.
+        ImportError: verifiers is not installed (``pip install 'rlmq[verifiers]'``).
+    """
+    if name in _PLUGIN:
+        try:
+            from rlmq import verifiers_plugin
+        except ImportError as exc:
+            raise ImportError(
+                f"rlmq.{name} needs verifiers: pip install 'rlmq[verifiers]' ({exc})", name=exc.name
+            ) from exc
+        return getattr(verifiers_plugin, name)
+    raise AttributeError(f"module 'rlmq' has no attribute {name!r}")
