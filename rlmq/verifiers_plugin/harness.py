@@ -16,11 +16,12 @@ from typing import Any, Literal
 
 import verifiers.v1 as vf
 from pydantic import Field
+from verifiers.v1.types import ID
 
 from rlmq.common.schemas import DatasetRow
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, run_rollout
 
-__all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row"]
+__all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row", "trace_events"]
 
 
 class RlmqHarnessConfig(vf.HarnessConfig):
@@ -30,6 +31,8 @@ class RlmqHarnessConfig(vf.HarnessConfig):
     rlmq's defaults), the same as for ``rlmq run``.
     """
 
+    id: ID = "rlmq"
+    """The plug-in id (verifiers' base default is ``bash``)."""
     redis_url: str | None = None
     """Redis of the fleet; ``None``: ``RLMQ_REDIS_URL`` or ``REDIS_URL``. A value here is
     written into the run's saved config and every trace: keep passwords in the environment."""
@@ -56,7 +59,10 @@ class RlmqHarnessConfig(vf.HarnessConfig):
     root_prompt_verbosity: Literal["light", "medium", "heavy"] = "light"
     sub_prompt_verbosity: Literal["light", "medium", "heavy"] = "light"
     include_trajectory: bool = True
-    """Copy rlmq's events (REPL cells, ``llm_batch`` summaries) into ``trace.info["rlmq"]``."""
+    """Copy rlmq's events (root turns, REPL cells, ``llm_batch`` results) into
+    ``trace.info["rlmq"]["trajectory"]``, each sub-LLM prompt cut to ``trajectory_prompt_chars``
+    characters (they are slices of ``context``, which the trace already holds in full)."""
+    trajectory_prompt_chars: int = Field(500, ge=0)
 
     def knobs(self, sub_model: str) -> RolloutKnobs:
         """The rlmq settings and ``RLMEnv`` arguments these knobs stand for."""
@@ -98,6 +104,19 @@ def dataset_row(data: vf.TaskData, question: str) -> DatasetRow:
         context=extra.get("context", ""),
         **{k: v for k, v in extra.items() if k in ("answer", "info")},
     )
+
+
+def trace_events(trajectory: list[dict[str, Any]], prompt_chars: int) -> list[dict[str, Any]]:
+    """rlmq's trajectory as JSON for ``trace.info``: ``llm_batch`` prompts longer than
+    ``prompt_chars`` characters are cut, with a marker saying how long they were."""
+    events: list[dict[str, Any]] = json.loads(json.dumps(trajectory, default=str))
+    for event in events:
+        if event.get("type") == "llm_batch":
+            event["prompts"] = [
+                p if len(p) <= prompt_chars else f"{p[:prompt_chars]}[... {len(p)} characters in all]"
+                for p in event.get("prompts", [])
+            ]
+    return events
 
 
 class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
@@ -152,7 +171,7 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
             "final_answer": result.final_answer,
         }
         if self.config.include_trajectory:
-            info["trajectory"] = json.loads(json.dumps(outcome.trajectory, default=str))
+            info["trajectory"] = trace_events(outcome.trajectory, self.config.trajectory_prompt_chars)
         trace.info["rlmq"] = info
         if result.final_answer is not None:
             trace.root_reply = result.final_answer

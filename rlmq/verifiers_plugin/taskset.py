@@ -17,6 +17,7 @@ from verifiers.v1.runtimes import SubprocessConfig
 
 from rlmq.common.schemas import DatasetRow, read_dataset
 from rlmq.verifiers_plugin.adapter import exact_match
+from rlmq.verifiers_plugin.harness import RlmqHarnessConfig
 
 __all__ = ["RlmqEnv", "RlmqEnvConfig", "RlmqTask", "RlmqTaskData", "RlmqTaskset", "RlmqTasksetConfig"]
 
@@ -90,7 +91,7 @@ class RlmqEnvConfig(vf.SingleAgentEnvConfig):
     to ``subprocess``. The ``rlmq`` harness runs in-process and uses no runtime, so a remote
     sandbox (verifiers' default, ``prime``) would only cost a tunnel and an account."""
 
-    agent: vf.AgentConfig = vf.AgentConfig(runtime=SubprocessConfig())
+    agent: vf.AgentConfig = vf.AgentConfig(harness=RlmqHarnessConfig(), runtime=SubprocessConfig())
 
 
 class RlmqEnv(vf.SingleAgentEnv, vf.Env[RlmqEnvConfig]):

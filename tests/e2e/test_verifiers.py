@@ -169,11 +169,15 @@ def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def vf_eval(tmp: Path, rows: Path, args: list[str], env: dict[str, str], timeout: float = 300) -> list[dict[str, Any]]:
-    """Run ``vf-eval rlmq`` on ``rows``; return the traces of ``traces.jsonl`` (one per episode here)."""
+def vf_eval(
+    tmp: Path, rows: Path, args: list[str], env: dict[str, str], *, name_harness: bool = True, timeout: float = 300
+) -> list[dict[str, Any]]:
+    """Run ``vf-eval rlmq`` on ``rows`` (with ``--env.agent.harness.id rlmq`` when
+    ``name_harness``); return the traces of ``traces.jsonl`` (one per episode here)."""
     assert VF_EVAL.exists(), f"{VF_EVAL} missing: install the extra, pip install -e '.[test]'"
     argv = [
-        str(VF_EVAL), "rlmq", "--env.taskset.path", str(rows), "--env.agent.harness.id", "rlmq",
+        str(VF_EVAL), "rlmq", "--env.taskset.path", str(rows),
+        *(["--env.agent.harness.id", "rlmq"] if name_harness else []),
         "--no-push", "--no-rich", "-o", str(tmp / "out"), "--run.name", "run", *args,
     ]  # fmt: skip
     proc = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
@@ -240,16 +244,21 @@ def test_vf_eval_scores_rlmq_rollouts_with_root_calls_through_verifiers_and_sub_
         served = [r for b in batches for r in b["results"]]
         assert len(served) == metrics["sub_llm_call_count"]
         assert all(r["status"] == "ok" and r["worker"] for r in served)
+        prompts = [p for b in batches for p in b["prompts"]]
+        assert all(len(p) <= 500 or p[500:].startswith("[... ") for p in prompts)
     needle_traces = [by_row[r["id"]] for r in needles]
     assert all(t["metrics"]["sub_llm_call_count"] >= 1 for t in needle_traces)
+    cut = [e for t in needle_traces for e in t["info"]["rlmq"]["trajectory"] if e["type"] == "llm_batch"]
+    assert any("characters in all]" in p for e in cut for p in e["prompts"])  # 20K-character chunks, cut
     assert by_row["plain"]["metrics"]["sub_llm_call_count"] == 0
     assert sum(1 for s in seen if not s.root) == sum(t["metrics"]["sub_llm_call_count"] for t in traces)
 
 
 def test_vf_eval_harness_config_sets_redis_sub_model_and_a_hard_budget(setup: Setup, tmp_path: Path) -> None:
     """The Redis URL, the sub-model and the budget come from ``--env.agent.harness.*`` (no
-    REDIS_URL in the environment); sub-LLMs that spend every token they are granted stay
-    within the budget, counted by the model server itself."""
+    REDIS_URL in the environment; no ``--env.agent.harness.id`` either: the ``rlmq`` taskset's
+    env defaults its seat to the ``rlmq`` harness); sub-LLMs that spend every token they are
+    granted stay within the budget, counted by the model server itself."""
     rows = needle_rows(2, min_chars=60_000, seed=11)
     for r in rows:
         r["question"] += " [[mock:spend-all]]"
@@ -263,7 +272,7 @@ def test_vf_eval_harness_config_sets_redis_sub_model_and_a_hard_budget(setup: Se
         "--env.agent.harness.sub-llm-max-completion-tokens", str(budget),
         "--env.agent.harness.max-sub-llm-parallelism", "2",
     ]  # fmt: skip
-    traces = vf_eval(tmp_path, path, args, child_env())
+    traces = vf_eval(tmp_path, path, args, child_env(), name_harness=False)
     seen = setup.proxy.requests()[before:]
     assert len(traces) == 2
     for t in traces:
@@ -313,3 +322,16 @@ def test_the_loader_resolves_the_id_rlmq_to_the_plugin() -> None:
     assert loaders.taskset_class("rlmq") is rlmq.RlmqTaskset
     assert loaders.default_harness_id("rlmq") == "rlmq"
     assert loaders.environment_class("rlmq") is rlmq.RlmqEnv
+
+
+def test_the_harness_takes_any_text_task_with_an_empty_context() -> None:
+    import verifiers.v1 as vf
+
+    from rlmq.verifiers_plugin.harness import dataset_row
+    from rlmq.verifiers_plugin.taskset import RlmqTaskData
+
+    plain = dataset_row(vf.TaskData(idx=3, prompt="What is 2 + 2?"), "What is 2 + 2?")
+    assert (plain.id, plain.question, plain.context, plain.answer) == ("3", "What is 2 + 2?", "", None)
+    data = RlmqTaskData(id="r1", prompt="Q", context={"a": [1, 2]}, answer="A", info={"k": 1})
+    row = dataset_row(data, "Q")
+    assert (row.id, row.context, row.answer, row.info) == ("r1", {"a": [1, 2]}, "A", {"k": 1})
