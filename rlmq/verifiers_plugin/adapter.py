@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow, ResultRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv, normalize_answer
@@ -94,6 +95,11 @@ async def run_rollout(
         redis.exceptions.RedisError, OSError: Redis cannot be reached at start.
     """
     settings = load_settings(**{**knobs.settings, "base_url": base_url, "api_key": api_key, "model": model})
+    if not settings.redis_url:
+        raise ConfigError(
+            "no Redis for the sub-LLM fleet: set REDIS_URL (or RLMQ_REDIS_URL), "
+            "or --env.agent.harness.redis-url under verifiers"
+        )
     async with RLMEnv(settings=settings, **knobs.env_args) as env:
         result = await env.rollout(row, model=model, rollout_id=rollout_id)
     metrics = {k: float(v) for k, v in result.row.metrics.items() if isinstance(v, int | float)}

@@ -299,8 +299,22 @@ def test_vf_eval_records_a_failed_root_call_as_the_rollouts_error(setup: Setup, 
     assert by_row[good["id"]]["ok"] and by_row[good["id"]]["rewards"]["exact_match"]["score"] == 1.0
     failed = by_row["bad"]
     assert not failed["ok"]
-    assert failed["stop_condition"].endswith("_error"), failed["stop_condition"]
+    assert failed["stop_condition"] == "provider_error", failed["stop_condition"]
     assert "injected failure" in json.dumps(failed["errors"])
+
+
+def test_an_agent_timeout_ends_the_rollout_while_its_sub_calls_are_still_running(setup: Setup, tmp_path: Path) -> None:
+    """verifiers cancels the harness at ``--env.agent.timeout.rollout``; the rlmq rollout must
+    end then, not when its batch's sub-calls (20 s each here) come back."""
+    row = needle_rows(1, min_chars=20_000, seed=5)[0]
+    row["question"] += " [[mock:sleep:20]]"
+    path = _write_rows(tmp_path / "rows.jsonl", [row])
+    env = child_env({"REDIS_URL": setup.redis_url})
+    args = ["--model", setup.fleet.model, "--client.base-url", setup.proxy.url, "--env.agent.timeout.rollout", "3"]
+    (trace,) = vf_eval(tmp_path, path, args, env)
+    assert trace["stop_condition"] == "agent_timeout"
+    agent = trace["timing"]["agent"]
+    assert agent["end"] - agent["start"] < 12.0, agent
 
 
 def test_import_rlmq_does_not_import_verifiers() -> None:
