@@ -15,7 +15,7 @@ import json
 from typing import Any, Literal
 
 import verifiers.v1 as vf
-from pydantic import Field
+from pydantic import Field, SecretStr
 from verifiers.v1.types import ID
 
 from rlmq.common.schemas import DatasetRow
@@ -33,9 +33,10 @@ class RlmqHarnessConfig(vf.HarnessConfig):
 
     id: ID = "rlmq"
     """The plug-in id (verifiers' base default is ``bash``)."""
-    redis_url: str | None = None
-    """Redis of the fleet; ``None``: ``RLMQ_REDIS_URL`` or ``REDIS_URL``. A value here is
-    written into the run's saved config and every trace: keep passwords in the environment."""
+    redis_url: SecretStr | None = None
+    """Redis of the fleet; ``None``: ``RLMQ_REDIS_URL`` or ``REDIS_URL``. A secret: the saved
+    config and the traces show ``**********`` (so a run re-read from its saved config needs
+    the environment variable)."""
     sub_model: str | None = None
     """Model the workers serve (names the queue); ``None``: the run's model."""
     queue: str | None = None
@@ -68,7 +69,7 @@ class RlmqHarnessConfig(vf.HarnessConfig):
         """The rlmq settings and ``RLMEnv`` arguments these knobs stand for."""
         return RolloutKnobs(
             settings={
-                "redis_url": self.redis_url,
+                "redis_url": self.redis_url.get_secret_value() if self.redis_url is not None else None,
                 "queue": self.queue,
                 "tenant": self.tenant,
                 "sub_call_timeout": self.sub_call_timeout,
