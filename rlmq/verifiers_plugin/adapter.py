@@ -15,6 +15,8 @@ the thin seam between the two. It relies on exactly these rlmq calls:
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,9 @@ from rlmq.common.schemas import DatasetRow, ResultRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv, normalize_answer
 
-__all__ = ["RolloutKnobs", "RolloutOutcome", "exact_match", "run_rollout", "STOP_CONDITIONS"]
+__all__ = ["RolloutKnobs", "RolloutOutcome", "exact_match", "rollout_id_for", "run_rollout", "STOP_CONDITIONS"]
+
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 STOP_CONDITIONS: dict[str, str | None] = {
     "answer_ready": None,  # the normal end: verifiers stamps its own ``agent_completed``
@@ -104,6 +108,13 @@ async def run_rollout(
         result = await env.rollout(row, model=model, rollout_id=rollout_id)
     metrics = {k: float(v) for k, v in result.row.metrics.items() if isinstance(v, int | float)}
     return RolloutOutcome(row=result.row, metrics=metrics, trajectory=result.trajectory)
+
+
+def rollout_id_for(trace_id: str) -> str:
+    """rlmq's rollout id for a verifiers trace: the trace id itself (a uuid4 hex by default),
+    or a fresh uuid4 hex when the trace id is not a valid rollout id (``[A-Za-z0-9_-]{1,64}``;
+    then the sub-calls' session id differs from verifiers' own)."""
+    return trace_id if _ROLLOUT_ID.fullmatch(trace_id) else uuid.uuid4().hex
 
 
 def exact_match(reply: str | None, answer: str | None) -> float:

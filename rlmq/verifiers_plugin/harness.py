@@ -19,7 +19,7 @@ from pydantic import Field, SecretStr
 from verifiers.v1.types import ID
 
 from rlmq.common.schemas import DatasetRow
-from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, run_rollout
+from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
 
 __all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row", "trace_events"]
 
@@ -143,7 +143,7 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
     ) -> vf.ProgramResult:
         """Run one rlmq rollout of ``data`` and record it on ``trace``.
 
-        The rollout id is ``trace.id`` (one per attempt), which the sub-calls carry as their
+        The rollout id is ``trace.id`` (one per attempt; see :func:`rollout_id_for`), which the sub-calls carry as their
         ``X-Session-ID``, the value verifiers sends on the root calls. Metrics (``sub_llm_*``,
         ``main_rlm_*``, ``repl_*``, the budget figures) go to ``trace.metrics``; the final
         answer to ``trace.root_reply``; rlmq's stop reason to ``trace.stop_condition``
@@ -156,18 +156,19 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
         """
         _system, prompt = self.resolve_text_prompt(data)
         row = dataset_row(data, prompt or "")
+        rollout_id = rollout_id_for(trace.id)
         outcome = await run_rollout(
             row,
             model=ctx.model,
             base_url=endpoint,
             api_key=secret,
-            rollout_id=trace.id,
+            rollout_id=rollout_id,
             knobs=self.config.knobs(self.config.sub_model or ctx.model),
         )
         result = outcome.row
         trace.record_metrics(outcome.metrics)
         info: dict[str, Any] = {
-            "rollout_id": trace.id,
+            "rollout_id": rollout_id,
             "stop_reason": result.stop_reason,
             "final_answer": result.final_answer,
         }

@@ -353,3 +353,12 @@ def test_the_harness_takes_any_text_task_with_an_empty_context() -> None:
     data = RlmqTaskData(id="r1", prompt="Q", context={"a": [1, 2]}, answer="A", info={"k": 1})
     row = dataset_row(data, "Q")
     assert (row.id, row.context, row.answer, row.info) == ("r1", {"a": [1, 2]}, "A", {"k": 1})
+
+
+def test_a_trace_id_that_is_no_rollout_id_gets_a_fresh_one() -> None:
+    from rlmq.verifiers_plugin.adapter import rollout_id_for
+
+    assert rollout_id_for("0123abcd" * 4) == "0123abcd" * 4
+    for bad in ("a/b", "x" * 65, "", "id with space"):
+        fresh = rollout_id_for(bad)
+        assert fresh != bad and len(fresh) == 32 and fresh.isalnum()
