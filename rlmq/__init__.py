@@ -13,11 +13,14 @@ Importing ``rlmq`` connects to nothing and imports nothing optional (no verifier
 With the ``verifiers`` extra, ``rlmq`` is also a verifiers v1 plug-in id: verifiers' loader
 imports the module named by the id and takes the ``Harness`` / ``Taskset`` / ``Env``
 subclasses listed in its ``__all__``. ``RlmqHarness``, ``RlmqTaskset`` and ``RlmqEnv`` (the
-taskset's env) are listed here and resolved lazily (PEP 562 ``__getattr__``) from
-:mod:`rlmq.verifiers_plugin`, so only asking for one of them imports verifiers.
+taskset's env) are listed there when verifiers is installed (found, not imported) and
+resolved lazily (PEP 562 ``__getattr__``) from :mod:`rlmq.verifiers_plugin`, so only asking
+for one of them imports verifiers; without the extra, ``from rlmq import *`` still works.
 """
 
 from __future__ import annotations
+
+from importlib.util import find_spec
 
 from rlmq.common.errors import ConfigError, RlmqError
 from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMRequest, SubLLMResult, read_dataset
@@ -32,10 +35,7 @@ __all__ = [
     "DatasetRow",
     "RLMEnv",
     "ResultRow",
-    "RlmqEnv",
     "RlmqError",
-    "RlmqHarness",
-    "RlmqTaskset",
     "RolloutResult",
     "Settings",
     "SubLLMRequest",
@@ -43,11 +43,13 @@ __all__ = [
     "load_settings",
     "read_dataset",
 ]
+if find_spec("verifiers") is not None:  # the extra is installed: export the plug-in (no import yet)
+    __all__ += _PLUGIN
 
 
 def __getattr__(name: str) -> object:
-    """``rlmq.RlmqHarness`` / ``rlmq.RlmqTaskset`` / ``rlmq.RlmqEnv``: imported from :mod:`rlmq.verifiers_plugin`
-    on first access.
+    """``rlmq.RlmqHarness`` / ``rlmq.RlmqTaskset`` / ``rlmq.RlmqEnv``: imported from
+    :mod:`rlmq.verifiers_plugin` on first access.
 
     Raises:
         AttributeError: any other missing name.
