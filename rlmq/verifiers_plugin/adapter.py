@@ -4,7 +4,8 @@ Everything verifiers-specific lives in :mod:`rlmq.verifiers_plugin.harness` and
 :mod:`rlmq.verifiers_plugin.taskset`; this module imports nothing from verifiers, so it is
 the thin seam between the two. It relies on exactly these rlmq calls:
 
-* :func:`rlmq.common.settings.load_settings` (keyword overrides over ``RLMQ_*`` / ``REDIS_URL``),
+* from the public API (``rlmq/__init__.py``): ``load_settings`` (keyword overrides over
+  ``RLMQ_*`` / ``REDIS_URL``), ``DatasetRow``, ``ResultRow``, ``ConfigError``,
 * ``RLMEnv(settings=..., max_turns=..., ...)`` with the reference's keyword arguments,
   used as ``async with`` (``start()`` / ``close()``),
 * ``RLMEnv.rollout(row, model=..., rollout_id=...)`` returning a ``RolloutResult`` whose
@@ -20,10 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlmq.common.errors import ConfigError
-from rlmq.common.schemas import DatasetRow, ResultRow
-from rlmq.common.settings import load_settings
-from rlmq.producer.env import RLMEnv, normalize_answer
+from rlmq import ConfigError, DatasetRow, ResultRow, RLMEnv, load_settings
+from rlmq.producer.env import normalize_answer
 
 __all__ = ["RolloutKnobs", "RolloutOutcome", "exact_match", "rollout_id_for", "run_rollout", "STOP_CONDITIONS"]
 
