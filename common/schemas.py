@@ -60,6 +60,11 @@ class SubLLMRequest(SubCallOptions):
     enqueued_at: float
     deadline: float
     """Unix time after which the producer no longer waits for this result."""
+    session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    """Sent to the model server as ``X-Session-ID`` (verifiers' per-rollout routing header), so
+    a session-affinity router keeps a rollout's calls on one server. The producer sets the
+    rollout id; under the verifiers harness that is the trace id, the value verifiers sends on
+    the root calls."""
 
 
 class LaneJob(_Strict):

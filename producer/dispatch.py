@@ -204,6 +204,7 @@ class Dispatcher:
                 prompt=prompts[i],
                 enqueued_at=now,
                 deadline=now + spec.sub_call_timeout,
+                session_id=spec.rollout_id,
                 **call,
             )
             jid = job_id_for(spec, i)

@@ -106,7 +106,9 @@ class InterceptionServer:
         """Bind 127.0.0.1 on a free port."""
         app = web.Application(client_max_size=self.max_batch_bytes)
         app.router.add_post("/llm_batch", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A short shutdown_timeout: stopping (a cancelled rollout, a verifiers agent timeout)
+        # must not wait for an in-flight batch's sub-calls (up to sub_call_timeout).
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()

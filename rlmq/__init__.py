@@ -9,14 +9,26 @@ The public API, for a trainer or an evaluation script::
     from rlmq import RLMEnv, Settings, DatasetRow, load_settings
 
 Importing ``rlmq`` connects to nothing and imports nothing optional (no verifiers).
+
+With the ``verifiers`` extra, ``rlmq`` is also a verifiers v1 plug-in id: verifiers' loader
+imports the module named by the id and takes the ``Harness`` / ``Taskset`` / ``Env``
+subclasses listed in its ``__all__``. ``RlmqHarness``, ``RlmqTaskset`` and ``RlmqEnv`` (the
+taskset's env) are listed there when verifiers is installed (found, not imported) and
+resolved lazily (PEP 562 ``__getattr__``) from :mod:`rlmq.verifiers_plugin`, so only asking
+for one of them imports verifiers; without the extra, ``from rlmq import *`` still works.
 """
 
 from __future__ import annotations
+
+from importlib.util import find_spec
 
 from rlmq.common.errors import ConfigError, RlmqError
 from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMRequest, SubLLMResult, read_dataset
 from rlmq.common.settings import Settings, load_settings
 from rlmq.producer.env import RLMEnv, RolloutResult
+
+_PLUGIN = ("RlmqEnv", "RlmqHarness", "RlmqTaskset")
+"""verifiers plug-in classes, resolved on first access (see the module docstring)."""
 
 __all__ = [
     "ConfigError",
@@ -31,3 +43,24 @@ __all__ = [
     "load_settings",
     "read_dataset",
 ]
+if find_spec("verifiers") is not None:  # the extra is installed: export the plug-in (no import yet)
+    __all__ += _PLUGIN
+
+
+def __getattr__(name: str) -> object:
+    """``rlmq.RlmqHarness`` / ``rlmq.RlmqTaskset`` / ``rlmq.RlmqEnv``: imported from
+    :mod:`rlmq.verifiers_plugin` on first access.
+
+    Raises:
+        AttributeError: any other missing name.
+        ImportError: verifiers is not installed (``pip install 'rlmq[verifiers]'``).
+    """
+    if name in _PLUGIN:
+        try:
+            from rlmq import verifiers_plugin
+        except ImportError as exc:
+            raise ImportError(
+                f"rlmq.{name} needs verifiers: pip install 'rlmq[verifiers]' ({exc})", name=exc.name
+            ) from exc
+        return getattr(verifiers_plugin, name)
+    raise AttributeError(f"module 'rlmq' has no attribute {name!r}")

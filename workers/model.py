@@ -58,6 +58,8 @@ __all__ = ["AiohttpTransport", "ChatClient", "ChatResponse", "HttpReply", "Trans
 # The transport names are re-exported: a test builds ChatClient(..., transport=...) from here.
 
 _RETRY_STATUSES = frozenset({408, 409, 429})
+SESSION_ID_HEADER = "X-Session-ID"
+"""verifiers' per-rollout routing header (``verifiers.v1.clients.client.SESSION_ID_HEADER``)."""
 _SNIPPET = 300
 
 
@@ -318,6 +320,7 @@ class ChatClient:
         temperature: float | None = None,
         user: str | None = None,
         deadline: float | None = None,
+        session_id: str | None = None,
     ) -> ChatResponse:
         """Run one chat completion, retrying transient failures.
 
@@ -329,6 +332,7 @@ class ChatClient:
             temperature: sampling temperature (omitted when ``None``).
             user: the OpenAI ``user`` field (rlmq sends the rollout id).
             deadline: Unix time (seconds) after which no attempt starts and no retry waits.
+            session_id: sent as the ``X-Session-ID`` header (omitted when ``None``).
 
         Returns:
             The parsed response.
@@ -347,12 +351,13 @@ class ChatClient:
         if user is not None:
             payload["user"] = user
         data = json.dumps(payload).encode()
+        send = {**self._headers, SESSION_ID_HEADER: session_id} if session_id else self._headers
         # Fast path: the first attempt runs outside tenacity (whose bookkeeping costs tens
         # of microseconds per call). When it fails retryably, tenacity takes over from there:
         # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
         # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
         try:
-            return clamp_usage(await self._attempt(data, messages, deadline), max_tokens)
+            return clamp_usage(await self._attempt(data, messages, deadline, send), max_tokens)
         except _Failure as exc:
             if not exc.retryable or self.retries == 0:
                 raise self._give_up(exc, 1, False) from None
@@ -365,7 +370,7 @@ class ChatClient:
             if first is not None:
                 failure, first = first, None
                 raise failure
-            return await self._attempt(data, messages, deadline)
+            return await self._attempt(data, messages, deadline, send)
 
         stop: Any = stop_after_attempt(self.retries + 1)
         at_deadline: _StopAtDeadline | None = None
@@ -394,7 +399,9 @@ class ChatClient:
             message += f": {exc.detail}"
         return ModelError(message, exc.status)
 
-    async def _attempt(self, data: bytes, messages: list[dict[str, Any]], deadline: float | None) -> ChatResponse:
+    async def _attempt(
+        self, data: bytes, messages: list[dict[str, Any]], deadline: float | None, send: dict[str, str]
+    ) -> ChatResponse:
         self.attempts += 1
         seconds = self.timeout
         if deadline is not None:
@@ -403,7 +410,7 @@ class ChatClient:
                 raise _Failure("the call's deadline passed before the model answered", None, retryable=False)
             seconds = min(seconds, left)
         try:
-            reply = await self.transport.post(self.url, data, headers=self._headers, timeout=seconds)
+            reply = await self.transport.post(self.url, data, headers=send, timeout=seconds)
         except TimeoutError:
             raise _Failure(f"model call timed out after {seconds:.3g} s", None, retryable=True) from None
         except ConnectionError as exc:

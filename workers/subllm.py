@@ -258,6 +258,7 @@ class _Run:
                 temperature=request.temperature,
                 user=request.rollout_id,
                 deadline=request.deadline,
+                session_id=request.session_id,
             )
         except ModelError as exc:
             if grant is not None:
