@@ -6,6 +6,7 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
     ├── ConfigError            bad settings or arguments (unknown RLMEnv argument, bad flag)
     ├── PayloadError           a job, result or request body failed pydantic validation
     ├── EmbeddedRedisError     no embedded redis-server could be started
+    ├── RedisUnavailableError  a Redis did not answer, or refused the password
     ├── SubLLMError            one sub-LLM call failed
     │   └── ModelError         the model server failed after the retry layer gave up
     └── ReplError              the rollout's Python REPL
@@ -34,6 +35,19 @@ class PayloadError(RlmqError):
 
 class EmbeddedRedisError(RlmqError):
     """No embedded ``redis-server`` could be found or started."""
+
+
+class RedisUnavailableError(RlmqError):
+    """A Redis did not answer, or refused the connection's password; the message names it
+    (the URL with its password masked).
+
+    Attributes:
+        auth: ``True`` when Redis answered but refused the credentials (waiting will not help).
+    """
+
+    def __init__(self, message: str, *, auth: bool = False) -> None:
+        super().__init__(message)
+        self.auth = auth
 
 
 class SubLLMError(RlmqError):

@@ -293,6 +293,9 @@ class RLMEnv:
             self._server.unregister(token)
             await repl.close()
             self._live.discard(rid)
+            # Also when cancelled (a stop signal): `rlmq status` must not list it as live.
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.zrem(K.LIVE_ROLLOUTS, rid)
         metrics = self._metrics(stats)
         if budget is not None:
             snap = await self.ledger.snapshot(rid)
@@ -305,7 +308,6 @@ class RLMEnv:
                     sub_llm_budget_rejections=snap.rejections,
                     sub_llm_released_tokens=snap.released,
                 )
-        await self._redis.zrem(K.LIVE_ROLLOUTS, rid)
         correct = None if row.answer is None else normalize_answer(final) == normalize_answer(row.answer)
         result_row = ResultRow(
             id=row.id,

@@ -151,12 +151,17 @@ class SubLLMWorker:
         self._done_event = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._hurry = asyncio.Event()
         self.processed = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     def request_stop(self) -> None:
-        """Stop taking jobs; in-flight jobs finish (or are handed back after the grace period)."""
+        """Stop taking jobs; in-flight jobs finish (or are handed back after the grace period).
+        A second request (a second SIGINT / SIGTERM / SIGHUP) hands them back at once."""
+        if self._stopping.is_set():
+            log.warning("worker %s: stop requested again: handing back in-flight sub-calls now", self.name)
+            self._hurry.set()
         self._stopping.set()
         self._slot_free.set()
 
@@ -181,7 +186,7 @@ class SubLLMWorker:
         rq_worker = self._register_birth()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.add_signal_handler(sig, self.request_stop)
         log.info(
             "worker %s serving queue %s with up to %d sub-calls in flight", self.name, self.queue, self.concurrency
@@ -201,7 +206,7 @@ class SubLLMWorker:
             with contextlib.suppress(Exception):
                 await self._flush_once()
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                for sig in (signal.SIGTERM, signal.SIGINT):
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
             self._register_death(rq_worker)
@@ -237,8 +242,10 @@ class SubLLMWorker:
     async def _drain(self, grace: float) -> None:
         if self._tasks:
             log.info("worker %s: waiting up to %.0f s for %d in-flight sub-calls", self.name, grace, len(self._tasks))
-            _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
-            await cancel_and_wait(pending)
+            tasks = set(self._tasks)
+            waiters = {asyncio.ensure_future(asyncio.wait(tasks)), asyncio.ensure_future(self._hurry.wait())}
+            await asyncio.wait(waiters, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            await cancel_and_wait(waiters | {t for t in tasks if not t.done()})
         await self._flush_once()
         for queue, members in self._members_by_queue().items():
             requeued, failed = await self._records_for(queue).reap(members, hand_back=True)

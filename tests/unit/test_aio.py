@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from rlmq.common.aio import SigintLatch, cancel_and_wait, run, sigint_latch
+from rlmq.common.aio import SignalLatch, cancel_and_wait, run, signal_latch
 
 
 def test_ctrl_c_ends_a_run_whose_first_cancellation_was_swallowed() -> None:
@@ -87,7 +87,7 @@ def test_a_ctrl_c_dropped_by_a_finalizer_still_stops_the_next_run() -> None:
     (the demo once lost one in a redis-py pool's finalizer) must still stop the command."""
 
     class Finalized:
-        def __init__(self, latch: SigintLatch) -> None:
+        def __init__(self, latch: SignalLatch) -> None:
             self.latch = latch
 
         def __del__(self) -> None:
@@ -99,7 +99,7 @@ def test_a_ctrl_c_dropped_by_a_finalizer_still_stops_the_next_run() -> None:
         nonlocal started
         started = True
 
-    with sigint_latch() as latch:
+    with signal_latch() as latch:
         Finalized(latch)  # collected at once: its KeyboardInterrupt is printed and dropped
         assert latch.count == 1
         with pytest.raises(KeyboardInterrupt):
