@@ -61,6 +61,7 @@ class EmbeddedRedis:
     Args:
         port: TCP port, or ``None`` for a free one.
         startup_timeout: seconds to wait for ``PING`` to answer.
+        password: ``requirepass`` of the server (``None``: none); ``url`` then carries it.
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`. ``url`` is the
     ``redis://`` URL to hand to workers and producers.
@@ -69,8 +70,9 @@ class EmbeddedRedis:
         EmbeddedRedisError: the server could not be found or did not start in time.
     """
 
-    def __init__(self, port: int | None = None, startup_timeout: float = 15.0) -> None:
+    def __init__(self, port: int | None = None, startup_timeout: float = 15.0, password: str | None = None) -> None:
         self.port = port or _free_port()
+        self.password = password
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
@@ -78,7 +80,8 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         binary = find_redis_server()
@@ -87,6 +90,8 @@ class EmbeddedRedis:
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
         ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
         self._proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
@@ -97,7 +102,7 @@ class EmbeddedRedis:
         latch = current_latch()
         if latch is not None:
             self._unhook = latch.on_hurry(self._proc.kill)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.startup_timeout
         try:
             while True:
