@@ -81,7 +81,7 @@ def wait_for_redis(
         outcome = getattr(state, "outcome", None)
         wait = getattr(getattr(state, "next_action", None), "sleep", 0.0)
         exc = outcome.exception() if outcome is not None else None
-        say(f"{exc}; retrying in {wait:.1f} s (waiting for Redis)")
+        say(f"{str(exc).rstrip('.')}; retrying in {wait:.1f} s (waiting for Redis)")
 
     for attempt in Retrying(
         retry=retry_if_exception(retryable),

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
-from rlmq.cli.results import ResultSink, check_output, load_rows
-from rlmq.common.aio import current_latch, signal_latch
+from rlmq.cli.exits import EXIT_INTERNAL, explain, say
+from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import run as run_loop
+from rlmq.common.aio import signal_latch
 from rlmq.common.connection import check_redis, mask_url
-from rlmq.common.errors import ConfigError, EmbeddedRedisError, PayloadError, RedisUnavailableError, RlmqError
+from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import Settings, load_settings
 
@@ -123,30 +122,6 @@ def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
     return load_settings(**values)
 
 
-def summarize(rows: list[dict[str, Any]]) -> str:
-    """Accuracy, stop reasons and mean metrics of result rows, as text."""
-    n = len(rows)
-    graded = [r for r in rows if r["correct"] is not None]
-    right = sum(1 for r in graded if r["correct"])
-    lines = [f"rollouts: {n}"]
-    if graded:
-        lines.append(f"accuracy: {right}/{len(graded)} = {right / len(graded):.1%}")
-    stops = Counter(r["stop_reason"] for r in rows)
-    lines.append("stop reasons: " + ", ".join(f"{k}={v}" for k, v in sorted(stops.items())))
-    errors = [r for r in rows if r.get("error")]
-    for r in errors[:5]:
-        lines.append(f"  error in {r['id']}: {r['error']}")
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r["metrics"] if k not in keys]
-    if keys:
-        lines.append("metrics (mean over rollouts):")
-        for k in keys:
-            vals = [r["metrics"][k] for r in rows if k in r["metrics"]]
-            lines.append(f"  {k:<36} {sum(vals) / len(vals):>14.4f}")
-    return "\n".join(lines)
-
-
 async def evaluate(
     settings: Settings,
     rows: list[DatasetRow],
@@ -191,11 +166,6 @@ async def evaluate(
     return sink.results
 
 
-def say(text: str) -> None:
-    """One line to stderr, at once (progress of a stop, errors)."""
-    print(text, file=sys.stderr, flush=True)
-
-
 def start_metrics(args: argparse.Namespace) -> Metrics | None:
     """The process's :class:`~common.metrics.Metrics`, serving on ``--metrics-port`` if given."""
     if args.metrics_port is None:
@@ -206,76 +176,6 @@ def start_metrics(args: argparse.Namespace) -> Metrics | None:
     port = metrics.serve(args.metrics_port, host=args.metrics_host)
     print(f"metrics: http://{args.metrics_host}:{port}/metrics")
     return metrics
-
-
-def public_argv(argv: list[str]) -> list[str]:
-    """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
-    out: list[str] = []
-    hide = False
-    for a in argv:
-        if hide:
-            out.append("***")
-            hide = False
-        elif a == "--api-key":
-            out.append(a)
-            hide = True
-        elif a.startswith("--api-key="):
-            out.append("--api-key=***")
-        else:
-            out.append(mask_url(a))
-    return out
-
-
-def save_run(
-    args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
-) -> None:
-    """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
-    from rlmq.cli.report import default_run_dir, write_run
-
-    folder = args.run_dir or default_run_dir(args.command)
-    meta = {
-        "command": ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])],
-        "settings": settings.model_dump(mode="json", exclude={"api_key"}),
-        "started": started,
-        "finished": time.time(),
-        **extra,
-    }
-    path = write_run(folder, results, meta)
-    print(f"run folder: {path}")
-    print(f"report: {path / 'report.html'}")
-
-
-def finish(
-    args: argparse.Namespace,
-    sink: ResultSink,
-    settings: Settings,
-    started: float,
-    extra: dict[str, Any],
-    *,
-    interrupted: bool = False,
-) -> int:
-    """Keep what finished (``--output`` in dataset order, the run folder), print the summary,
-    and return the exit code: :data:`EXIT_ROLLOUT_ERRORS` when a rollout ended in ``error``."""
-    results = sink.results
-    rows_out = [r.row.model_dump() for r in results]
-    wrote = sink.commit()
-    if interrupted:
-        latch = current_latch()
-        name = signal.Signals(latch.first).name if latch is not None and latch.first else "SIGINT"
-        extra = {**extra, "interrupted": {"signal": name, "finished": len(results), "rollouts": sink.total}}
-        print(f"interrupted by {name}: {len(results)} of {sink.total} rollouts finished")
-    if rows_out:
-        print(summarize(rows_out))
-    if wrote:
-        print(f"result rows written to {args.output} (in dataset order)")
-    elif args.output:
-        print(f"no rollout finished: {args.output} was left as it was")
-    save_run(args, results, settings, started, extra)
-    errors = sum(1 for r in rows_out if r.get("error"))
-    if errors and not interrupted:
-        say(f"rlmq: {errors} of {len(rows_out)} rollouts ended in error (exit code {EXIT_ROLLOUT_ERRORS})")
-        return EXIT_ROLLOUT_ERRORS
-    return EXIT_OK
 
 
 def _evaluate(
@@ -393,40 +293,6 @@ def cmd_mock_llm(args: argparse.Namespace) -> int:
 
     serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
     return 0
-
-
-EXIT_OK = 0
-"""Every rollout finished without error (or the command did its job)."""
-EXIT_ROLLOUT_ERRORS = 1
-"""The run finished, but at least one rollout ended with ``stop_reason`` ``error``."""
-EXIT_USAGE = 2
-"""A mistake in the command: a bad flag (argparse's own code), a dataset that is missing,
-empty, malformed or has duplicate ids, an ``--output`` folder that does not exist."""
-EXIT_REDIS = 3
-"""Redis unreachable, refusing the password, or no embedded Redis could be started."""
-EXIT_INTERNAL = 4
-"""Anything else: a bug or an unexpected failure (``--verbose`` shows the traceback)."""
-EXIT_CODES = {
-    EXIT_OK: "ok", EXIT_ROLLOUT_ERRORS: "rollouts ended in error", EXIT_USAGE: "usage or input error",
-    EXIT_REDIS: "Redis unavailable", EXIT_INTERNAL: "internal error",
-    128 + signal.SIGHUP: "SIGHUP", 128 + signal.SIGINT: "SIGINT (Ctrl-C)", 128 + signal.SIGTERM: "SIGTERM",
-}  # fmt: skip
-"""Exit codes of ``rlmq`` (also in the README); a stop signal N gives ``128 + N``."""
-
-
-def explain(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the one line printed for an exception that ended a command."""
-    import redis
-
-    if isinstance(exc, (RedisUnavailableError, EmbeddedRedisError)):
-        return EXIT_REDIS, str(exc)
-    if isinstance(exc, redis.RedisError):  # lost mid-run, past the client's reconnect backoff
-        return EXIT_REDIS, f"Redis failed: {type(exc).__name__}: {mask_url(str(exc))}"
-    if isinstance(exc, (ConfigError, PayloadError)):
-        return EXIT_USAGE, str(exc)
-    if isinstance(exc, RlmqError):
-        return EXIT_INTERNAL, f"{type(exc).__name__}: {mask_url(str(exc))}"
-    return EXIT_INTERNAL, f"internal error: {type(exc).__name__}: {mask_url(str(exc))}"
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""What ``rlmq run`` / ``rlmq demo`` keep: result rows in dataset order, never a destroyed file.
+"""What ``rlmq run`` / ``rlmq demo`` keep and print: result rows in dataset order (never a
+destroyed file), the run folder, the summary, and the exit code.
 
 :class:`ResultSink` collects the finished rollouts of an evaluation. While it runs, each
 finished row is appended to ``<output>.partial`` (so even a ``kill -9`` leaves the rows that
@@ -10,17 +11,25 @@ that fails to start (Redis unreachable, a bad dataset) leaves an earlier file as
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import signal
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Sequence
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
+from rlmq.cli.exits import EXIT_OK, EXIT_ROLLOUT_ERRORS, say
+from rlmq.common.aio import current_latch
+from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow, read_dataset
 
 if TYPE_CHECKING:
+    from rlmq.common.settings import Settings
     from rlmq.producer.env import RolloutResult
 
 
@@ -122,3 +131,97 @@ class ResultSink:
             with contextlib.suppress(OSError):
                 os.unlink(self.partial)
         return True
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """Accuracy, stop reasons and mean metrics of result rows, as text."""
+    n = len(rows)
+    graded = [r for r in rows if r["correct"] is not None]
+    right = sum(1 for r in graded if r["correct"])
+    lines = [f"rollouts: {n}"]
+    if graded:
+        lines.append(f"accuracy: {right}/{len(graded)} = {right / len(graded):.1%}")
+    stops = Counter(r["stop_reason"] for r in rows)
+    lines.append("stop reasons: " + ", ".join(f"{k}={v}" for k, v in sorted(stops.items())))
+    errors = [r for r in rows if r.get("error")]
+    for r in errors[:5]:
+        lines.append(f"  error in {r['id']}: {r['error']}")
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r["metrics"] if k not in keys]
+    if keys:
+        lines.append("metrics (mean over rollouts):")
+        for k in keys:
+            vals = [r["metrics"][k] for r in rows if k in r["metrics"]]
+            lines.append(f"  {k:<36} {sum(vals) / len(vals):>14.4f}")
+    return "\n".join(lines)
+
+
+def public_argv(argv: list[str]) -> list[str]:
+    """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
+    out: list[str] = []
+    hide = False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(mask_url(a))
+    return out
+
+
+def save_run(
+    args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
+) -> None:
+    """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
+    from rlmq.cli.report import default_run_dir, write_run
+
+    folder = args.run_dir or default_run_dir(args.command)
+    meta = {
+        "command": ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])],
+        "settings": settings.model_dump(mode="json", exclude={"api_key"}),
+        "started": started,
+        "finished": time.time(),
+        **extra,
+    }
+    path = write_run(folder, results, meta)
+    print(f"run folder: {path}")
+    print(f"report: {path / 'report.html'}")
+
+
+def finish(
+    args: argparse.Namespace,
+    sink: ResultSink,
+    settings: Settings,
+    started: float,
+    extra: dict[str, Any],
+    *,
+    interrupted: bool = False,
+) -> int:
+    """Keep what finished (``--output`` in dataset order, the run folder), print the summary,
+    and return the exit code: :data:`EXIT_ROLLOUT_ERRORS` when a rollout ended in ``error``."""
+    results = sink.results
+    rows_out = [r.row.model_dump() for r in results]
+    wrote = sink.commit()
+    if interrupted:
+        latch = current_latch()
+        name = signal.Signals(latch.first).name if latch is not None and latch.first else "SIGINT"
+        extra = {**extra, "interrupted": {"signal": name, "finished": len(results), "rollouts": sink.total}}
+        print(f"interrupted by {name}: {len(results)} of {sink.total} rollouts finished")
+    if rows_out:
+        print(summarize(rows_out))
+    if wrote:
+        print(f"result rows written to {args.output} (in dataset order)")
+    elif args.output:
+        print(f"no rollout finished: {args.output} was left as it was")
+    save_run(args, results, settings, started, extra)
+    errors = sum(1 for r in rows_out if r.get("error"))
+    if errors and not interrupted:
+        say(f"rlmq: {errors} of {len(rows_out)} rollouts ended in error (exit code {EXIT_ROLLOUT_ERRORS})")
+        return EXIT_ROLLOUT_ERRORS
+    return EXIT_OK

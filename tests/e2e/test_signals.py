@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -331,3 +332,41 @@ def test_worker_started_before_redis_waits_for_it(tmp_path: Path) -> None:
         LocalFleet(redis_url=server.url, model=model, workers=0).wait_for_workers(1, timeout=60)
         cmd.proc.send_signal(signal.SIGTERM)
         assert cmd.wait(30) == 0, cmd.text
+
+
+STUCK = """
+import sys, time
+from rlmq.cli.local import ProcessGroup
+from rlmq.common.aio import signal_latch
+
+with signal_latch(deadline=1.0):
+    group = ProcessGroup()
+    group.spawn(["sleep", "300"], "sleeper")
+    print("ready", group.procs[0].pid, flush=True)
+    try:
+        time.sleep(300)
+    except KeyboardInterrupt:
+        while True:  # a stop that never finishes (a hung finalizer, a library that ignores the cancel)
+            time.sleep(0.1)
+"""
+
+
+def test_the_watchdog_ends_a_stop_that_hangs(tmp_path: Path) -> None:
+    """However the orderly stop goes, the deadline holds: the latch's watchdog kills the
+    registered children and exits 128 + signal."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    ready = proc.stdout.readline().split()
+    assert ready[0] == "ready", proc.stderr.read() if proc.stderr else ""
+    sleeper = psutil.Process(int(ready[1]))
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert proc.returncode == 143, err
+    assert 0.9 < took < 10, took
+    assert "still stopping after 1 s; killing what is left" in err
+    assert_all_gone([sleeper], 2.0, err)
