@@ -201,7 +201,10 @@ def _evaluate(
         else:
             scripted = fleet.base_url is None
             with fleet:
-                settings = settings.model_copy(update={"redis_url": fleet.redis_url})
+                update = {"redis_url": fleet.redis_url}
+                if scripted:  # the fleet started the scripted model: it is the root model too
+                    update["base_url"] = str(fleet.base_url)
+                settings = settings.model_copy(update=update)
                 model_text = f"scripted model (test double) {fleet.base_url} | " if scripted else ""
                 print(f"redis {mask_url(str(fleet.redis_url))} | {model_text}{fleet.n_workers} workers", flush=True)
                 run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics,
