@@ -152,11 +152,15 @@ def current_latch() -> SignalLatch | None:
 def signal_latch(deadline: float | None = STOP_DEADLINE_SECONDS) -> Iterator[SignalLatch]:
     """Install a :class:`SignalLatch` as the handler of :data:`STOP_SIGNALS` for the block
     (main thread only; elsewhere the latch is returned but not installed), and restore the
-    previous handlers after. The watchdog is disarmed when the block ends."""
+    previous handlers after. A signal this process inherited as ignored stays ignored (``nohup``
+    ignores SIGHUP, a shell script's ``cmd &`` SIGINT). The watchdog is disarmed when the block
+    ends."""
     latch = SignalLatch(deadline)
     previous: dict[signal.Signals, Any] = {}
     try:
         for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored by whoever started us (`nohup`: SIGHUP; `cmd &` in a script: SIGINT)
             previous[sig] = signal.signal(sig, latch)
     except ValueError:  # not the main thread
         yield latch

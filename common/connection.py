@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from rlmq.common.errors import RedisUnavailableError
+from rlmq.common.errors import ConfigError, RedisUnavailableError
 
 SOCKET_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 5.0
@@ -43,9 +43,13 @@ def check_redis(url: str, *, timeout: float = CHECK_TIMEOUT) -> None:
         RedisUnavailableError: it did not answer within ``timeout`` seconds, refused the
             connection, or refused the password (``auth=True``); the message names the URL
             (password masked) and what went wrong.
+        ConfigError: ``url`` is not a Redis URL.
     """
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     where = mask_url(url)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    except ValueError as exc:
+        raise ConfigError(f"not a Redis URL: {where} ({exc})") from exc
     try:
         client.ping()
     except redis.AuthenticationError as exc:

@@ -219,7 +219,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rlmq.cli.demo import needle_rows
     from rlmq.cli.local import LocalFleet
 
-    check_output(args.output)
+    check_output(args.output, run_dir=args.run_dir)
     settings0 = load_settings()
     rows = [DatasetRow.model_validate(r) for r in needle_rows(args.rollouts, min_chars=args.min_chars)]
     if not rows:
@@ -241,7 +241,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from rlmq.cli.local import LocalFleet
 
-    check_output(args.output)
+    check_output(args.output, args.dataset, args.run_dir)
     rows = load_rows(args.dataset)
     sub_model = args.sub_model or args.model
     base = load_settings()

@@ -33,12 +33,16 @@ if TYPE_CHECKING:
     from rlmq.producer.env import RolloutResult
 
 
-def check_output(output: str | None) -> None:
-    """Refuse, before anything starts, an ``--output`` that could not be written.
+def check_output(output: str | None, dataset: str | None = None, run_dir: str | None = None) -> None:
+    """Refuse, before anything starts, an ``--output`` that could not be written (or would
+    overwrite the ``dataset``), and a ``--run-dir`` that is a file.
 
     Raises:
-        ConfigError: its folder does not exist or is not writable, or it is a folder.
+        ConfigError: its folder does not exist or is not writable, it is a folder, it is
+            the dataset, or ``run_dir`` exists and is not a folder.
     """
+    if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} exists and is not a folder")
     if output is None:
         return
     folder = os.path.dirname(os.path.abspath(output))
@@ -48,6 +52,8 @@ def check_output(output: str | None) -> None:
         raise ConfigError(f"--output {output} is a folder; give a file name")
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"--output {output}: the folder {folder} is not writable")
+    if dataset is not None and os.path.exists(output) and os.path.samefile(output, dataset):
+        raise ConfigError(f"--output {output} is the dataset itself; give another file")
 
 
 def load_rows(path: str) -> list[DatasetRow]:

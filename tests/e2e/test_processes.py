@@ -18,6 +18,7 @@ from rlmq.common import keys as K
 from rlmq.common.aio import STOP_DEADLINE_SECONDS
 from rlmq.common.connection import async_client
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
+from tests.e2e.test_signals import as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
 
@@ -66,6 +67,7 @@ def test_demo_stops_everything_it_started_on_a_signal(sig: signal.Signals, tmp_p
         env=child_env(),
         text=True,
         start_new_session=True,
+        preexec_fn=as_from_a_terminal(),
     )
     assert proc.stdout is not None
     lines = []

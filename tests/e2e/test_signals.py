@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -57,13 +57,25 @@ def write_dataset(path: Path, n: int, *, slow_first: float = 0.0) -> list[str]:
     return [str(r["id"]) for r in rows]
 
 
+def as_from_a_terminal(ignore: tuple[signal.Signals, ...] = ()) -> Callable[[], None]:
+    """A ``preexec_fn``: the stop signals at their defaults, as a command typed in a terminal
+    gets them (pytest itself may run with some ignored: a background job in a script ignores
+    SIGINT, ``nohup`` SIGHUP); those in ``ignore`` ignored, as ``nohup`` does."""
+
+    def preexec() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
+
+    return preexec
+
+
 class Command:
     """A running ``rlmq ...`` subprocess whose stdout+stderr is read by a thread."""
 
-    def __init__(self, *args: str, cwd: Path) -> None:
+    def __init__(self, *args: str, cwd: Path, ignore: tuple[signal.Signals, ...] = ()) -> None:
         self.proc = subprocess.Popen(
             rlmq_command(*args), cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True,
+            text=True, start_new_session=True, preexec_fn=as_from_a_terminal(ignore),
         )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -141,11 +153,13 @@ def assert_all_gone(children: list[psutil.Process], timeout: float, output: str)
     assert not alive, f"left running: {[described.get(p.pid) for p in alive]}; output: {output[-2000:]}"
 
 
-def start_run(tmp_path: Path, base_url: str, n: int = 8, *extra: str) -> tuple[Command, str, list[str]]:
+def start_run(
+    tmp_path: Path, base_url: str, n: int = 8, *extra: str, ignore: tuple[signal.Signals, ...] = ()
+) -> tuple[Command, str, list[str]]:
     ids = write_dataset(tmp_path / "ds.jsonl", n)
     cmd = Command(
         "run", "ds.jsonl", "--base-url", base_url, "--model", "scripted", "--output", "rows.jsonl",
-        "--run-dir", "run", "--quiet", "--concurrency", "3", *extra, cwd=tmp_path,
+        "--run-dir", "run", "--quiet", "--concurrency", "3", *extra, cwd=tmp_path, ignore=ignore,
     )  # fmt: skip
     line = cmd.wait_for_line("redis redis://")
     url = line.split()[1]
@@ -205,6 +219,18 @@ def test_two_ctrl_c_stop_at_once_and_leave_nothing(slow_model: str, tmp_path: Pa
         assert (tmp_path / "rows.jsonl").read_text() == '{"id": "earlier"}\n'
         assert "was left as it was" in cmd.text
     print(f"\ntwo Ctrl-Cs: everything stopped {took:.2f} s after the first")
+
+
+def test_a_signal_ignored_by_whoever_started_it_stays_ignored(slow_model: str, tmp_path: Path) -> None:
+    """`nohup rlmq run ...` survives the terminal closing (SIGHUP): rlmq keeps an inherited ignore."""
+    cmd, url, ids = start_run(tmp_path, slow_model, ignore=(signal.SIGHUP,))
+    wait_for_sub_calls_in_flight(url)
+    cmd.proc.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        cmd.proc.wait(timeout=LATENCY)  # still running: a stop would have begun at once
+    assert "SIGHUP" not in cmd.text
+    cmd.proc.send_signal(signal.SIGTERM)
+    assert cmd.wait(STOP_DEADLINE_SECONDS + 5) == 143, cmd.text
 
 
 def test_sigkill_of_run_leaves_no_process_behind(slow_model: str, tmp_path: Path) -> None:
@@ -356,7 +382,7 @@ def test_the_watchdog_ends_a_stop_that_hangs(tmp_path: Path) -> None:
     registered children and exits 128 + signal."""
     proc = subprocess.Popen(
         [sys.executable, "-c", STUCK], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=as_from_a_terminal(),
     )  # fmt: skip
     assert proc.stdout is not None
     ready = proc.stdout.readline().split()

@@ -11,7 +11,7 @@ import redis
 
 from rlmq.cli.exits import EXIT_INTERNAL, EXIT_REDIS, EXIT_USAGE, explain
 from rlmq.cli.results import ResultSink, check_output, load_rows
-from rlmq.common.connection import mask_url
+from rlmq.common.connection import check_redis, mask_url
 from rlmq.common.errors import ConfigError, EmbeddedRedisError, PayloadError, RedisUnavailableError
 from rlmq.common.schemas import DatasetRow, ResultRow
 from rlmq.producer.env import RolloutResult
@@ -55,6 +55,17 @@ def test_output_checks(tmp_path: Path) -> None:
         check_output(str(tmp_path / "nope" / "rows.jsonl"))
     with pytest.raises(ConfigError, match="is a folder"):
         check_output(str(tmp_path))
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text("{}\n")
+    with pytest.raises(ConfigError, match="is the dataset itself"):
+        check_output(str(tmp_path / "." / "ds.jsonl"), str(ds))
+    with pytest.raises(ConfigError, match="--run-dir .* is not a folder"):
+        check_output(None, run_dir=str(ds))
+
+
+def test_a_url_that_is_not_redis_is_a_usage_error() -> None:
+    with pytest.raises(ConfigError, match=r"not a Redis URL: foo://:\*\*\*@x"):
+        check_redis("foo://:pw@x")
 
 
 def test_dataset_checks(tmp_path: Path) -> None:
