@@ -52,7 +52,7 @@ def check_output(output: str | None, dataset: str | None = None, run_dir: str | 
         raise ConfigError(f"--output {output} is a folder; give a file name")
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"--output {output}: the folder {folder} is not writable")
-    if dataset is not None and os.path.exists(output) and os.path.samefile(output, dataset):
+    if dataset and os.path.exists(output) and os.path.exists(dataset) and os.path.samefile(output, dataset):
         raise ConfigError(f"--output {output} is the dataset itself; give another file")
 
 
