@@ -552,5 +552,12 @@ class RLMEnv:
             if on_done is not None:
                 on_done(res)
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(rows)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # gather ends at the first cancelled rollout; the others may still be closing their
+            # REPLs. Wait for every one, so none outlives the environment (a REPL left running).
+            await cancel_and_wait(tasks)
+            raise
         return [r for r in out if r is not None]

@@ -26,12 +26,17 @@ from rlmq.common.children import die_with_parent
 from rlmq.common.errors import RlmqError
 from rlmq.common.redis_server import EmbeddedRedis
 
-STOP_SECONDS = 10.0
-"""How long children get between SIGTERM and SIGKILL when a :class:`ProcessGroup` stops."""
+STOP_SECONDS = 5.0
+"""How long children get between SIGTERM and SIGKILL when a :class:`ProcessGroup` stops
+(a :class:`LocalFleet` adds its workers' grace)."""
 
-WORKER_GRACE_SECONDS = 1.0
-"""``rlmq worker --grace`` of locally started workers: the rollouts that wait for their
-in-flight sub-calls are gone when the fleet stops, so these are handed back almost at once."""
+WORKER_GRACE_SECONDS = 30.0
+"""``rlmq worker --grace`` of a :class:`LocalFleet`'s workers unless it is told otherwise
+(``rlmq run`` / ``rlmq demo`` give theirs :data:`COMMAND_WORKER_GRACE_SECONDS`)."""
+
+COMMAND_WORKER_GRACE_SECONDS = 1.0
+"""``--grace`` of the workers ``rlmq run`` / ``rlmq demo`` start: when that fleet stops, the
+rollouts that wait for the in-flight sub-calls are gone, so these are handed back at once."""
 
 _PORT_LINE = re.compile(r"http://[\d.]+:(\d+)/v1")
 
@@ -199,6 +204,11 @@ class LocalFleet:
         self.group = ProcessGroup(log_dir)
         self._redis: EmbeddedRedis | None = None
 
+    @property
+    def stop_seconds(self) -> float:
+        """At most how long :meth:`stop` waits before it kills: the workers' grace + :data:`STOP_SECONDS`."""
+        return self.worker_grace + STOP_SECONDS
+
     def start(self) -> LocalFleet:
         try:
             if self.redis_url is None:
@@ -250,9 +260,9 @@ class LocalFleet:
             client.close()
 
     def stop(self) -> None:
-        """Stop the workers and the scripted model (SIGTERM, SIGKILL after :data:`STOP_SECONDS`),
-        then the embedded Redis. Safe to call twice."""
-        self.group.stop()
+        """Stop the workers and the scripted model (SIGTERM, then SIGKILL after the workers'
+        grace plus :data:`STOP_SECONDS`), then the embedded Redis. Safe to call twice."""
+        self.group.stop(timeout=self.stop_seconds)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
@@ -267,5 +277,5 @@ class LocalFleet:
             what = [f"{len(self.group.procs)} local process(es) (workers hand back in-flight sub-calls)"]
             if self._redis is not None:
                 what.append(f"the embedded Redis {self.redis_url}")
-            self.say(f"rlmq: stopping {' and '.join(what)}, at most {STOP_SECONDS:g} s")
+            self.say(f"rlmq: stopping {' and '.join(what)}, at most {self.stop_seconds:g} s")
         self.stop()

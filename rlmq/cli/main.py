@@ -217,7 +217,7 @@ def _evaluate(
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlmq.cli.demo import needle_rows
-    from rlmq.cli.local import LocalFleet
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
 
     check_output(args.output, run_dir=args.run_dir)
     settings0 = load_settings()
@@ -232,14 +232,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if settings0.redis_url:
         check_redis(settings0.redis_url)
     log_dir = tempfile.mkdtemp(prefix="rlmq-demo-logs-")
-    fleet = LocalFleet(redis_url=settings0.redis_url, model="scripted", workers=args.workers, log_dir=log_dir, say=say)
+    fleet = LocalFleet(
+        redis_url=settings0.redis_url,
+        model="scripted",
+        workers=args.workers,
+        worker_grace=COMMAND_WORKER_GRACE_SECONDS,
+        log_dir=log_dir,
+        say=say,
+    )
     settings = _settings_from(args, redis_url=settings0.redis_url or "redis://embedded", model="scripted")
 
     return _evaluate(args, rows, settings, {"worker_logs": log_dir}, fleet, model="scripted")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlmq.cli.local import LocalFleet
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
 
     check_output(args.output, args.dataset, args.run_dir)
     rows = load_rows(args.dataset)
@@ -270,6 +277,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             workers=args.workers,
             worker_args=worker_args,
             worker_env={"RLMQ_API_KEY": settings.api_key.get_secret_value()},
+            worker_grace=COMMAND_WORKER_GRACE_SECONDS,
             say=say,
         )
     return _evaluate(args, rows, settings, {"sub_model": sub_model, "dataset": args.dataset}, fleet,

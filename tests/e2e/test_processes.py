@@ -18,7 +18,7 @@ from rlmq.common import keys as K
 from rlmq.common.aio import STOP_DEADLINE_SECONDS
 from rlmq.common.connection import async_client
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
-from tests.e2e.test_signals import as_from_a_terminal
+from tests.e2e.test_signals import as_from_a_terminal, describe
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +83,7 @@ def test_demo_stops_everything_it_started_on_a_signal(sig: signal.Signals, tmp_p
         assert time.monotonic() < deadline and proc.poll() is None, "no rollout finished"
         time.sleep(0.05)  # polling the demo's output file, bounded by the deadline
     children = psutil.Process(proc.pid).children(recursive=True)
-    described = {p.pid: " ".join(p.cmdline()[:4]) for p in children}
+    described = {p.pid: describe(p) for p in children}
     assert len(children) >= 4, described  # redis, scripted model, 2 workers (and REPLs)
     t0 = time.monotonic()
     proc.send_signal(sig)

@@ -142,13 +142,16 @@ def wait_for_lines(path: Path, n: int, timeout: float = 90.0) -> None:
     pytest.fail(f"{path} did not reach {n} line(s) within {timeout:g} s")
 
 
+def describe(p: psutil.Process) -> str:
+    """The start of ``p``'s command line, or ``(ended)`` when it has just ended."""
+    try:
+        return " ".join(p.cmdline()[:4])
+    except psutil.Error:
+        return "(ended)"
+
+
 def assert_all_gone(children: list[psutil.Process], timeout: float, output: str) -> None:
-    described = {}
-    for p in children:
-        try:
-            described[p.pid] = " ".join(p.cmdline()[:4])
-        except psutil.Error:
-            described[p.pid] = "(gone)"
+    described = {p.pid: describe(p) for p in children}
     _, alive = psutil.wait_procs(children, timeout=timeout)
     assert not alive, f"left running: {[described.get(p.pid) for p in alive]}; output: {output[-2000:]}"
 
@@ -175,7 +178,7 @@ def test_one_signal_stops_run_and_everything_it_started_keeping_what_finished(
     wait_for_lines(tmp_path / "rows.jsonl.partial", 1)  # a rollout has finished...
     wait_for_sub_calls_in_flight(url)  # ...and others have sub-calls in flight
     children = cmd.children()
-    assert len(children) >= 3, [c.cmdline()[:3] for c in children]  # redis, 2 workers (+ REPLs)
+    assert len(children) >= 3, [describe(c) for c in children]  # redis, 2 workers (+ REPLs)
     t0 = time.monotonic()
     cmd.proc.send_signal(sig)
     rc = cmd.wait(STOP_DEADLINE_SECONDS + 5)
