@@ -100,6 +100,16 @@ class SignalLatch:
             with contextlib.suppress(Exception):
                 kill()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A block a first signal does not interrupt (it is counted, announced and the watchdog
+        armed; the block runs to its end): writing the results of a run that has finished."""
+        previous, self.on_interrupt = self.on_interrupt, _count_only
+        try:
+            yield
+        finally:
+            self.on_interrupt = previous
+
     def cancel_watchdog(self) -> None:
         """Disarm the watchdog (the orderly stop has finished)."""
         if self._watchdog is not None:

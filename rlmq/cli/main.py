@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import tempfile
 import time
@@ -17,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from rlmq.cli import worker as worker_cli
 from rlmq.cli.exits import EXIT_INTERNAL, explain, say
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
+from rlmq.common.aio import current_latch, signal_latch
 from rlmq.common.aio import run as run_loop
-from rlmq.common.aio import signal_latch
 from rlmq.common.connection import check_redis, mask_url
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
@@ -212,7 +213,9 @@ def _evaluate(
     except KeyboardInterrupt:
         finish(args, sink, settings, started, meta, interrupted=True)
         raise
-    return finish(args, sink, settings, started, meta)
+    latch = current_latch()
+    with latch.held() if latch is not None else contextlib.nullcontext():  # the run is done: keep all of it
+        return finish(args, sink, settings, started, meta)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
