@@ -115,10 +115,12 @@ class EmbeddedRedis:
                 except redis.ConnectionError:
                     pass
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise EmbeddedRedisError(f"redis-server did not answer on port {self.port} in time")
                 # Polling a process we just spawned for readiness; there is no event to wait on.
                 time.sleep(0.02)
+        except BaseException:  # also a Ctrl-C while it starts: never leave it running (or unreaped)
+            self.stop()
+            raise
         finally:
             client.close()
 
