@@ -371,8 +371,8 @@ from rlmq.common.aio import signal_latch
 with signal_latch(deadline=1.0):
     group = ProcessGroup()
     group.spawn(["sleep", "300"], "sleeper")
-    print("ready", group.procs[0].pid, flush=True)
     try:
+        print("ready", group.procs[0].pid, flush=True)
         time.sleep(300)
     except KeyboardInterrupt:
         while True:  # a stop that never finishes (a hung finalizer, a library that ignores the cancel)
