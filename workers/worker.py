@@ -187,7 +187,8 @@ class SubLLMWorker:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.add_signal_handler(sig, self.request_stop)
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup rlmq worker` keeps SIGHUP ignored
+                    loop.add_signal_handler(sig, self.request_stop)
         log.info(
             "worker %s serving queue %s with up to %d sub-calls in flight", self.name, self.queue, self.concurrency
         )

@@ -303,9 +303,13 @@ async def _batch_in_flight(redis_url: str, model: str, n: int) -> tuple[asyncio.
     return task, client
 
 
-def start_worker(redis_url: str, base_url: str, model: str, tmp_path: Path, *extra: str) -> Command:
-    env_url = ["--redis-url", redis_url]
-    return Command("worker", "--base-url", base_url, "--model", model, *env_url, *extra, cwd=tmp_path)
+def start_worker(
+    redis_url: str, base_url: str, model: str, tmp_path: Path, *extra: str, ignore: tuple[signal.Signals, ...] = ()
+) -> Command:
+    return Command(
+        "worker", "--base-url", base_url, "--model", model, "--redis-url", redis_url, *extra, cwd=tmp_path,
+        ignore=ignore,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
@@ -347,6 +351,17 @@ async def test_second_signal_hands_back_at_once(slow_model: str, redis_url: str,
     assert "handing back in-flight sub-calls now" in cmd.text
     assert "handed back" in cmd.text
     assert took < LATENCY + 5, f"took {took:.1f} s with --grace 60"
+
+
+def test_a_nohup_worker_ignores_sighup(slow_model: str, redis_url: str, tmp_path: Path) -> None:
+    model = f"nohup-{uuid.uuid4().hex[:6]}"
+    cmd = start_worker(redis_url, slow_model, model, tmp_path, ignore=(signal.SIGHUP,))
+    LocalFleet(redis_url=redis_url, model=model, workers=0).wait_for_workers(1)
+    cmd.proc.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        cmd.proc.wait(timeout=2)  # still serving
+    cmd.proc.send_signal(signal.SIGTERM)
+    assert cmd.wait(40) == 0, cmd.text
 
 
 def test_worker_started_before_redis_waits_for_it(tmp_path: Path) -> None:
