@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import threading
 from collections.abc import Callable, Collection, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 RECANCEL_SECONDS = 1.0
-"""After Ctrl-C, how often the main coroutine is cancelled again while it still runs."""
+"""After a stop signal, how often the main coroutine is cancelled again while it still runs."""
 
 RECANCEL_TASK_SECONDS = 0.1
 """How often :func:`cancel_and_wait` cancels again the tasks that have not ended yet."""
@@ -31,68 +33,183 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-class SigintLatch:
-    """The SIGINT handler of an ``rlmq`` command: it counts every Ctrl-C.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop an ``rlmq`` command: Ctrl-C, ``kill`` / ``timeout`` / a job scheduler,
+and a closed terminal."""
 
-    Outside an event loop it raises ``KeyboardInterrupt`` as Python's default handler does;
+STOP_DEADLINE_SECONDS = 20.0
+"""After the first stop signal, the command and everything it started have ended within this
+many seconds: when the orderly stop has not finished by then, the children still registered
+with :meth:`SignalLatch.on_hurry` are killed and the process exits (code 128 + signal)."""
+
+
+class SignalLatch:
+    """The stop-signal handler of an ``rlmq`` command (SIGINT, SIGTERM, SIGHUP): it counts them.
+
+    The first signal starts an orderly stop: outside an event loop it raises
+    ``KeyboardInterrupt`` as Python's default SIGINT handler does; inside :func:`run` it
+    cancels the main coroutine instead. It also arms a watchdog: if the process still runs
+    ``deadline`` seconds later, the children registered with :meth:`on_hurry` are killed and
+    the process exits with ``128 + signal``. A second signal never raises (it would cut the
+    orderly stop short and leave children behind): it kills the registered children at once,
+    and the orderly stop goes on without waiting for them.
+
     Python drops an exception raised while a finalizer (``__del__``) runs, so the count is
     what :func:`run` trusts: a command that was interrupted before its loop started stops
-    there. Inside :func:`run` it cancels the main coroutine instead.
+    there. What the latch does is written to stderr (``say``), one line per signal.
+
+    Args:
+        deadline: seconds from the first signal to the watchdog's hard stop (``None``: no watchdog).
+        say: where the one-line notices go (default: stderr, written with ``os.write``, which
+            is safe inside a signal handler).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, deadline: float | None = STOP_DEADLINE_SECONDS, say: Callable[[str], None] | None = None
+    ) -> None:
         self.count = 0
+        self.first: int | None = None
+        self.deadline = deadline
         self.on_interrupt: Callable[[], None] | None = None
+        self.stopping_note = "stopping"
+        self._say = say or _say
+        self._hurry: dict[int, Callable[[], None]] = {}
+        self._next_id = 0
+        self._watchdog: threading.Timer | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal number`` of the first signal (130 for SIGINT, 143 SIGTERM, 129 SIGHUP)."""
+        return 128 + int(self.first if self.first is not None else signal.SIGINT)
+
+    def on_hurry(self, kill: Callable[[], None]) -> Callable[[], None]:
+        """Register ``kill`` (it must not block): called on a second signal and by the watchdog.
+
+        Returns:
+            A function that unregisters it (call it once the children have ended).
+        """
+        self._next_id += 1
+        key = self._next_id
+        self._hurry[key] = kill
+        return lambda: self._hurry.pop(key, None) and None
+
+    def hurry(self) -> None:
+        """Kill every registered set of children now (they are unregistered)."""
+        kills, self._hurry = list(self._hurry.values()), {}
+        for kill in kills:
+            with contextlib.suppress(Exception):
+                kill()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """A block a first signal does not interrupt (it is counted, announced and the watchdog
+        armed; the block runs to its end): writing the results of a run that has finished."""
+        previous, self.on_interrupt = self.on_interrupt, _count_only
+        try:
+            yield
+        finally:
+            self.on_interrupt = previous
+
+    def cancel_watchdog(self) -> None:
+        """Disarm the watchdog (the orderly stop has finished)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _hard_stop(self) -> None:
+        self._say(f"rlmq: still stopping after {self.deadline:g} s; killing what is left and exiting")
+        self.hurry()
+        os._exit(self.exit_code)
 
     def __call__(self, signum: int, frame: object) -> None:
         self.count += 1
+        name = signal.Signals(signum).name
+        if self.count > 1:
+            self._say(f"rlmq: {name} again: stopping at once (children killed; finished rollouts are still saved)")
+            self.hurry()
+            return
+        self.first = signum
+        if self.deadline is not None:
+            self._watchdog = threading.Timer(self.deadline, self._hard_stop)
+            self._watchdog.daemon = True
+            self._watchdog.start()
+        self._say(
+            f"rlmq: {name}: {self.stopping_note} (within {self.deadline:g} s; send it again to stop at once)"
+            if self.deadline is not None
+            else f"rlmq: {name}: {self.stopping_note}"
+        )
         if self.on_interrupt is not None:
             self.on_interrupt()
             return
         raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
-def sigint_latch() -> Iterator[SigintLatch]:
-    """Install a :class:`SigintLatch` as the SIGINT handler for the block (main thread only;
-    elsewhere the latch is returned but not installed), and restore the previous one after."""
-    latch = SigintLatch()
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, (text + "\n").encode())
+
+
+def current_latch() -> SignalLatch | None:
+    """The :class:`SignalLatch` installed for SIGINT (by :func:`signal_latch`), if any."""
     try:
-        previous = signal.signal(signal.SIGINT, latch)
+        handler = signal.getsignal(signal.SIGINT)
+    except ValueError:  # pragma: no cover - no signals in this interpreter
+        return None
+    return handler if isinstance(handler, SignalLatch) else None
+
+
+@contextlib.contextmanager
+def signal_latch(deadline: float | None = STOP_DEADLINE_SECONDS) -> Iterator[SignalLatch]:
+    """Install a :class:`SignalLatch` as the handler of :data:`STOP_SIGNALS` for the block
+    (main thread only; elsewhere the latch is returned but not installed), and restore the
+    previous handlers after. A signal this process inherited as ignored stays ignored (``nohup``
+    ignores SIGHUP, a shell script's ``cmd &`` SIGINT). The watchdog is disarmed when the block
+    ends."""
+    latch = SignalLatch(deadline)
+    previous: dict[signal.Signals, Any] = {}
+    try:
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # ignored by whoever started us (`nohup`: SIGHUP; `cmd &` in a script: SIGINT)
+            previous[sig] = signal.signal(sig, latch)
     except ValueError:  # not the main thread
         yield latch
         return
     try:
         yield latch
     finally:
-        if signal.getsignal(signal.SIGINT) is latch:
-            signal.signal(signal.SIGINT, previous)
+        latch.cancel_watchdog()
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is latch:
+                signal.signal(sig, handler)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to completion on a fresh event loop (uvloop when installed), like ``asyncio.run``.
 
-    Ctrl-C (SIGINT) cancels ``main``, as ``asyncio.run`` does, but does not rely on that one
+    A stop signal (:data:`STOP_SIGNALS`: Ctrl-C, SIGTERM, SIGHUP) cancels ``main``, as Ctrl-C
+    does under ``asyncio.run``, but does not rely on that one
     cancellation arriving: redis-py's asyncio client now and then swallows a cancellation
     that lands inside a command (measured with redis-py 8.1: about one cancel in four of a
     ``PING`` under uvloop, one in seventy on asyncio's own loop), and ``main`` would then run
     on as if nothing happened. So while ``main`` still runs it is cancelled again every
     ``RECANCEL_SECONDS``, and when it ends, however it ends, ``KeyboardInterrupt`` is raised.
-    Under :func:`sigint_latch` (the ``rlmq`` commands), a Ctrl-C that came before the loop
-    started stops the run before ``main`` begins. A command that installs its own SIGINT
-    handler inside ``main`` (the worker's graceful stop) replaces this one.
+    Under :func:`signal_latch` (the ``rlmq`` commands), a Ctrl-C that came before the loop
+    started stops the run before ``main`` begins; without a latch, one is installed for the
+    run (with no watchdog). A command that installs its own signal handlers inside ``main``
+    (the worker's graceful stop) replaces this one for those signals.
 
     Raises:
-        KeyboardInterrupt: SIGINT arrived while ``main`` ran (or, under a latch, before).
+        KeyboardInterrupt: a stop signal arrived while ``main`` ran (or, under a latch, before).
     """
-    current = signal.getsignal(signal.SIGINT)
-    if isinstance(current, SigintLatch):
+    current = current_latch()
+    if current is not None:
         return _run(main, current)
-    with sigint_latch() as latch:
+    with signal_latch(deadline=None) as latch:
         return _run(main, latch)
 
 
-def _run(main: Coroutine[Any, Any, T], latch: SigintLatch) -> T:
+def _run(main: Coroutine[Any, Any, T], latch: SignalLatch) -> T:
     if latch.count:
         main.close()  # never started
         raise KeyboardInterrupt
@@ -115,10 +232,10 @@ def _run(main: Coroutine[Any, Any, T], latch: SigintLatch) -> T:
 
 
 def _count_only() -> None:
-    """:attr:`SigintLatch.on_interrupt` while no coroutine can be cancelled: the count is all."""
+    """:attr:`SignalLatch.on_interrupt` while no coroutine can be cancelled: the count is all."""
 
 
-async def _interruptible(main: Coroutine[Any, Any, T], latch: SigintLatch) -> T:
+async def _interruptible(main: Coroutine[Any, Any, T], latch: SignalLatch) -> T:
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None

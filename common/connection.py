@@ -8,6 +8,9 @@ URLs (TLS) and passwords in the URL work as redis-py parses them.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import redis
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -16,8 +19,83 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from rlmq.common.errors import ConfigError, RedisUnavailableError
+
 SOCKET_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 5.0
+CHECK_TIMEOUT = 3.0
+"""Seconds :func:`check_redis` gives one ``PING`` (connect included)."""
+
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^/\s]*@")
+
+
+def mask_url(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``
+    (``redis://:s3cret@h:6379/0`` -> ``redis://:***@h:6379/0``); other text is unchanged.
+    The one URL masker of rlmq: messages, ``meta.json``, ``rlmq status`` and argv all use it."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
+
+
+def check_redis(url: str, *, timeout: float = CHECK_TIMEOUT) -> None:
+    """``PING`` the Redis at ``url`` once, with no retry.
+
+    Raises:
+        RedisUnavailableError: it did not answer within ``timeout`` seconds, refused the
+            connection, or refused the password (``auth=True``); the message names the URL
+            (password masked) and what went wrong.
+        ConfigError: ``url`` is not a Redis URL.
+    """
+    where = mask_url(url)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    except ValueError as exc:
+        raise ConfigError(f"not a Redis URL: {where} ({exc})") from exc
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise RedisUnavailableError(f"Redis at {where} refused the credentials: {exc}", auth=True) from exc
+    except redis.ResponseError as exc:  # NOAUTH on servers redis-py does not map, and the like
+        auth = "auth" in str(exc).lower()
+        raise RedisUnavailableError(f"Redis at {where} refused the connection: {exc}", auth=auth) from exc
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise RedisUnavailableError(f"cannot reach Redis at {where}: {exc}") from exc
+    finally:
+        client.close()
+
+
+def wait_for_redis(
+    url: str, *, say: Callable[[str], None], max_wait: float | None = None, max_backoff: float = 10.0
+) -> None:
+    """Block until the Redis at ``url`` answers, retrying with exponential backoff (tenacity:
+    0.5 s doubling up to ``max_backoff`` seconds, with jitter), and ``say`` each retry.
+
+    Args:
+        max_wait: give up after this many seconds (``None``: wait as long as it takes).
+
+    Raises:
+        RedisUnavailableError: the credentials were refused (waiting would not help), or
+            ``max_wait`` passed.
+    """
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential_jitter
+
+    def retryable(exc: BaseException) -> bool:
+        return isinstance(exc, RedisUnavailableError) and not exc.auth
+
+    def before_sleep(state: object) -> None:
+        outcome = getattr(state, "outcome", None)
+        wait = getattr(getattr(state, "next_action", None), "sleep", 0.0)
+        exc = outcome.exception() if outcome is not None else None
+        say(f"{str(exc).rstrip('.')}; retrying in {wait:.1f} s (waiting for Redis)")
+
+    for attempt in Retrying(
+        retry=retry_if_exception(retryable),
+        wait=wait_exponential_jitter(initial=0.5, max=max_backoff, jitter=0.25),
+        stop=stop_never if max_wait is None else stop_after_delay(max_wait),
+        before_sleep=before_sleep,
+        reraise=True,
+    ):
+        with attempt:
+            check_redis(url)
 
 
 def async_client(url: str, *, max_connections: int = 1024) -> Redis:

@@ -7,6 +7,7 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
     ├── PayloadError           a job, result or request body failed pydantic validation
     ├── EmbeddedRedisError     no embedded redis-server could be started
     ├── WorkerFailed           a worker's long-lived task kept failing: the process exits non-zero
+    ├── RedisUnavailableError  a Redis did not answer, or refused the password
     ├── SubLLMError            one sub-LLM call failed
     │   └── ModelError         the model server failed after the retry layer gave up
     └── ReplError              the rollout's Python REPL
@@ -41,6 +42,19 @@ class WorkerFailed(RlmqError):
     """A worker's long-lived task (flush, heartbeat, reaper, wake listener) kept failing after
     its restarts; the worker stopped, and its process exits non-zero so that its supervisor
     starts a fresh one (the reaper of the others re-queues whatever it handed back)."""
+
+
+class RedisUnavailableError(RlmqError):
+    """A Redis did not answer, or refused the connection's password; the message names it
+    (the URL with its password masked).
+
+    Attributes:
+        auth: ``True`` when Redis answered but refused the credentials (waiting will not help).
+    """
+
+    def __init__(self, message: str, *, auth: bool = False) -> None:
+        super().__init__(message)
+        self.auth = auth
 
 
 class SubLLMError(RlmqError):

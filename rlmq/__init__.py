@@ -8,24 +8,44 @@ The public API, for a trainer or an evaluation script::
 
     from rlmq import RLMEnv, Settings, DatasetRow, load_settings
 
-Importing ``rlmq`` connects to nothing and imports nothing optional (no verifiers).
+Importing ``rlmq`` connects to nothing and imports nothing optional (no verifiers). The names
+above are imported on first use (PEP 562), so ``import rlmq.cli.main`` (every ``rlmq``
+command) does not first load the openai client, pydantic and redis: a command installs its
+signal handlers within a few hundred milliseconds of starting.
 
 With the ``verifiers`` extra, ``rlmq`` is also a verifiers v1 plug-in id: verifiers' loader
 imports the module named by the id and takes the ``Harness`` / ``Taskset`` / ``Env``
 subclasses listed in its ``__all__``. ``RlmqHarness``, ``RlmqTaskset`` and ``RlmqEnv`` (the
 taskset's env) are listed there when verifiers is installed (found, not imported) and
-resolved lazily (PEP 562 ``__getattr__``) from :mod:`rlmq.verifiers_plugin`, so only asking
-for one of them imports verifiers; without the extra, ``from rlmq import *`` still works.
+resolved lazily from :mod:`rlmq.verifiers_plugin`, so only asking for one of them imports
+verifiers; without the extra, ``from rlmq import *`` still works.
 """
 
 from __future__ import annotations
 
+import importlib
 from importlib.util import find_spec
+from typing import TYPE_CHECKING, Any
 
-from rlmq.common.errors import ConfigError, RlmqError
-from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMRequest, SubLLMResult, read_dataset
-from rlmq.common.settings import Settings, load_settings
-from rlmq.producer.env import RLMEnv, RolloutResult
+if TYPE_CHECKING:
+    from rlmq.common.errors import ConfigError, RlmqError
+    from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMRequest, SubLLMResult, read_dataset
+    from rlmq.common.settings import Settings, load_settings
+    from rlmq.producer.env import RLMEnv, RolloutResult
+
+_WHERE = {
+    "ConfigError": "rlmq.common.errors",
+    "RlmqError": "rlmq.common.errors",
+    "DatasetRow": "rlmq.common.schemas",
+    "ResultRow": "rlmq.common.schemas",
+    "SubLLMRequest": "rlmq.common.schemas",
+    "SubLLMResult": "rlmq.common.schemas",
+    "read_dataset": "rlmq.common.schemas",
+    "Settings": "rlmq.common.settings",
+    "load_settings": "rlmq.common.settings",
+    "RLMEnv": "rlmq.producer.env",
+    "RolloutResult": "rlmq.producer.env",
+}
 
 _PLUGIN = ("RlmqEnv", "RlmqHarness", "RlmqTaskset")
 """verifiers plug-in classes, resolved on first access (see the module docstring)."""
@@ -47,14 +67,20 @@ if find_spec("verifiers") is not None:  # the extra is installed: export the plu
     __all__ += _PLUGIN
 
 
-def __getattr__(name: str) -> object:
-    """``rlmq.RlmqHarness`` / ``rlmq.RlmqTaskset`` / ``rlmq.RlmqEnv``: imported from
-    :mod:`rlmq.verifiers_plugin` on first access.
+def __getattr__(name: str) -> Any:
+    """The public names, imported from their modules on first use; the verifiers plug-in
+    classes (``RlmqHarness``, ``RlmqTaskset``, ``RlmqEnv``) from :mod:`rlmq.verifiers_plugin`.
 
     Raises:
         AttributeError: any other missing name.
-        ImportError: verifiers is not installed (``pip install 'rlmq[verifiers]'``).
+        ImportError: a plug-in class was asked for and verifiers is not installed
+            (``pip install 'rlmq[verifiers]'``).
     """
+    module = _WHERE.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
     if name in _PLUGIN:
         try:
             from rlmq import verifiers_plugin

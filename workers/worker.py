@@ -126,6 +126,8 @@ class SubLLMWorker:
         self.fetcher = Fetcher(self)
         self.upkeep = Upkeep(self)
         self.stopping = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second stop request: hand in-flight jobs back now
+        self._flush_lock = asyncio.Lock()  # one FINISH round at a time (see _flush_once)
         self.processed = 0
         """Sub-calls that produced a result (recorded or about to be)."""
         self.failure: tuple[str, BaseException] | None = None
@@ -135,7 +137,11 @@ class SubLLMWorker:
     # ------------------------------------------------------------------ lifecycle
 
     def request_stop(self) -> None:
-        """Stop taking jobs; in-flight jobs finish (or are handed back after the grace period)."""
+        """Stop taking jobs; in-flight jobs finish (or are handed back after the grace period).
+        A second request (a second SIGINT / SIGTERM / SIGHUP) hands them back at once."""
+        if self.stopping.is_set() and self.failure is None:
+            log.warning("worker %s: stop requested again: handing back in-flight sub-calls now", self.name)
+            self._hurry.set()
         self.stopping.set()
         self.jobs.slot_free.set()
 
@@ -171,8 +177,9 @@ class SubLLMWorker:
         rq_worker = self.upkeep.register_birth()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup rlmq worker` keeps SIGHUP ignored
+                    loop.add_signal_handler(sig, self.request_stop)
         log.info(
             "worker %s serving queue %s with up to %d sub-calls in flight", self.name, self.queue, self.concurrency
         )
@@ -195,7 +202,7 @@ class SubLLMWorker:
             with contextlib.suppress(Exception):
                 await self._flush_once()
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                for sig in (signal.SIGTERM, signal.SIGINT):
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
             await self.ledger.aclose()
@@ -210,8 +217,12 @@ class SubLLMWorker:
         tasks = self.jobs.tasks
         if tasks:
             log.info("worker %s: waiting up to %.0f s for %d in-flight sub-calls", self.name, grace, len(tasks))
-            _, pending = await asyncio.wait(set(tasks), timeout=grace)
-            await cancel_and_wait(pending)
+            running = set(tasks)
+            waiters = {asyncio.ensure_future(asyncio.wait(running)), asyncio.ensure_future(self._hurry.wait())}
+            await asyncio.wait(waiters, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            await cancel_and_wait(waiters | {t for t in running if not t.done()})
+        # Waits for a FINISH round the flush task may have in flight: the jobs it carries are
+        # still tracked until it returns, and handing them back now would run them twice.
         with contextlib.suppress(redis.RedisError, OSError):
             await self._flush_once()
         for queue, members in self.jobs.members_by_queue().items():
@@ -360,6 +371,16 @@ class SubLLMWorker:
         )  # fmt: skip
 
     async def _flush_once(self) -> None:
+        """Record the finished jobs held now (one FINISH per queue, in one round trip).
+
+        Serialised by a lock: the flush task and the shutdown path (``_drain``) may both call
+        it, and a caller that finds a round in flight waits for it instead of seeing an empty
+        list while those jobs are still tracked as in flight.
+        """
+        async with self._flush_lock:
+            await self._flush_held()
+
+    async def _flush_held(self) -> None:
         self.jobs.done_event.clear()
         if not self.jobs.done:
             return

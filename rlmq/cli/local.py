@@ -1,12 +1,15 @@
 """A whole rlmq deployment on one machine: embedded Redis, worker processes, the scripted model.
 
 Used by ``rlmq demo``, by ``rlmq run`` when no ``REDIS_URL`` is given, by the end-to-end
-tests and by the benchmarks. Everything it starts runs in its own process group and is
-stopped on exit, also on Ctrl-C.
+tests and by the benchmarks. Everything it starts runs in its own process group, is tied to
+this process (``PR_SET_PDEATHSIG``: it gets SIGTERM if this process dies, even by SIGKILL) and
+is stopped on exit: SIGTERM, then SIGKILL after :data:`STOP_SECONDS`. Under an ``rlmq``
+command's :class:`~common.aio.SignalLatch`, a second stop signal kills them at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,11 +17,26 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from rlmq.common.aio import current_latch
+from rlmq.common.children import die_with_parent
 from rlmq.common.errors import RlmqError
 from rlmq.common.redis_server import EmbeddedRedis
+
+STOP_SECONDS = 5.0
+"""How long children get between SIGTERM and SIGKILL when a :class:`ProcessGroup` stops
+(a :class:`LocalFleet` adds its workers' grace)."""
+
+WORKER_GRACE_SECONDS = 30.0
+"""``rlmq worker --grace`` of a :class:`LocalFleet`'s workers unless it is told otherwise
+(``rlmq run`` / ``rlmq demo`` give theirs :data:`COMMAND_WORKER_GRACE_SECONDS`)."""
+
+COMMAND_WORKER_GRACE_SECONDS = 1.0
+"""``--grace`` of the workers ``rlmq run`` / ``rlmq demo`` start: when that fleet stops, the
+rollouts that wait for the in-flight sub-calls are gone, so these are handed back at once."""
 
 _PORT_LINE = re.compile(r"http://[\d.]+:(\d+)/v1")
 
@@ -36,14 +54,17 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class ProcessGroup:
-    """Child processes started in their own sessions, all stopped together.
+    """Child processes started in their own sessions, tied to this process, stopped together.
 
-    Their stdout/stderr go to ``log_dir`` files when given, else are discarded.
+    Their stdout/stderr go to ``log_dir`` files when given, else are discarded. While an
+    ``rlmq`` command's signal latch is installed, the group registers :meth:`kill_now` with
+    it, so a second Ctrl-C (or the latch's watchdog) kills them at once.
     """
 
     def __init__(self, log_dir: str | None = None) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.log_dir = log_dir
+        self._unhook: Callable[[], None] | None = None
 
     def spawn(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         out: Any = subprocess.DEVNULL
@@ -56,29 +77,43 @@ class ProcessGroup:
             stderr=subprocess.STDOUT,
             env=env or child_env(),
             start_new_session=True,
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - prctl only, then exec
         )
+        return self.track(proc)
+
+    def track(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """Add ``proc`` (started in a session of its own) to the group; returns it."""
         self.procs.append(proc)
+        latch = current_latch()
+        if self._unhook is None and latch is not None:
+            self._unhook = latch.on_hurry(self.kill_now)
         return proc
 
-    def stop(self, timeout: float = 35.0) -> None:
+    def kill_now(self) -> None:
+        """SIGKILL every child's process group; does not wait (safe in a signal handler)."""
+        for p in self.procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+
+    def stop(self, timeout: float = STOP_SECONDS) -> None:
         """SIGTERM every child's group, wait up to ``timeout`` seconds, then SIGKILL."""
         for p in self.procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 p.wait()
         self.procs.clear()
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
 
 
 def start_mock_llm(group: ProcessGroup, *, latency: float = 0.0, spend_all: bool = False, timeout: float = 20.0) -> str:
@@ -91,9 +126,14 @@ def start_mock_llm(group: ProcessGroup, *, latency: float = 0.0, spend_all: bool
     if spend_all:
         argv.append("--spend-all")
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env(), start_new_session=True
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env(),
+        start_new_session=True,
+        preexec_fn=die_with_parent(),  # noqa: PLW1509 - prctl only, then exec
     )
-    group.procs.append(proc)
+    group.track(proc)
     assert proc.stdout is not None
     found: list[str] = []
 
@@ -128,7 +168,10 @@ class LocalFleet:
         workers: number of ``rlmq worker`` processes.
         worker_concurrency: in-flight sub-calls per worker.
         worker_args: extra ``rlmq worker`` flags.
+        worker_grace: ``rlmq worker --grace`` (seconds in-flight sub-calls get when the fleet stops).
+        worker_env: extra environment of the workers (``RLMQ_API_KEY``: secrets go here, not in argv).
         log_dir: where child logs go (``None``: discarded).
+        say: called with a line of text when the fleet stops because of a signal.
     """
 
     def __init__(
@@ -142,7 +185,10 @@ class LocalFleet:
         worker_args: list[str] | None = None,
         mock_latency: float = 0.0,
         mock_spend_all: bool = False,
+        worker_grace: float = WORKER_GRACE_SECONDS,
+        worker_env: dict[str, str] | None = None,
         log_dir: str | None = None,
+        say: Callable[[str], None] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.model = model
@@ -152,8 +198,16 @@ class LocalFleet:
         self.worker_args = worker_args or []
         self.mock_latency = mock_latency
         self.mock_spend_all = mock_spend_all
+        self.worker_grace = worker_grace
+        self.worker_env = dict(worker_env or {})
+        self.say = say
         self.group = ProcessGroup(log_dir)
         self._redis: EmbeddedRedis | None = None
+
+    @property
+    def stop_seconds(self) -> float:
+        """At most how long :meth:`stop` waits before it kills: the workers' grace + :data:`STOP_SECONDS`."""
+        return self.worker_grace + STOP_SECONDS
 
     def start(self) -> LocalFleet:
         try:
@@ -174,10 +228,11 @@ class LocalFleet:
         """Start one more ``rlmq worker`` process against this fleet's Redis and model."""
         argv = rlmq_command(
             "worker", "--base-url", str(self.base_url), "--model", self.model,
-            "--concurrency", str(self.worker_concurrency), *self.worker_args, *(extra or []),
+            "--concurrency", str(self.worker_concurrency), "--grace", f"{self.worker_grace:g}",
+            *self.worker_args, *(extra or []),
         )  # fmt: skip
         # The Redis URL (it may hold a password) goes by environment, not argv, which `ps` shows.
-        env = child_env({"RLMQ_REDIS_URL": str(self.redis_url)})
+        env = child_env({**self.worker_env, "RLMQ_REDIS_URL": str(self.redis_url)})
         return self.group.spawn(argv, name, env=env)
 
     def wait_for_workers(self, n: int, timeout: float = 30.0) -> None:
@@ -205,7 +260,9 @@ class LocalFleet:
             client.close()
 
     def stop(self) -> None:
-        self.group.stop()
+        """Stop the workers and the scripted model (SIGTERM, then SIGKILL after the workers'
+        grace plus :data:`STOP_SECONDS`), then the embedded Redis. Safe to call twice."""
+        self.group.stop(timeout=self.stop_seconds)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
@@ -216,4 +273,9 @@ class LocalFleet:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self.say is not None and exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            what = [f"{len(self.group.procs)} local process(es) (workers hand back in-flight sub-calls)"]
+            if self._redis is not None:
+                what.append(f"the embedded Redis {self.redis_url}")
+            self.say(f"rlmq: stopping {' and '.join(what)}, at most {self.stop_seconds:g} s")
         self.stop()

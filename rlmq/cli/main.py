@@ -7,21 +7,26 @@ This module sits above both sides of the queue and imports each plainly: the rol
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
+import contextlib
 import sys
 import tempfile
 import time
-from collections import Counter
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
+from rlmq.cli.exits import EXIT_INTERNAL, explain, say
+from rlmq.cli.results import ResultSink, check_output, finish, load_rows
+from rlmq.common.aio import current_latch, signal_latch
 from rlmq.common.aio import run as run_loop
-from rlmq.common.aio import sigint_latch
-from rlmq.common.errors import RlmqError
-from rlmq.common.schemas import DatasetRow, read_dataset
+from rlmq.common.connection import check_redis, mask_url
+from rlmq.common.errors import ConfigError
+from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import Settings, load_settings
 
 if TYPE_CHECKING:
+    from rlmq.cli.local import LocalFleet
     from rlmq.common.metrics import Metrics
     from rlmq.producer.env import RolloutResult
 
@@ -48,6 +53,7 @@ def _rollout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sub-prompt-verbosity", choices=["light", "medium", "heavy"])
     p.add_argument("--workers", type=int, default=2, help="local workers started when no Redis is given (default 2)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--tenant", help="fair-share key: jobs go to <queue>@<tenant>, served round-robin (default: host name)"
     )
-    run.add_argument("--api-key", help="API key of the model server (default: OPENAI_API_KEY)")
+    run.add_argument(
+        "--api-key",
+        help="API key of the model server(s), also given to local workers (default: RLMQ_API_KEY, else OPENAI_API_KEY)",
+    )
+    run.add_argument(
+        "--sub-tool",
+        action="append",
+        dest="sub_tools",
+        metavar="DOTTED.PATH",
+        help="a tool the sub-LLMs may call (repeatable; local workers allow it, remote ones need --allow-tool)",
+    )
     _rollout_flags(run)
 
     worker = sub.add_parser("worker", help="one worker process serving one model")
@@ -91,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="redraw every SECONDS (default 2)"
     )
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    status.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
     return parser
 
 
@@ -106,70 +123,48 @@ def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
     return load_settings(**values)
 
 
-def summarize(rows: list[dict[str, Any]]) -> str:
-    """Accuracy, stop reasons and mean metrics of result rows, as text."""
-    n = len(rows)
-    graded = [r for r in rows if r["correct"] is not None]
-    right = sum(1 for r in graded if r["correct"])
-    lines = [f"rollouts: {n}"]
-    if graded:
-        lines.append(f"accuracy: {right}/{len(graded)} = {right / len(graded):.1%}")
-    stops = Counter(r["stop_reason"] for r in rows)
-    lines.append("stop reasons: " + ", ".join(f"{k}={v}" for k, v in sorted(stops.items())))
-    errors = [r for r in rows if r.get("error")]
-    for r in errors[:5]:
-        lines.append(f"  error in {r['id']}: {r['error']}")
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r["metrics"] if k not in keys]
-    if keys:
-        lines.append("metrics (mean over rollouts):")
-        for k in keys:
-            vals = [r["metrics"][k] for r in rows if k in r["metrics"]]
-            lines.append(f"  {k:<36} {sum(vals) / len(vals):>14.4f}")
-    return "\n".join(lines)
-
-
 async def evaluate(
     settings: Settings,
     rows: list[DatasetRow],
     *,
     model: str,
-    output: str | None,
+    sink: ResultSink,
     quiet: bool,
     metrics: Metrics | None = None,
+    sub_tools: list[str] | None = None,
 ) -> list[RolloutResult]:
-    """Run the rollouts of ``rows``, writing result rows to ``output`` as they finish.
+    """Run the rollouts of ``rows``; each finished one goes to ``sink`` as it finishes.
 
-    Returns the finished rollouts (row and trajectory) in the rows' order.
+    Returns the finished rollouts (row and trajectory) in the rows' order. Cancelled (a stop
+    signal), it says how many finished and re-raises; ``sink`` keeps those.
     """
     from tqdm import tqdm
 
     from rlmq.producer.env import RLMEnv
 
-    out = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
     bar = tqdm(total=len(rows), desc="rollouts", unit="rollout", disable=quiet, file=sys.stderr)
-    done: list[dict[str, Any]] = []
+    correct = 0
 
     def on_done(res: RolloutResult) -> None:
-        row = res.row.model_dump()
-        done.append(row)
+        nonlocal correct
+        sink.add(res)
         if metrics is not None:
-            metrics.observe_rollout(row)
-        if out:
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+            metrics.observe_rollout(res.row.model_dump())
+        correct += bool(res.row.correct)
         bar.update(1)
-        bar.set_postfix(correct=sum(1 for r in done if r["correct"]))
+        bar.set_postfix(correct=correct)
 
     try:
-        async with RLMEnv(settings=settings, metrics=metrics) as env:
-            results = await env.evaluate(rows, model=model, concurrency=settings.concurrency, on_done=on_done)
+        async with RLMEnv(settings=settings, metrics=metrics, sub_tools=sub_tools or []) as env:
+            try:
+                await env.evaluate(rows, model=model, concurrency=settings.concurrency, on_done=on_done)
+            except asyncio.CancelledError:
+                left = len(rows) - len(sink.results)
+                say(f"rlmq: cancelled {left} unfinished rollout(s); keeping the {len(sink.results)} that finished")
+                raise
     finally:
         bar.close()
-        if out:
-            out.close()
-    return results
+    return sink.results
 
 
 def start_metrics(args: argparse.Namespace) -> Metrics | None:
@@ -184,80 +179,85 @@ def start_metrics(args: argparse.Namespace) -> Metrics | None:
     return metrics
 
 
-def public_argv(argv: list[str]) -> list[str]:
-    """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
-    from rlmq.cli.report import mask_url
-
-    out: list[str] = []
-    hide = False
-    for a in argv:
-        if hide:
-            out.append("***")
-            hide = False
-        elif a == "--api-key":
-            out.append(a)
-            hide = True
-        elif a.startswith("--api-key="):
-            out.append("--api-key=***")
+def _evaluate(
+    args: argparse.Namespace,
+    rows: list[DatasetRow],
+    settings: Settings,
+    extra: dict[str, Any],
+    fleet: LocalFleet | None,
+    *,
+    model: str,
+    sub_tools: list[str] | None = None,
+) -> int:
+    """Run the evaluation (on ``fleet``'s Redis when given), then :func:`finish`; on a stop
+    signal, stop the fleet, keep what finished and re-raise ``KeyboardInterrupt``."""
+    sink = ResultSink(rows, args.output)
+    metrics = start_metrics(args)
+    started = time.time()
+    meta = {"model": model, **extra}
+    try:
+        if fleet is None:
+            run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics,
+                              sub_tools=sub_tools))  # fmt: skip
         else:
-            out.append(mask_url(a))
-    return out
-
-
-def save_run(
-    args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
-) -> None:
-    """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
-    from rlmq.cli.report import default_run_dir, write_run
-
-    folder = args.run_dir or default_run_dir(args.command)
-    meta = {
-        "command": ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])],
-        "settings": settings.model_dump(mode="json", exclude={"api_key"}),
-        "started": started,
-        "finished": time.time(),
-        **extra,
-    }
-    path = write_run(folder, results, meta)
-    print(f"run folder: {path}")
-    print(f"report: {path / 'report.html'}")
+            scripted = fleet.base_url is None
+            with fleet:
+                update = {"redis_url": fleet.redis_url}
+                if scripted:  # the fleet started the scripted model: it is the root model too
+                    update["base_url"] = str(fleet.base_url)
+                settings = settings.model_copy(update=update)
+                model_text = f"scripted model (test double) {fleet.base_url} | " if scripted else ""
+                print(f"redis {mask_url(str(fleet.redis_url))} | {model_text}{fleet.n_workers} workers", flush=True)
+                run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics,
+                                  sub_tools=sub_tools))  # fmt: skip
+    except KeyboardInterrupt:
+        finish(args, sink, settings, started, meta, interrupted=True)
+        raise
+    latch = current_latch()
+    with latch.held() if latch is not None else contextlib.nullcontext():  # the run is done: keep all of it
+        return finish(args, sink, settings, started, meta)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlmq.cli.demo import needle_rows
-    from rlmq.cli.local import LocalFleet
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
 
+    check_output(args.output, run_dir=args.run_dir)
     settings0 = load_settings()
     rows = [DatasetRow.model_validate(r) for r in needle_rows(args.rollouts, min_chars=args.min_chars)]
+    if not rows:
+        raise ConfigError("--rollouts must be at least 1")
     chars = sum(len(r.context) for r in rows if isinstance(r.context, str))
     print(
         f"rlmq demo: {len(rows)} needle-in-a-haystack rollouts over CPython's pydoc topics "
         f"({chars:,} characters of context in all)"
     )
+    if settings0.redis_url:
+        check_redis(settings0.redis_url)
     log_dir = tempfile.mkdtemp(prefix="rlmq-demo-logs-")
-    metrics = start_metrics(args)
-    started = time.time()
-    with LocalFleet(redis_url=settings0.redis_url, model="scripted", workers=args.workers, log_dir=log_dir) as fleet:
-        print(f"redis {fleet.redis_url} | scripted model (test double) {fleet.base_url} | {args.workers} workers")
-        settings = _settings_from(args, redis_url=fleet.redis_url, base_url=fleet.base_url, model="scripted")
-        results = run_loop(
-            evaluate(settings, rows, model="scripted", output=args.output, quiet=args.quiet, metrics=metrics)
-        )
-    rows_out = [r.row.model_dump() for r in results]
-    print(summarize(rows_out))
-    if args.output:
-        print(f"result rows written to {args.output}")
-    save_run(args, results, settings, started, {"model": "scripted", "worker_logs": log_dir})
-    return 0 if all(not r.get("error") for r in rows_out) else 1
+    fleet = LocalFleet(
+        redis_url=settings0.redis_url,
+        model="scripted",
+        workers=args.workers,
+        worker_grace=COMMAND_WORKER_GRACE_SECONDS,
+        log_dir=log_dir,
+        say=say,
+    )
+    settings = _settings_from(args, redis_url=settings0.redis_url or "redis://embedded", model="scripted")
+
+    return _evaluate(args, rows, settings, {"worker_logs": log_dir}, fleet, model="scripted")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlmq.cli.local import LocalFleet
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
 
-    rows = read_dataset(args.dataset)
+    check_output(args.output, args.dataset, args.run_dir)
+    rows = load_rows(args.dataset)
     sub_model = args.sub_model or args.model
     base = load_settings()
     redis_url = args.redis_url or base.redis_url
+    if redis_url:
+        check_redis(redis_url)
     extra = dict(
         base_url=args.base_url,
         model=args.model,
@@ -267,38 +267,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         tenant=args.tenant,
     )
     extra = {k: v for k, v in extra.items() if v is not None}
-    metrics = start_metrics(args)
-    started = time.time()
-    if redis_url:
-        settings = _settings_from(args, redis_url=redis_url, **extra)
-        results = run_loop(
-            evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet, metrics=metrics)
-        )
-    else:
+    settings = _settings_from(args, redis_url=redis_url or "redis://embedded", **extra)
+    sub_tools = list(args.sub_tools or [])
+    fleet = None
+    if not redis_url:
         worker_args = ["--queue", args.queue] if args.queue else []
-        with LocalFleet(
-            model=sub_model, base_url=args.sub_base_url or args.base_url, workers=args.workers, worker_args=worker_args
-        ) as fleet:
-            settings = _settings_from(args, redis_url=fleet.redis_url, **extra)
-            results = run_loop(
-                evaluate(settings, rows, model=args.model, output=args.output, quiet=args.quiet, metrics=metrics)
-            )
-    print(summarize([r.row.model_dump() for r in results]))
-    save_run(args, results, settings, started, {"model": args.model, "sub_model": sub_model, "dataset": args.dataset})
-    return 0
+        for tool in sub_tools:
+            worker_args += ["--allow-tool", tool]
+        fleet = LocalFleet(
+            model=sub_model,
+            base_url=args.sub_base_url or args.base_url,
+            workers=args.workers,
+            worker_args=worker_args,
+            worker_env={"RLMQ_API_KEY": settings.api_key.get_secret_value()},
+            worker_grace=COMMAND_WORKER_GRACE_SECONDS,
+            say=say,
+        )
+    return _evaluate(args, rows, settings, {"sub_model": sub_model, "dataset": args.dataset}, fleet,
+                     model=args.model, sub_tools=sub_tools)  # fmt: skip
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rlmq.cli.status import redact_url, run_status
+    from rlmq.cli.status import run_status
     from rlmq.common.connection import sync_client
-    from rlmq.common.errors import ConfigError
 
     url = args.redis_url or load_settings().redis_url
     if not url:
         raise ConfigError("rlmq status needs --redis-url or REDIS_URL")
+    check_redis(url)
     client = sync_client(url)
     try:
-        return run_status(client, as_json=args.json, watch=args.watch, redis_label=redact_url(url))
+        return run_status(client, as_json=args.json, watch=args.watch, redis_label=mask_url(url))
     finally:
         client.close()
 
@@ -325,19 +324,26 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``rlmq`` console script."""
+    """Entry point of the ``rlmq`` console script; returns the exit code (see :data:`EXIT_CODES`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    try:
-        with sigint_latch():  # a Ctrl-C is never lost, whatever runs when it comes
+    with signal_latch() as latch:  # a stop signal is never lost, whatever runs when it comes
+        if args.command == "run":
+            latch.stopping_note = "stopping: cancelling rollouts, keeping the finished ones"
+        try:
             return _dispatch(args)
-    except KeyboardInterrupt:
-        print("interrupted; everything started was stopped", file=sys.stderr)
-        return 130
-    except RlmqError as exc:
-        print(f"rlmq: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        except KeyboardInterrupt:
+            say("rlmq: interrupted; everything it started was stopped")
+            return latch.exit_code
+        except Exception as exc:
+            code, text = explain(exc)
+            if getattr(args, "verbose", False):
+                traceback.print_exc()
+            elif code == EXIT_INTERNAL:
+                text += " (--verbose shows the traceback)"
+            say(f"rlmq: {text}")
+            return code
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@
 * ``trajectories.jsonl``: one JSON per rollout: ``id``, ``messages``, ``trajectory``
   (root turns, REPL cells with code and output, each ``llm_batch`` with its sub-calls);
 * ``meta.json``: the command, the settings (secrets left out, URL passwords masked),
-  timings, and ``repl_containment`` (what the REPL sandbox got on this host and what it could
-  not contain; ``null`` when no REPL started);
+  timings, ``repl_containment`` (what the REPL sandbox got on this host and what it could
+  not contain; ``null`` when no REPL started), and ``interrupted`` (``signal``, ``finished``,
+  ``rollouts``) when a signal stopped the run: then the folder holds the rollouts that
+  finished, and the report says so;
 * ``report.html``: one static file (inline CSS and SVG, no script, no CDN) with accuracy,
   stop reasons, token and time charts, and every rollout's trajectory, readable.
 
@@ -27,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rlmq.common.connection import mask_url
 from rlmq.producer.env import RolloutResult
 from rlmq.producer.repl import containment_seen
 
@@ -50,11 +53,6 @@ def cut(text: str, n: int) -> str:
     if len(text) <= n:
         return text
     return text[:n] + f"\n… [{len(text) - n:,} more characters in trajectories.jsonl]"
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 def public_settings(values: dict[str, Any]) -> dict[str, Any]:
@@ -458,13 +456,21 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
             f"{_question_html(res)}{_trajectory_html(res.trajectory)}</section>"
         )
     settings = meta.get("settings") or {}
+    stopped = meta.get("interrupted")
+    banner = (
+        f'<div class="err" id="interrupted">Interrupted by {e(stopped.get("signal"))}: '
+        f"{e(stopped.get('finished'))} of {e(stopped.get('rollouts'))} rollouts finished and are shown here; "
+        "the others were cancelled.</div>"
+        if isinstance(stopped, dict)
+        else ""
+    )
     settings_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in settings.items() if v is not None)
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>rlmq report: {e(acc_text)}</title><style>{CSS}</style></head><body>"
         f'<header><h1>rlmq run report</h1><div class="sub">{e(when)} · {e(command_text)}</div></header><main>'
-        f'<h2>Summary</h2><div class="cards">{cards}</div>'
+        f'{banner}<h2>Summary</h2><div class="cards">{cards}</div>'
         f"<h2>Stop reasons</h2>{stop_bar(stops, len(rows))}"
         f'<h2>Tokens and time</h2><div class="charts">{"".join(charts)}</div>'
         f"<h2>Rollouts</h2>{_rollout_table(rows)}"

@@ -264,18 +264,6 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     return "\n".join(out)
 
 
-def redact_url(url: str) -> str:
-    """``url`` without its password (``redis://:***@host:6379/0``)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
 def run_status(redis: Any, *, as_json: bool = False, watch: float | None = None, redis_label: str = "",
                out: Any = None, iterations: int | None = None) -> int:  # fmt: skip
     """Print the status once, or with ``watch`` every ``watch`` seconds until Ctrl-C.

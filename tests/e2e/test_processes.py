@@ -1,21 +1,25 @@
-"""Process-level behaviour: hundreds of sub-calls in flight in one worker, and clean Ctrl-C."""
+"""Process-level behaviour: hundreds of sub-calls in flight in one worker, and a clean stop of the demo."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 from rlmq.cli.local import LocalFleet, child_env, rlmq_command
 from rlmq.common import keys as K
+from rlmq.common.aio import STOP_DEADLINE_SECONDS
 from rlmq.common.connection import async_client
 from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
+from tests.e2e.test_signals import as_from_a_terminal, describe
 
 pytestmark = pytest.mark.e2e
 
@@ -46,13 +50,25 @@ async def test_one_worker_holds_hundreds_of_sub_calls_in_flight(redis_url: str, 
     assert peak >= 256, f"at most {peak} sub-calls were in flight at once"
 
 
-def test_demo_stops_everything_it_started_on_ctrl_c(tmp_path: object) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_demo_stops_everything_it_started_on_a_signal(sig: signal.Signals, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        rlmq_command("demo", "--rollouts", "200", "--quiet"),
+        rlmq_command(
+            "demo",
+            "--rollouts",
+            "200",
+            "--quiet",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--output",
+            str(tmp_path / "rows.jsonl"),
+        ),  # fmt: skip
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=child_env(),
         text=True,
+        start_new_session=True,
+        preexec_fn=as_from_a_terminal(),
     )
     assert proc.stdout is not None
     lines = []
@@ -62,14 +78,26 @@ def test_demo_stops_everything_it_started_on_ctrl_c(tmp_path: object) -> None:
             break
     else:
         pytest.fail("demo ended before starting its fleet: " + "".join(lines))
+    partial = tmp_path / "rows.jsonl.partial"
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.read_text().strip()):  # a rollout has finished
+        assert time.monotonic() < deadline and proc.poll() is None, "no rollout finished"
+        time.sleep(0.05)  # polling the demo's output file, bounded by the deadline
     children = psutil.Process(proc.pid).children(recursive=True)
-    described = {p.pid: " ".join(p.cmdline()[:4]) for p in children}
+    described = {p.pid: describe(p) for p in children}
     assert len(children) >= 4, described  # redis, scripted model, 2 workers (and REPLs)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)  # workers get up to 30 s to finish in-flight calls
-    assert proc.returncode == 130, (proc.returncode, "".join(lines) + out)
-    _, alive = psutil.wait_procs(children, timeout=30)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=STOP_DEADLINE_SECONDS + 10)
+    took = time.monotonic() - t0
+    assert proc.returncode == 128 + sig, (proc.returncode, "".join(lines) + out)
+    _, alive = psutil.wait_procs(children, timeout=1)
     assert not alive, f"left running: {[described.get(p.pid, p.pid) for p in alive]}; demo said: {out[-2000:]}"
+    assert took < STOP_DEADLINE_SECONDS, f"took {took:.1f} s: {out[-2000:]}"
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["interrupted"]["signal"] == sig.name and meta["interrupted"]["rollouts"] == 200
+    finished = meta["interrupted"]["finished"]
+    assert finished >= 1 and len((tmp_path / "rows.jsonl").read_text().splitlines()) == finished
 
 
 async def test_a_worker_exports_prometheus_metrics(redis_url: str) -> None:

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from rlmq.common.aio import SigintLatch, cancel_and_wait, run, sigint_latch
+from rlmq.common.aio import SignalLatch, cancel_and_wait, run, signal_latch
 
 
 def test_ctrl_c_ends_a_run_whose_first_cancellation_was_swallowed() -> None:
@@ -87,7 +87,7 @@ def test_a_ctrl_c_dropped_by_a_finalizer_still_stops_the_next_run() -> None:
     (the demo once lost one in a redis-py pool's finalizer) must still stop the command."""
 
     class Finalized:
-        def __init__(self, latch: SigintLatch) -> None:
+        def __init__(self, latch: SignalLatch) -> None:
             self.latch = latch
 
         def __del__(self) -> None:
@@ -99,10 +99,43 @@ def test_a_ctrl_c_dropped_by_a_finalizer_still_stops_the_next_run() -> None:
         nonlocal started
         started = True
 
-    with sigint_latch() as latch:
+    with signal_latch() as latch:
         Finalized(latch)  # collected at once: its KeyboardInterrupt is printed and dropped
         assert latch.count == 1
         with pytest.raises(KeyboardInterrupt):
             run(main())
     assert not started
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_held_block_runs_to_its_end_and_the_signal_is_counted() -> None:
+    """A run that has finished writes its results whole even if SIGTERM comes meanwhile."""
+    said: list[str] = []
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a command gets it (pytest may have inherited an ignore)
+    with signal_latch(deadline=None) as latch:
+        latch._say = said.append
+        with latch.held():
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at the next bytecode: no exception
+            wrote = "all of it"
+        assert latch.count == 1 and latch.exit_code == 143
+        with pytest.raises(KeyboardInterrupt):
+            run(asyncio.sleep(0))  # the next run stops at once
+    assert wrote == "all of it" and said and "SIGTERM" in said[0]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_second_signal_kills_registered_children_and_never_raises() -> None:
+    killed: list[str] = []
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with signal_latch(deadline=None) as latch:
+        latch._say = lambda text: None
+        unhook = latch.on_hurry(lambda: killed.append("group"))
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # the handler runs between bytecodes
+                pass
+        os.kill(os.getpid(), signal.SIGINT)  # the second: no exception, children killed
+        for _ in range(100):
+            pass
+        unhook()
+    assert killed == ["group"] and latch.count == 2

@@ -151,3 +151,11 @@ def test_the_parser_would_catch_a_wrong_flag() -> None:
 
 def test_interpolation_helper() -> None:
     assert interpolate("${A:-x}/${B-y}/${C:?need C}/${D}") == "x/y/set-by-operator/set-by-operator"
+
+
+def test_vllm_serves_tool_calls(services: dict[str, dict[str, Any]]) -> None:
+    """The root model calls call_python_repl; vLLM returns tool calls only with these flags."""
+    cmd = [str(c) for c in services["vllm"]["command"]]
+    assert "--enable-auto-tool-choice" in cmd
+    assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"  # the default; VLLM_TOOL_PARSER overrides it
+    assert "--jinja" in [str(c) for c in services["llamacpp"]["command"]]  # llama.cpp's tool calling

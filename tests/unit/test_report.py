@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from rlmq.cli import main as cli
-from rlmq.cli.report import default_run_dir, mask_url, public_settings, write_run
+from rlmq.cli.report import default_run_dir, public_settings, write_run
+from rlmq.common.connection import mask_url
 from rlmq.common.schemas import ResultRow
 from rlmq.producer.env import RolloutResult
 
@@ -147,9 +148,11 @@ def test_rlmq_run_keeps_a_run_folder(
 
     async def fake_evaluate(settings: Any, rows: Any, **kw: Any) -> list[RolloutResult]:
         seen.update(kw)
-        return [rollout("q-1", correct=True)]
+        kw["sink"].add(rollout("q-1", correct=True))
+        return list(kw["sink"].results)
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cli, "check_redis", lambda url: None)
     run_dir = tmp_path / "my-run"
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://:pw@r:6379/0",
             "--api-key", "sk-top-secret", "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
@@ -161,7 +164,7 @@ def test_rlmq_run_keeps_a_run_folder(
     assert meta["command"][:2] == ["rlmq", "run"] and "sk-top-secret" not in json.dumps(meta)
     assert "--api-key" in meta["command"] and "redis://:***@r:6379/0" in meta["command"]
     assert "sk-top-secret" not in (run_dir / "report.html").read_text()
-    assert seen["output"] is None
+    assert seen["sink"].output is None
 
 
 def test_default_run_dir_is_under_runs(
@@ -171,9 +174,11 @@ def test_default_run_dir_is_under_runs(
     dataset.write_text(json.dumps({"id": "q-1", "question": "?", "context": "c"}) + "\n")
 
     async def fake_evaluate(settings: Any, rows: Any, **kw: Any) -> list[RolloutResult]:
-        return [rollout("q-1", correct=None)]
+        kw["sink"].add(rollout("q-1", correct=None))
+        return list(kw["sink"].results)
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cli, "check_redis", lambda url: None)
     monkeypatch.chdir(tmp_path)
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://r:6379/0"]
     assert cli.main([*argv, "--quiet"]) == 0

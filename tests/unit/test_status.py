@@ -14,8 +14,9 @@ from rq import Worker as RQWorker
 from rq.serializers import JSONSerializer
 
 from rlmq.cli import main as cli
-from rlmq.cli.status import collect, fmt_age, parse_rq_time, redact_url, render, run_status
+from rlmq.cli.status import collect, fmt_age, parse_rq_time, render, run_status
 from rlmq.common import keys as K
+from rlmq.common.connection import mask_url
 from rlmq.common.rqjobs import job_hash, utcformat
 
 NOW = 1_800_000_000.0
@@ -134,8 +135,8 @@ def test_helpers() -> None:
     assert parse_rq_time("2026-11-22T06:20:01Z") is not None
     assert parse_rq_time("") is None and parse_rq_time(b"garbage") is None
     assert [fmt_age(x) for x in (None, 0.25, 12.34, 245, 7625)] == ["-", "250ms", "12.3s", "4m05s", "2h07m"]
-    assert redact_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
-    assert redact_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
+    assert mask_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert mask_url("redis://127.0.0.1:6379/2") == "redis://127.0.0.1:6379/2"
 
 
 def test_run_status_json_and_watch(r: fakeredis.FakeRedis) -> None:

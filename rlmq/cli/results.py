@@ -1,0 +1,233 @@
+"""What ``rlmq run`` / ``rlmq demo`` keep and print: result rows in dataset order (never a
+destroyed file), the run folder, the summary, and the exit code.
+
+:class:`ResultSink` collects the finished rollouts of an evaluation. While it runs, each
+finished row is appended to ``<output>.partial`` (so even a ``kill -9`` leaves the rows that
+finished); at the end, and also when a signal stopped the run, the rows that finished are
+written in the dataset's order to a temporary file beside ``--output`` and renamed onto it.
+``--output`` itself is therefore never opened for writing before the run has results: a run
+that fails to start (Redis unreachable, a bad dataset) leaves an earlier file as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import IO, TYPE_CHECKING, Any
+
+from rlmq.cli.exits import EXIT_OK, EXIT_ROLLOUT_ERRORS, say
+from rlmq.common.aio import current_latch
+from rlmq.common.connection import mask_url
+from rlmq.common.errors import ConfigError
+from rlmq.common.schemas import DatasetRow, read_dataset
+
+if TYPE_CHECKING:
+    from rlmq.common.settings import Settings
+    from rlmq.producer.env import RolloutResult
+
+
+def check_output(output: str | None, dataset: str | None = None, run_dir: str | None = None) -> None:
+    """Refuse, before anything starts, an ``--output`` that could not be written (or would
+    overwrite the ``dataset``), and a ``--run-dir`` that is a file.
+
+    Raises:
+        ConfigError: its folder does not exist or is not writable, it is a folder, it is
+            the dataset, or ``run_dir`` exists and is not a folder.
+    """
+    if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} exists and is not a folder")
+    if output is None:
+        return
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--output {output}: the folder {folder} does not exist")
+    if os.path.isdir(output):
+        raise ConfigError(f"--output {output} is a folder; give a file name")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--output {output}: the folder {folder} is not writable")
+    if dataset and os.path.exists(output) and os.path.exists(dataset) and os.path.samefile(output, dataset):
+        raise ConfigError(f"--output {output} is the dataset itself; give another file")
+
+
+def load_rows(path: str) -> list[DatasetRow]:
+    """The rows of the JSONL dataset at ``path``, checked before anything starts.
+
+    Raises:
+        ConfigError: the file cannot be read, holds no row, or two rows share an ``id``
+            (result rows are matched to dataset rows by ``id``).
+        PayloadError: a line is not a dataset row (:func:`~common.schemas.read_dataset`).
+    """
+    try:
+        rows = read_dataset(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the dataset {path}: {exc.strerror or exc}") from exc
+    if not rows:
+        raise ConfigError(f"the dataset {path} has no rows (JSONL: one {{id, question, context}} object per line)")
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows, 1):
+        if row.id in seen:
+            raise ConfigError(f"the dataset {path} has the id {row.id!r} twice (rows {seen[row.id]} and {i})")
+        seen[row.id] = i
+    return rows
+
+
+class ResultSink:
+    """The finished rollouts of one evaluation, kept in the dataset's order.
+
+    Args:
+        rows: the dataset rows (ids unique, see :func:`load_rows`).
+        output: the ``--output`` file, or ``None``.
+    """
+
+    def __init__(self, rows: Sequence[DatasetRow], output: str | None) -> None:
+        self.order = {row.id: i for i, row in enumerate(rows)}
+        self.total = len(rows)
+        self.output = output
+        self.partial = f"{output}.partial" if output else None
+        self._done: dict[int, RolloutResult] = {}
+        self._fh: IO[str] | None = None
+
+    def add(self, res: RolloutResult) -> None:
+        """Keep a finished rollout and append its row to ``<output>.partial``."""
+        self._done[self.order.get(res.row.id, len(self.order) + len(self._done))] = res
+        if self.partial is not None:
+            if self._fh is None:
+                self._fh = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed in commit()
+            self._fh.write(json.dumps(res.row.model_dump()) + "\n")
+            self._fh.flush()
+
+    @property
+    def results(self) -> list[RolloutResult]:
+        """The finished rollouts, in the dataset's order."""
+        return [self._done[i] for i in sorted(self._done)]
+
+    def commit(self) -> bool:
+        """Write the finished rows, in dataset order, to ``--output`` (a temporary file in the
+        same folder, renamed onto it) and remove ``<output>.partial``.
+
+        Nothing is written when no rollout finished: an earlier ``--output`` stays as it was.
+
+        Returns:
+            Whether ``--output`` was written.
+        """
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self.output is None or not self._done:
+            return False
+        folder = os.path.dirname(os.path.abspath(self.output))
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.output)}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                for res in self.results:
+                    fh.write(json.dumps(res.row.model_dump()) + "\n")
+            os.replace(tmp, self.output)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.partial)
+        return True
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """Accuracy, stop reasons and mean metrics of result rows, as text."""
+    n = len(rows)
+    graded = [r for r in rows if r["correct"] is not None]
+    right = sum(1 for r in graded if r["correct"])
+    lines = [f"rollouts: {n}"]
+    if graded:
+        lines.append(f"accuracy: {right}/{len(graded)} = {right / len(graded):.1%}")
+    stops = Counter(r["stop_reason"] for r in rows)
+    lines.append("stop reasons: " + ", ".join(f"{k}={v}" for k, v in sorted(stops.items())))
+    errors = [r for r in rows if r.get("error")]
+    for r in errors[:5]:
+        lines.append(f"  error in {r['id']}: {r['error']}")
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r["metrics"] if k not in keys]
+    if keys:
+        lines.append("metrics (mean over rollouts):")
+        for k in keys:
+            vals = [r["metrics"][k] for r in rows if k in r["metrics"]]
+            lines.append(f"  {k:<36} {sum(vals) / len(vals):>14.4f}")
+    return "\n".join(lines)
+
+
+def public_argv(argv: list[str]) -> list[str]:
+    """``argv`` with secrets masked (the value of ``--api-key``, passwords in URLs)."""
+    out: list[str] = []
+    hide = False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(mask_url(a))
+    return out
+
+
+def save_run(
+    args: argparse.Namespace, results: list[RolloutResult], settings: Settings, started: float, extra: dict[str, Any]
+) -> None:
+    """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
+    from rlmq.cli.report import default_run_dir, write_run
+
+    folder = args.run_dir or default_run_dir(args.command)
+    meta = {
+        "command": ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])],
+        "settings": settings.model_dump(mode="json", exclude={"api_key"}),
+        "started": started,
+        "finished": time.time(),
+        **extra,
+    }
+    path = write_run(folder, results, meta)
+    print(f"run folder: {path}")
+    print(f"report: {path / 'report.html'}")
+
+
+def finish(
+    args: argparse.Namespace,
+    sink: ResultSink,
+    settings: Settings,
+    started: float,
+    extra: dict[str, Any],
+    *,
+    interrupted: bool = False,
+) -> int:
+    """Keep what finished (``--output`` in dataset order, the run folder), print the summary,
+    and return the exit code: :data:`EXIT_ROLLOUT_ERRORS` when a rollout ended in ``error``."""
+    results = sink.results
+    rows_out = [r.row.model_dump() for r in results]
+    wrote = sink.commit()
+    if interrupted:
+        latch = current_latch()
+        name = signal.Signals(latch.first).name if latch is not None and latch.first else "SIGINT"
+        extra = {**extra, "interrupted": {"signal": name, "finished": len(results), "rollouts": sink.total}}
+        print(f"interrupted by {name}: {len(results)} of {sink.total} rollouts finished")
+    if rows_out:
+        print(summarize(rows_out))
+    if wrote:
+        print(f"result rows written to {args.output} (in dataset order)")
+    elif args.output:
+        print(f"no rollout finished: {args.output} was left as it was")
+    save_run(args, results, settings, started, extra)
+    errors = sum(1 for r in rows_out if r.get("error"))
+    if errors and not interrupted:
+        say(f"rlmq: {errors} of {len(rows_out)} rollouts ended in error (exit code {EXIT_ROLLOUT_ERRORS})")
+        return EXIT_ROLLOUT_ERRORS
+    return EXIT_OK

@@ -1,0 +1,109 @@
+"""What a run keeps: result rows in dataset order, written by rename, never a destroyed file;
+the exit code of each failure; the one URL masker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+
+from rlmq.cli.exits import EXIT_INTERNAL, EXIT_REDIS, EXIT_USAGE, explain
+from rlmq.cli.results import ResultSink, check_output, load_rows
+from rlmq.common.connection import check_redis, mask_url
+from rlmq.common.errors import ConfigError, EmbeddedRedisError, PayloadError, RedisUnavailableError
+from rlmq.common.schemas import DatasetRow, ResultRow
+from rlmq.producer.env import RolloutResult
+
+
+def _rows(n: int) -> list[DatasetRow]:
+    return [DatasetRow(id=f"r{i}", question="?", context="c") for i in range(n)]
+
+
+def _done(rid: str) -> RolloutResult:
+    return RolloutResult(row=ResultRow(id=rid, final_answer="a", answer=None, correct=None,
+                                       stop_reason="answer_ready", metrics={}, error=None))  # fmt: skip
+
+
+def test_rows_finishing_out_of_order_are_written_in_dataset_order(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"id": "earlier"}\n')
+    sink = ResultSink(_rows(4), str(out))
+    for rid in ("r2", "r0", "r3"):
+        sink.add(_done(rid))
+    partial = Path(f"{out}.partial")
+    assert [json.loads(x)["id"] for x in partial.read_text().splitlines()] == ["r2", "r0", "r3"]  # as they finish
+    assert out.read_text() == '{"id": "earlier"}\n'  # untouched while the run goes on
+    assert sink.commit()
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["r0", "r2", "r3"]
+    assert not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]  # no temporary file left
+
+
+def test_nothing_finished_leaves_an_earlier_output_alone(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"id": "earlier"}\n')
+    assert not ResultSink(_rows(2), str(out)).commit()
+    assert out.read_text() == '{"id": "earlier"}\n'
+
+
+def test_output_checks(tmp_path: Path) -> None:
+    check_output(str(tmp_path / "rows.jsonl"))
+    check_output(None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_output(str(tmp_path / "nope" / "rows.jsonl"))
+    with pytest.raises(ConfigError, match="is a folder"):
+        check_output(str(tmp_path))
+    ds = tmp_path / "ds.jsonl"
+    ds.write_text("{}\n")
+    with pytest.raises(ConfigError, match="is the dataset itself"):
+        check_output(str(tmp_path / "." / "ds.jsonl"), str(ds))
+    with pytest.raises(ConfigError, match="--run-dir .* is not a folder"):
+        check_output(None, run_dir=str(ds))
+
+
+def test_a_url_that_is_not_redis_is_a_usage_error() -> None:
+    with pytest.raises(ConfigError, match=r"not a Redis URL: foo://:\*\*\*@x"):
+        check_redis("foo://:pw@x")
+
+
+def test_dataset_checks(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.jsonl"
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_rows(str(ds))
+    ds.write_text("\n")
+    with pytest.raises(ConfigError, match="no rows"):
+        load_rows(str(ds))
+    row = json.dumps({"id": "a", "question": "?", "context": "c"})
+    ds.write_text(f"{row}\n{row}\n")
+    with pytest.raises(ConfigError, match="'a' twice"):
+        load_rows(str(ds))
+    ds.write_text(f"{row}\n" + '{"id": "b"}\n')
+    with pytest.raises(PayloadError, match=r"ds.jsonl:2: not a dataset row \(question: Field required; context"):
+        load_rows(str(ds))
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (ConfigError("x"), EXIT_USAGE),
+        (PayloadError("x"), EXIT_USAGE),
+        (RedisUnavailableError("x"), EXIT_REDIS),
+        (EmbeddedRedisError("x"), EXIT_REDIS),
+        (redis.ConnectionError("Error 111 connecting to r:6379"), EXIT_REDIS),
+        (RuntimeError("boom"), EXIT_INTERNAL),
+    ],
+)
+def test_exit_codes(exc: Exception, code: int) -> None:
+    assert explain(exc)[0] == code
+
+
+def test_one_url_masker() -> None:
+    assert mask_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert mask_url("redis://user:p@ss@h:1/0") == "redis://user:***@h:1/0"  # an @ in the password
+    assert mask_url("rediss://127.0.0.1:6379/2") == "rediss://127.0.0.1:6379/2"
+    assert (
+        mask_url("failed: redis://:pw@h:1/0 and http://u:v@m/v1") == "failed: redis://:***@h:1/0 and http://u:***@m/v1"
+    )
+    assert explain(RuntimeError("cannot use redis://:pw@h:1/0"))[1].endswith("redis://:***@h:1/0")
