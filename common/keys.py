@@ -144,8 +144,15 @@ def serving(queue: str) -> str:
     """Sorted set: names of the live workers of ``queue``'s model queue -> heartbeat expiry (Unix s).
 
     Workers add themselves with every heartbeat; the producer counts the members whose expiry
-    is in the future to tell, within seconds, that nobody serves a queue (tenants included)."""
+    is later than ``now - SERVING_CLOCK_SKEW`` to tell, within seconds, that nobody serves a
+    queue (tenants included)."""
     return namespace("serving", queue.split("@", 1)[0])
+
+
+SERVING_CLOCK_SKEW = 30.0
+"""Seconds of clock difference between a worker's host and a producer's host that
+:func:`serving` tolerates (expiries are the worker's clock, compared with the producer's):
+a queue whose workers all died is reported ``no_worker`` up to this much later."""
 
 
 LIVE_ROLLOUTS = namespace("rollouts")

@@ -258,7 +258,7 @@ class Dispatcher:
                     K.wake_channel(spec.queue),
                     K.wake_message(spec.queue, ids if len(ids) <= WAKE_HINT_MAX_JOBS else None),
                 )
-            pipe.zcount(K.serving(spec.queue), now, "+inf")
+            pipe.zcount(K.serving(spec.queue), now - K.SERVING_CLOCK_SKEW, "+inf")
 
         if not self._script_loaded:  # once: a NOSCRIPT later (Redis restarted) re-runs the pipeline
             await self.redis.script_load(ENQUEUE_LUA)
@@ -291,7 +291,7 @@ class Dispatcher:
 
     async def _live_workers(self, queue: str) -> int:
         """How many workers of ``queue`` heartbeated recently (``rlmq:serving:<queue>``)."""
-        return int(await self.redis.zcount(K.serving(queue), time.time(), "+inf"))
+        return int(await self.redis.zcount(K.serving(queue), time.time() - K.SERVING_CLOCK_SKEW, "+inf"))
 
     async def run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:
         """Run every prompt as one sub-call; return one result per prompt, in order.

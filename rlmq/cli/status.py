@@ -84,7 +84,7 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
             pipe.scard(K.rq_workers_of_queue(name))
             # Live workers of the model queue serve its tenant queues too (<queue>@<tenant>),
             # which RQ's per-queue worker set never names.
-            pipe.zcount(K.serving(name), now, "+inf")
+            pipe.zcount(K.serving(name), now - K.SERVING_CLOCK_SKEW, "+inf")
             depth, head, started, failed, rq_workers, live = pipe.execute()
         nworkers = max(int(live), 0 if "@" in name else int(rq_workers))
         oldest = None

@@ -198,11 +198,23 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
-        """Stop listening and close every connection."""
-        if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        """Stop listening, close every connection and end the proxy's thread."""
+
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
 
     def __enter__(self) -> FaultProxy:
         return self.start()

@@ -195,3 +195,28 @@ async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_red
     assert await rec.finish([done]) == (0, 0)
     snap = await ledger.snapshot("r1")
     assert snap is not None and (snap.charged, snap.used) == (15, 15)
+
+
+async def test_an_enqueue_and_a_start_sent_twice_apply_once(
+    real_redis: redis.Redis, aredis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What redis-py does after a reply lost to a dropped connection: the same command again.
+    ENQUEUE (same created_at) writes and queues nothing more; START (same execution ids) takes
+    nothing more and returns the jobs the first one took, so none is left started unowned."""
+    import rlmq.producer.dispatch as dispatch_mod
+
+    monkeypatch.setattr(dispatch_mod, "utcnow_str", lambda: "2026-11-23T07:00:00.000000Z")
+    spec = await enqueue(aredis, 3)
+    await Dispatcher(aredis).enqueue(spec, ["p0", "p1", "p2"], [0, 1, 2])  # the re-send
+    assert real_redis.lrange(K.rq_queue(QUEUE), 0, -1) == [b"r1-b1-0", b"r1-b1-1", b"r1-b1-2"]
+
+    rec = Records(aredis, QUEUE, "w-twice")
+    ids = await head(aredis, 3)
+    monkeypatch.setattr(rec, "_next_execution_id", iter(["e0", "e1", "e2", "e0", "e1", "e2"]).__next__)
+    first = await rec.start(ids)
+    again = await rec.start(ids)  # the re-send: the queue is empty now
+    assert [(j.job_id, j.execution_id) for j in again] == [(j.job_id, j.execution_id) for j in first]
+    assert len(first) == 3 and all(j.attempt == 1 for j in again)
+    assert real_redis.zcard(K.rq_started(QUEUE)) == 3 and real_redis.llen(K.rq_queue(QUEUE)) == 0
+    # another worker's START (other execution ids) gets none of them
+    assert await Records(aredis, QUEUE, "w-other").start(ids) == []

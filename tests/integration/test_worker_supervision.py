@@ -65,3 +65,39 @@ async def test_a_task_that_keeps_failing_stops_the_worker_and_hands_its_jobs_bac
     assert real_redis.zcard(K.rq_started(QUEUE)) == 0
     assert not real_redis.sismember(K.RQ_WORKERS, K.rq_worker("sup-w"))  # it registered its death
     assert real_redis.zscore(K.serving(QUEUE), "sup-w") is None
+
+
+async def test_results_redis_keeps_refusing_are_left_to_the_reaper(
+    real_redis: redis.Redis,
+    redis_url: str,
+    model: MockLLMServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every write refused (-READONLY) for longer than FLUSH_GIVE_UP: the worker lets go of
+    the finished job (stops heartbeating it), its reaper re-queues it once writes pass again,
+    and the re-run's result reaches the producer: slower, not lost."""
+    import rlmq.workers.worker as worker_mod
+    from tests.faults.proxy import FaultProxy
+
+    monkeypatch.setattr(worker_mod, "FLUSH_GIVE_UP", 1.0)
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with FaultProxy(port) as proxy:
+        settings = load_settings(redis_url=proxy.url, base_url=model.url, model=MODEL, job_heartbeat_ttl=2)
+        w = SubLLMWorker(settings, name="giveup-w", metrics=Metrics())
+        run = asyncio.create_task(w.run(grace=1))
+        client = Redis.from_url(redis_url)
+        try:
+            await await_until(lambda: asyncio.sleep(0, real_redis.exists(K.rq_worker("giveup-w"))), 10, "registration")
+            spec = BatchSpec(rollout_id="gu1", batch_id="b1", model=MODEL, queue=QUEUE, timeout=60, parallelism=4)
+            batch = asyncio.create_task(Dispatcher(client).run_batch(spec, ["[[mock:sleep:0.5]] who keeps the key?"]))
+            await await_until(lambda: asyncio.sleep(0, len(w.jobs) == 1), 10, "the job in flight")
+            proxy.refuse_writes(4.0)
+            results = await asyncio.wait_for(batch, 60)
+        finally:
+            w.request_stop()
+            await asyncio.wait_for(run, 30)
+            await client.aclose()
+    assert results[0].status == "ok" and results[0].attempt == 2, results[0]
+    assert proxy.stats.refused > 0
+    assert "letting the reaper re-queue them" in caplog.text
