@@ -209,8 +209,11 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
         argv_b = [
             "run", str(write_rows(tmp_path / "b.jsonl", ROWS_B)), "--base-url", root_url, "--model", root_b,
             "--sub-model", sub_b, "--sub-base-url", sub_url, "--workers", "1", "--concurrency", "1",
-            "--run-dir", str(dir_b),
+            "--run-dir", str(dir_b), "--sub-tool", "rlmq.workers.tools.count_words", "--verbose",
         ]  # fmt: skip
+        # --sub-tool and --verbose ride along here (the run must still succeed with them); what
+        # each does is asserted in tests/e2e/test_cli_errors.py (the tool offered to the sub-LLM
+        # and allowed on the local workers; the traceback of an error shown).
         # Every flag of `rlmq run` is exercised by one of the runs.
         missing = run_flags() - {"--help"} - option_strings(argv_a) - option_strings(argv_b)
         assert not missing, f"flags of `rlmq run` this test does not drive: {sorted(missing)}"

@@ -70,7 +70,7 @@ async def test_a_task_that_keeps_failing_stops_the_worker_and_hands_its_jobs_bac
 async def test_results_redis_keeps_refusing_are_left_to_the_reaper(
     real_redis: redis.Redis,
     redis_url: str,
-    model: MockLLMServer,
+    model: ScriptedModelServer,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
