@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +171,9 @@ class BudgetLedger:
         self._waits: Any = None  # a ReleaseWaits, made on the first wait
         self.on_park: Callable[[], None] | None = None
         """Called whenever the number of :attr:`parked` calls changes (the worker's slot count)."""
+        self.resume_gate: Callable[[], Awaitable[None]] | None = None
+        """Awaited by a call granted after parking, before it returns: the worker holds it there until
+        it fits in its concurrency again (parked calls do not count against it, resumed ones do)."""
 
     def _submit(
         self, rollout_id: str, kind: str, reservation_id: str, n: int, deadline: float
@@ -334,6 +337,8 @@ class BudgetLedger:
         result: tuple[Grant, int, float] = await waits.wait_for_grant(
             self, rollout_id, reservation_id, cap, deadline, deadline - margin, grant
         )
+        if result[0].granted and result[1] and self.resume_gate is not None:
+            await self.resume_gate()  # cancelled here: the reservation stays charged in full
         return result
 
     @property

@@ -155,10 +155,28 @@ class SubLLMWorker:
         self._done: list[FinishedJob] = []
         self._done_event = asyncio.Event()
         self._slot_free = asyncio.Event()
+        self._running_changed = asyncio.Event()
+        self._resuming = 0
         self._stopping = asyncio.Event()
         self.processed = 0
 
     # ------------------------------------------------------------------ lifecycle
+
+    def _slots_changed(self) -> None:
+        self._slot_free.set()
+        self._running_changed.set()
+
+    async def _resume_gate(self) -> None:
+        """Hold a budgeted call that was granted after parking until it fits in ``concurrency``:
+        running calls (in flight, neither parked nor held here) stay at most ``concurrency``. The
+        first held call always passes when nothing else runs, so holding never deadlocks."""
+        self._resuming += 1
+        try:
+            while len(self._inflight) - self.ledger.parked - self._resuming >= self.concurrency:
+                self._running_changed.clear()
+                await self._running_changed.wait()
+        finally:
+            self._resuming -= 1
 
     def request_stop(self) -> None:
         """Stop taking jobs; in-flight jobs finish (or are handed back after the grace period)."""
@@ -177,7 +195,8 @@ class SubLLMWorker:
         s = self.settings
         self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
         self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
-        self.ledger.on_park = self._slot_free.set  # parked budget waiters give their slots back
+        self.ledger.on_park = self._slots_changed  # parked budget waiters give their slots back...
+        self.ledger.resume_gate = self._resume_gate  # ...and take one again before calling the model
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,
@@ -636,7 +655,7 @@ class SubLLMWorker:
             self._inflight.pop(d.job.member, None)
             self._queue_of.pop(d.job.member, None)
         self.metrics.inflight(len(self._inflight))
-        self._slot_free.set()
+        self._slots_changed()
 
     # ------------------------------------------------------------------ heartbeat & reaper
 
