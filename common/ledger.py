@@ -26,7 +26,8 @@ The policy (what "spent" means):
 * With nothing live left, a call gets whatever is free, even less than ``cap`` (the last
   remainder; the answer may be cut, ``finish_reason == "length"``, counted as truncated).
 * Only with nothing free and nothing live is a call **rejected**: the budget is spent
-  (``limit - used`` is 0, or held by dead workers' reservations, which stay charged).
+  (``limit - used`` is 0, or held by dead workers' reservations, which stay charged; they stop
+  being live at their deadline, or earlier when their job runs again: :meth:`BudgetLedger.retire`).
 
 The trade-off: small grants answer *many* calls, each cut short; grants as large as an
 answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger takes the
@@ -371,6 +372,15 @@ class BudgetLedger:
     async def settle(self, rollout_id: str, reservation_id: str, used: int) -> Settlement:
         """Settle a reservation with the ``used`` completion tokens the server reported."""
         return Settlement(*(await self._submit(rollout_id, "s", reservation_id, max(0, int(used)), 0.0))[:4])
+
+    async def retire(self, rollout_id: str, reservation_ids: Sequence[str]) -> int:
+        """Stop counting ``reservation_ids`` as live (nobody waits for them any more); they stay
+        charged and can still be settled. For the reservations of a job's earlier attempts when
+        the job runs again (its earlier worker was declared dead). Returns how many were live."""
+        if not reservation_ids:
+            return 0
+        outs = await asyncio.gather(*(self._submit(rollout_id, "x", rid, 0, 0.0) for rid in reservation_ids))
+        return sum(out[0] for out in outs)
 
     async def count_rejections(self, rollout_id: str, n: int) -> None:
         """Add ``n`` calls refused before they were enqueued (the producer's up-front refusal of a

@@ -132,7 +132,7 @@ class SubLLMWorker:
         self.max_parked = (
             settings.sub_llm_budget_max_parked
             if settings.sub_llm_budget_max_parked is not None
-            else settings.worker_concurrency
+            else 4 * settings.worker_concurrency
         )
         self.metrics = metrics or Metrics()
         self._client_factory = client_factory or (
