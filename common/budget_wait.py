@@ -24,7 +24,9 @@ seen: a release that arrives while a call is asking makes it ask once more.
 
 A parked call does not occupy one of its worker's in-flight slots (the worker adds
 :attr:`ReleaseWaits.parked` back to its free slots, up to a bound), so one rollout's
-waiting calls cannot starve another rollout of the worker.
+waiting calls cannot starve another rollout of the worker; a call granted after parking
+passes the worker's resume gate (:attr:`rlmq.common.ledger.BudgetLedger.resume_gate`)
+before it calls the model, so running calls stay within the worker's concurrency.
 """
 
 from __future__ import annotations

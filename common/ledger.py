@@ -26,7 +26,8 @@ The policy (what "spent" means):
 * With nothing live left, a call gets whatever is free, even less than ``cap`` (the last
   remainder; the answer may be cut, ``finish_reason == "length"``, counted as truncated).
 * Only with nothing free and nothing live is a call **rejected**: the budget is spent
-  (``limit - used`` is 0, or held by dead workers' reservations, which stay charged).
+  (``limit - used`` is 0, or held by dead workers' reservations, which stay charged; they stop
+  being live at their deadline, or earlier when their job runs again: :meth:`BudgetLedger.retire`).
 
 The trade-off: small grants answer *many* calls, each cut short; grants as large as an
 answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger takes the
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +172,9 @@ class BudgetLedger:
         self._waits: Any = None  # a ReleaseWaits, made on the first wait
         self.on_park: Callable[[], None] | None = None
         """Called whenever the number of :attr:`parked` calls changes (the worker's slot count)."""
+        self.resume_gate: Callable[[], Awaitable[None]] | None = None
+        """Awaited by a call granted after parking, before it returns: the worker holds it there until
+        it fits in its concurrency again (parked calls do not count against it, resumed ones do)."""
 
     def _submit(
         self, rollout_id: str, kind: str, reservation_id: str, n: int, deadline: float
@@ -330,6 +334,8 @@ class BudgetLedger:
         result: tuple[Grant, int, float] = await waits.wait_for_grant(
             self, rollout_id, reservation_id, cap, deadline, deadline - margin, grant
         )
+        if result[0].granted and result[1] and self.resume_gate is not None:
+            await self.resume_gate()  # cancelled here: the reservation stays charged in full
         return result
 
     @property
@@ -362,6 +368,15 @@ class BudgetLedger:
     async def settle(self, rollout_id: str, reservation_id: str, used: int) -> Settlement:
         """Settle a reservation with the ``used`` completion tokens the server reported."""
         return Settlement(*(await self._submit(rollout_id, "s", reservation_id, max(0, int(used)), 0.0))[:4])
+
+    async def retire(self, rollout_id: str, reservation_ids: Sequence[str]) -> int:
+        """Stop counting ``reservation_ids`` as live (nobody waits for them any more); they stay
+        charged and can still be settled. For the reservations of a job's earlier attempts when
+        the job runs again (its earlier worker was declared dead). Returns how many were live."""
+        if not reservation_ids:
+            return 0
+        outs = await asyncio.gather(*(self._submit(rollout_id, "x", rid, 0, 0.0) for rid in reservation_ids))
+        return sum(out[0] for out in outs)
 
     async def count_rejections(self, rollout_id: str, n: int) -> None:
         """Add ``n`` calls refused before they were enqueued (the producer's up-front refusal of a

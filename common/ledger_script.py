@@ -6,9 +6,10 @@ Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re
 
 # KEYS[1] budget hash, KEYS[2] reservations hash, KEYS[3] live-open sorted set, KEYS[4] release
 # channel (one rollout: all share its hash tag). ARGV[1] TTL seconds, ARGV[2] now (Unix seconds),
-# then per operation i four arguments from ARGV[4i-1]: kind ('r' reserve, 's' settle),
-# reservation id, n, deadline. For a reserve n is the caller's cap in tokens (<= 0: none; it can
-# only lower the ledger's own 'cap') and deadline the call's deadline (Unix seconds); for a settle
+# then per operation i four arguments from ARGV[4i-1]: kind ('r' reserve, 's' settle, 'x' retire),
+# reservation id, n, deadline (both unused by a retire). For a reserve n is the caller's cap in
+# tokens (<= 0: none; it can only lower the ledger's own 'cap') and deadline the call's deadline
+# (Unix seconds); for a settle
 # n is the completion tokens the server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
 # ledger once (HMGET) and writes it once (HSET). Returns one {a, charged, limit, code, next[, need]}
@@ -23,6 +24,9 @@ Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re
 #   The grant is min(cap, free), free = limit - charged, cap = min(ledger cap, caller's cap); it is
 #   given when free >= min(cap, limit) (no cap: free > 0), or, when no live reservation is left,
 #   whatever is free (the last remainder).
+# * retire ('x'): the reservation stops being live (its job was handed to a new attempt: its
+#   worker is presumed dead); it stays open and charged, and can still be settled. a = 1 when
+#   it was live. Waiters are told, as after a settle.
 # * settle: a = released = grant - used (>= 0 with a server that honours max_tokens; a server
 #   that returned more than its grant is charged the excess, recorded in 'overrun').
 #   code 0 settled now, 1 already settled (nothing changes), 2 unknown reservation.
@@ -114,6 +118,13 @@ for i = 1, nops do
         out[i] = {0, f.charged, limit, 1, 0}
       end
     end
+  elseif kind == 'x' then
+    local removed = redis.call('ZREM', KEYS[3], id)
+    if removed > 0 then
+      live = nil
+      settled = true
+    end
+    out[i] = {removed, f.charged, limit or 0, 0, 0}
   else
     local lim = limit or 0
     if not s then

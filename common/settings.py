@@ -98,7 +98,8 @@ class Settings(BaseSettings):
     """How long RQ keeps finished jobs (seconds); ``rq info`` and rq-dashboard show them."""
     sub_llm_budget_max_parked: int | None = Field(default=None, ge=0)
     """Budgeted calls waiting for a release that a worker does not count against its in-flight
-    concurrency (default: ``worker_concurrency``); past that, waiters hold slots."""
+    concurrency (default: 4 x ``worker_concurrency``); past that, waiters hold slots. A parked
+    call costs memory only (its request), never a model call."""
     allowed_sub_tools: list[str] = Field(default_factory=list)
     """Dotted import paths of sub-tools this worker may run (a job asking for others fails)."""
 

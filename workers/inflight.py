@@ -32,6 +32,14 @@ class InFlight:
         """Finished jobs waiting for the flush to record them."""
         self.done_event = asyncio.Event()
         self.slot_free = asyncio.Event()
+        """Set when a job's slot may have come free (the fetch loop waits on it)."""
+        self.running_changed = asyncio.Event()
+        """Set when the calls counted against the concurrency may have changed (the resume gate waits on it)."""
+
+    def slots_changed(self) -> None:
+        """Wake whoever waits for a slot: jobs were released, or a budgeted call parked."""
+        self.slot_free.set()
+        self.running_changed.set()
 
     def __len__(self) -> int:
         """Jobs held: started and not yet recorded (what counts against the concurrency)."""
@@ -76,7 +84,7 @@ class InFlight:
             self._jobs.pop(m, None)
             self._queue_of.pop(m, None)
             self._running.discard(m)
-        self.slot_free.set()
+        self.slots_changed()
 
     def members_by_queue(self) -> dict[str, list[str]]:
         """Held jobs' members grouped by the queue they came from."""

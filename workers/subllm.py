@@ -139,6 +139,8 @@ class _Run:
         # no ledger (the producer opens a ledger before it enqueues any job of its rollout).
         ledger = ctx.ledger
         check = ledger is not None and (request.budgeted or not ledger.known_unbudgeted(request.rollout_id))
+        if check and self.attempt > 1:
+            await self._retire_earlier_attempts()
         if request.system_prompt:
             self.messages.append({"role": "system", "content": request.system_prompt})
         self.messages.append({"role": "user", "content": request.prompt})
@@ -226,6 +228,17 @@ class _Run:
             self.grants += 1
             self.granted_tokens += grant.tokens
         return grant
+
+    async def _retire_earlier_attempts(self) -> None:
+        """This job runs again because its earlier attempt's worker was declared dead: that attempt's
+        reservations stay charged, but calls of the rollout stop waiting for them."""
+        ledger = self.ctx.ledger
+        assert ledger is not None
+        ids = [f"{self.job_id}:{a}:{t}" for a in range(1, self.attempt) for t in range(1, self.request.max_turns + 1)]
+        try:
+            await ledger.retire(self.request.rollout_id, ids)
+        except RedisError as exc:  # waiters then wait for the old reservations' deadline: slower, still safe
+            log.warning("could not retire the earlier attempts of %s (%s)", self.job_id, exc)
 
     async def _settle(self, reservation: str, used: int) -> None:
         ledger = self.ctx.ledger

@@ -108,7 +108,7 @@ class SubLLMWorker:
         self.max_parked = (
             settings.sub_llm_budget_max_parked
             if settings.sub_llm_budget_max_parked is not None
-            else settings.worker_concurrency
+            else 4 * settings.worker_concurrency
         )
         """Budgeted calls parked for a release that do not count against ``concurrency``."""
         self.metrics = metrics or Metrics()
@@ -128,6 +128,7 @@ class SubLLMWorker:
         self.stopping = asyncio.Event()
         self._hurry = asyncio.Event()  # a second stop request: hand in-flight jobs back now
         self._flush_lock = asyncio.Lock()  # one FINISH round at a time (see _flush_once)
+        self._resuming = 0  # budgeted calls held by the resume gate
         self.processed = 0
         """Sub-calls that produced a result (recorded or about to be)."""
         self.failure: tuple[str, BaseException] | None = None
@@ -151,6 +152,18 @@ class SubLLMWorker:
             self.failure = (task, exc)
         self.request_stop()
 
+    async def _resume_gate(self) -> None:
+        """Hold a budgeted call that was granted after parking until it fits in ``concurrency``:
+        running calls (held, neither parked nor held here) stay at most ``concurrency``. The
+        first held call always passes when nothing else runs, so holding never deadlocks."""
+        self._resuming += 1
+        try:
+            while len(self.jobs) - self.ledger.parked - self._resuming >= self.concurrency:
+                self.jobs.running_changed.clear()
+                await self.jobs.running_changed.wait()
+        finally:
+            self._resuming -= 1
+
     async def run(self, *, burst: bool = False, grace: float = 30.0) -> None:
         """Serve the queue until :meth:`request_stop` (or SIGTERM/SIGINT), or, with ``burst``,
         until the queue is empty and nothing is in flight.
@@ -167,7 +180,8 @@ class SubLLMWorker:
         s = self.settings
         self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
         self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
-        self.ledger.on_park = self.jobs.slot_free.set  # parked budget waiters give their slots back
+        self.ledger.on_park = self.jobs.slots_changed  # parked budget waiters give their slots back...
+        self.ledger.resume_gate = self._resume_gate  # ...and take one again before calling the model
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,

@@ -156,8 +156,9 @@ async def test_a_job_claiming_no_budget_is_held_to_its_rollouts_ledger(early_fle
 async def test_parked_calls_do_not_hold_a_small_worker_hostage(
     redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """One worker with 4 slots; rollout A's calls wait behind one slow call holding its whole budget;
-    rollout B (another trainer node's tenant queue) still gets the worker's slots at once."""
+    """One worker with 4 slots; rollout A's 11 calls wait behind one slow call holding its whole
+    budget; rollout B (another trainer node's tenant queue) still gets the worker's slots at once
+    (parked calls, up to 4 x the concurrency by default, do not count against it)."""
     model = f"budget-small-{uuid.uuid4().hex[:6]}"
     logs = tmp_path_factory.mktemp("budget-small-logs")
     with LocalFleet(redis_url=redis_url, model=model, workers=1, worker_concurrency=4, log_dir=str(logs)) as fleet:

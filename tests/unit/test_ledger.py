@@ -220,3 +220,15 @@ def test_ledger_invariants_hold_under_any_interleaving(limit: int, cap: int, ops
             assert snap.used == served <= limit
 
     asyncio.run(run())
+
+
+async def test_retiring_a_dead_attempts_reservation_stops_the_wait_but_keeps_the_charge() -> None:
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    await ledger.reserve("r1", "job:1:1", 80, time.time() + 60)  # its worker dies mid-call
+    assert (await ledger.reserve("r1", "other", 80)).code == WAIT
+    assert await ledger.retire("r1", ["job:1:1", "job:1:2"]) == 1  # the job runs again as attempt 2
+    g = await ledger.reserve("r1", "other", 80)
+    assert (g.tokens, g.code, g.charged) == (20, GRANTED, 100)  # nothing live: the remainder
+    late = await ledger.settle("r1", "job:1:1", 30)  # the old attempt was alive after all: still settles
+    assert (late.code, late.released, late.charged) == (0, 50, 50)
