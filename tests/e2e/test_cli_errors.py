@@ -184,6 +184,7 @@ class _KeyRecorder(http.server.BaseHTTPRequestHandler):
 async def test_worker_sends_its_api_key(how: str, redis_url: str, tmp_path: Path) -> None:
     from rlmq.common import keys as K
     from rlmq.common.connection import async_client
+    from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeyRecorder)
@@ -198,8 +199,14 @@ async def test_worker_sends_its_api_key(how: str, redis_url: str, tmp_path: Path
             fleet.start_worker("key-worker", ["--api-key", "sk-from-flag"] if how == "flag" else [])
             fleet.wait_for_workers(1)
             client = async_client(redis_url)
-            spec = BatchSpec(rollout_id=f"k-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model,
-                             queue=K.queue_name_for_model(model), timeout=30, parallelism=1)  # fmt: skip
+            spec = BatchSpec(
+                rollout_id=f"k-{uuid.uuid4().hex[:6]}",
+                batch_id="b1",
+                queue=K.queue_name_for_model(model),
+                sub_call_timeout=30,
+                parallelism=1,
+                call=SubCallOptions(model=model),
+            )
             (result,) = await Dispatcher(client).run_batch(spec, ["Hello."])
             await client.aclose()
     finally:

@@ -28,6 +28,7 @@ from rlmq.cli.local import LocalFleet, ProcessGroup, child_env, rlmq_command, st
 from rlmq.common import keys as K
 from rlmq.common.aio import STOP_DEADLINE_SECONDS
 from rlmq.common.connection import async_client
+from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 pytestmark = pytest.mark.e2e
@@ -297,8 +298,14 @@ def test_output_follows_dataset_order(tmp_path: Path) -> None:
 
 async def _batch_in_flight(redis_url: str, model: str, n: int) -> tuple[asyncio.Task[object], object]:
     client = async_client(redis_url)
-    spec = BatchSpec(rollout_id=f"w-{uuid.uuid4().hex[:6]}", batch_id="b1", model=model,
-                     queue=K.queue_name_for_model(model), timeout=120, parallelism=n)  # fmt: skip
+    spec = BatchSpec(
+        rollout_id=f"w-{uuid.uuid4().hex[:6]}",
+        batch_id="b1",
+        queue=K.queue_name_for_model(model),
+        sub_call_timeout=120,
+        parallelism=n,
+        call=SubCallOptions(model=model),
+    )
     task = asyncio.create_task(Dispatcher(client).run_batch(spec, [f"Prompt {i}." for i in range(n)]))
     return task, client
 

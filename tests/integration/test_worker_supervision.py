@@ -89,7 +89,14 @@ async def test_results_redis_keeps_refusing_are_left_to_the_reaper(
         client = Redis.from_url(redis_url)
         try:
             await await_until(lambda: asyncio.sleep(0, real_redis.exists(K.rq_worker("giveup-w"))), 10, "registration")
-            spec = BatchSpec(rollout_id="gu1", batch_id="b1", model=MODEL, queue=QUEUE, timeout=60, parallelism=4)
+            spec = BatchSpec(
+                rollout_id="gu1",
+                batch_id="b1",
+                queue=QUEUE,
+                sub_call_timeout=60,
+                parallelism=4,
+                call=SubCallOptions(model=MODEL),
+            )
             batch = asyncio.create_task(Dispatcher(client).run_batch(spec, ["[[mock:sleep:0.5]] who keeps the key?"]))
             await await_until(lambda: asyncio.sleep(0, len(w.jobs) == 1), 10, "the job in flight")
             proxy.refuse_writes(4.0)
