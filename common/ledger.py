@@ -16,9 +16,13 @@ been spent): never refunded twice, never lost.
 The policy (what "spent" means):
 
 * ``free = limit - charged``; ``charged`` = tokens servers reported + tokens held by open
-  reservations. ``cap`` = the ledger's per-call cap (``sub_llm_per_call_max_tokens``, else
+  reservations. ``cap`` = the ledger's per-call cap: ``sub_llm_per_call_max_tokens``, else
+  :func:`default_cap` (an eighth of the budget, at least 128 and at most
   ``sub_llm_budget_grant_tokens``, default 512), lowered (never raised) by the job's own.
-* A call is granted ``min(cap, free)`` when ``free >= min(cap, limit)``: a full grant.
+* A call is granted ``min(cap, free)`` when ``free`` is at least half a full grant
+  (``ceil(min(cap, limit) / 2)``): a call does not wait for a whole ``cap`` when most of one is
+  free (waiting for the whole cap serialised the calls of a small budget: with a budget of
+  1,000 and a cap of 512, the second call waited though 488 tokens were free).
 * Otherwise, while *live* reservations exist (open, and their call's deadline has not
   passed), the call is told to **wait**: those calls may give tokens back. It parks until the
   settle script publishes a release (:mod:`rlmq.common.budget_wait`), until the earliest live
@@ -30,11 +34,11 @@ The policy (what "spent" means):
   being live at their deadline, or earlier when their job runs again: :meth:`BudgetLedger.retire`).
 
 The trade-off: small grants answer *many* calls, each cut short; grants as large as an
-answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger takes the
-second: measured with the scripted model (``bench/budget.py``), 112 prompts with 250-token
-answers under a budget of 3,000 get 12 full answers and 3,000 tokens served (before: 1
-answer, 250 tokens, 111 rejections while 2,750 tokens sat unused in released grants);
-random 1-400-token answers under budgets of 500 to 20,000 are served to 100 %.
+answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger leans to
+the second, bounded by the first: one call holds at most an eighth of a small budget, so
+several calls run at once instead of one after another. The figures, measured with the
+scripted model, are in the README's budget section and ``bench/results/budget.json``
+(``python -m bench.budget``).
 
 Compared with the reference ``RLMEnv`` (verifiers, March 2026), which checks a counter
 that moves only when a whole sub-call finishes, so parallel calls and the forced final
@@ -141,6 +145,27 @@ class BudgetSnapshot:
     def held(self) -> int:
         """Tokens held by open reservations (running calls, or calls of dead workers)."""
         return self.charged - self.used
+
+
+DEFAULT_CAP_SHARE = 8
+"""Without a per-call cap, one call holds at most ``limit // DEFAULT_CAP_SHARE`` tokens of a budget."""
+DEFAULT_CAP_FLOOR = 128
+"""...but never less than this many tokens (or the whole budget, when that is smaller)."""
+
+
+def default_cap(limit: int, grant_tokens: int) -> int:
+    """The per-call cap of a rollout whose ``sub_llm_per_call_max_tokens`` is unset (tokens).
+
+    ``min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE))``: budgets of 4,096
+    tokens and more get ``grant_tokens`` (``sub_llm_budget_grant_tokens``, default 512); a
+    smaller budget is shared by about eight calls at once (budget 1,000: 128 a call) rather than
+    handed out one large grant at a time.
+
+    Args:
+        limit: the rollout's budget, completion tokens (>= 1).
+        grant_tokens: the largest grant of one call, tokens (>= 1).
+    """
+    return max(1, min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE)))
 
 
 class BudgetLedger:

@@ -22,8 +22,8 @@ Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re
 #   counting as live, and need, the grant it waits for). An open reservation with the same id
 #   returns its grant again.
 #   The grant is min(cap, free), free = limit - charged, cap = min(ledger cap, caller's cap); it is
-#   given when free >= min(cap, limit) (no cap: free > 0), or, when no live reservation is left,
-#   whatever is free (the last remainder).
+#   given when free >= need = ceil(min(cap, limit) / 2) (half a full grant; no cap: free > 0), or,
+#   when no live reservation is left, whatever is free (the last remainder).
 # * retire ('x'): the reservation stops being live (its job was handed to a new attempt: its
 #   worker is presumed dead); it stays open and charged, and can still be settled. a = 1 when
 #   it was live. Waiters are told, as after a settle.
@@ -87,7 +87,7 @@ for i = 1, nops do
       if n > 0 and (cap <= 0 or n < cap) then cap = n end
       local free = limit - f.charged
       local full = 1
-      if cap > 0 then full = math.min(cap, limit) end
+      if cap > 0 then full = math.ceil(math.min(cap, limit) / 2) end
       local grant = 0
       if free >= full then
         grant = free

@@ -59,7 +59,9 @@ class Settings(BaseSettings):
     """``max_tokens`` of every sub-LLM model call; with a budget, also the largest grant."""
     sub_llm_budget_grant_tokens: int = Field(default=512, ge=1)
     """With a budget and no ``sub_llm_per_call_max_tokens``: the largest grant of one model call
-    (tokens). A call waits for a grant this large while running calls may give tokens back."""
+    (tokens); the cap of a rollout is :func:`rlmq.common.ledger.default_cap` of its budget (an
+    eighth of it, at least 128, at most this). A call waits while less than half its cap is free
+    and running calls may give tokens back."""
     root_max_completion_tokens: int | None = Field(default=None, ge=1)
     max_sub_llm_parallelism: int = Field(default=64, ge=1)
     max_output_length: int = Field(default=8192, ge=100)

@@ -34,7 +34,7 @@ from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ConfigError, RlmqError
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.ledger import BudgetLedger, default_cap
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow, StopReason
 from rlmq.common.settings import Settings, Verbosity, load_settings
@@ -231,7 +231,8 @@ class RLMEnv:
         await self._redis.expire(keys.info, s.rollout_key_ttl)
         await self._redis.zadd(K.LIVE_ROLLOUTS, {rid: time.time() + s.rollout_key_ttl})
         if budget is not None:
-            await self.ledger.open(rid, budget, s.sub_llm_per_call_max_tokens or s.sub_llm_budget_grant_tokens)
+            cap = s.sub_llm_per_call_max_tokens or default_cap(budget, s.sub_llm_budget_grant_tokens)
+            await self.ledger.open(rid, budget, cap)
         sem = asyncio.Semaphore(1)
         batches = self._batches
 

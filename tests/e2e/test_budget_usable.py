@@ -198,3 +198,30 @@ async def test_parked_calls_do_not_hold_a_small_worker_hostage(
     assert a_served_when_b_done == 0  # B did not wait for A's 3-second call
     statuses = [r.status for r in results_a]
     assert statuses.count("ok") == 1 and statuses.count("rejected") == 11  # spent, then clearly rejected
+
+
+async def test_a_budget_under_two_caps_answers_a_batch_at_once_not_one_call_at_a_time(
+    early_fleet: LocalFleet,
+) -> None:
+    """Budget 1,000, no per-call cap set, four calls that each answer in 100 tokens after 2 s,
+    a 6 s deadline per call. With grants of a whole 512-token cap, the second call waited for
+    the first to finish and the last ones missed their deadline while most of the budget sat
+    unused (found by a hostile review); now a small budget is shared (the default cap is an
+    eighth of it, at least 128) and a call takes what is free once that is half a grant, so
+    all four run at once and are answered in full, in one call's time rather than four."""
+    budget, n = 1000, 4
+    settings = load_settings(
+        redis_url=early_fleet.redis_url, base_url=early_fleet.base_url, model=MODEL, sub_call_timeout=6
+    )
+    code = batch_code('f"Slow part {i}. [[mock:tokens:100]] [[mock:sleep:2]]"', n)
+    rid = f"small-{uuid.uuid4().hex[:8]}"
+    async with RLMEnv(settings=settings, sub_llm_max_completion_tokens=budget, max_sub_llm_parallelism=n) as env:
+        res = await env.rollout(
+            DatasetRow(id="small", question="Q. " + root_code_directive(code), context="x"), model=MODEL, rollout_id=rid
+        )
+    assert res.row.stop_reason == "answer_ready", res.row.error
+    results = [SubLLMResult(**r) for e in res.trajectory if e["type"] == "llm_batch" for r in e["results"]]
+    assert [r.status for r in results] == ["ok"] * n, [r.content[:80] for r in results]
+    assert all(r.completion_tokens == 100 and not r.truncated for r in results)
+    assert served_to(early_fleet, rid) == 400
+    assert res.row.metrics["sub_llm_budget_waits"] == 0  # nobody waited: 128-token grants, 1,000 free

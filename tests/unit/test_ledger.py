@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlmq.common.ledger as ledger_module
-from rlmq.common.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger
+from rlmq.common.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger, default_cap
 
 
 def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:
@@ -25,15 +25,38 @@ async def test_grant_is_min_of_cap_and_free_and_a_held_remainder_means_wait() ->
     deadline = time.time() + 60
     g1 = await ledger.reserve("r1", "a", 60, deadline)
     assert (g1.tokens, g1.charged, g1.code) == (60, 60, GRANTED)
-    g2 = await ledger.reserve("r1", "b", 60)
-    # 40 free, less than a full grant, and "a" may give tokens back: wait, until a's deadline at most
-    assert (g2.tokens, g2.code, g2.granted) == (0, WAIT, False)
-    assert abs(g2.retry_at - deadline) < 0.01
+    g2 = await ledger.reserve("r1", "b", 60, deadline)
+    # 40 free: at least half a full grant (30), so granted now rather than waiting for all 60
+    assert (g2.tokens, g2.charged, g2.code) == (40, 100, GRANTED)
+    g3 = await ledger.reserve("r1", "c", 60)
+    # nothing free, and "a" and "b" may give tokens back: wait, until the earliest live deadline
+    assert (g3.tokens, g3.code, g3.granted) == (0, WAIT, False)
+    assert abs(g3.retry_at - deadline) < 0.01
     await ledger.settle("r1", "a", 10)  # a stopped early: 50 released
-    g3 = await ledger.reserve("r1", "b", 60)
-    assert (g3.tokens, g3.charged, g3.code) == (60, 70, GRANTED)
+    g4 = await ledger.reserve("r1", "c", 60)
+    assert (g4.tokens, g4.charged, g4.code) == (50, 100, GRANTED)
     snap = await ledger.snapshot("r1")
-    assert snap is not None and (snap.grants, snap.rejections, snap.waits, snap.held) == (2, 0, 1, 60)
+    assert snap is not None and (snap.grants, snap.rejections, snap.waits, snap.held) == (3, 0, 1, 90)
+
+
+async def test_a_call_waits_while_less_than_half_a_grant_is_free() -> None:
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    deadline = time.time() + 60
+    assert (await ledger.reserve("r1", "a", 80, deadline)).tokens == 80
+    g = await ledger.reserve("r1", "b", 80)  # 20 free < 40: "a" may give back, so wait
+    assert (g.tokens, g.code) == (0, WAIT)
+    await ledger.settle("r1", "a", 50)  # 30 released: 50 free >= 40
+    assert (await ledger.reserve("r1", "b", 80)).tokens == 50
+
+
+def test_default_cap_shares_a_small_budget_and_keeps_a_large_one() -> None:
+    assert default_cap(100_000, 512) == 512
+    assert default_cap(4_096, 512) == 512
+    assert default_cap(3_000, 512) == 375  # 250-token answers still fit whole
+    assert default_cap(1_000, 512) == 128  # the floor: several calls at once, none tiny
+    assert default_cap(100, 512) == 128  # a grant never exceeds what is free anyway
+    assert default_cap(1_000, 64) == 64  # sub_llm_budget_grant_tokens is the ceiling
 
 
 async def test_the_last_remainder_goes_to_one_call_and_only_a_spent_budget_rejects() -> None:
@@ -164,8 +187,10 @@ async def test_parallel_reservations_never_exceed_the_limit() -> None:
     _, ledger = make()
     await ledger.open("r1", 1000)
     grants = await asyncio.gather(*(ledger.reserve("r1", f"c{i}", 64) for i in range(100)))
-    assert sum(g.tokens for g in grants) == 15 * 64  # 40 left: less than a full grant while 15 run
-    assert sum(1 for g in grants if g.code == WAIT) == 100 - 15
+    # 15 full grants and the 40 left (at least half of 64) to a 16th; nothing is free for the rest
+    assert sum(g.tokens for g in grants) == 1000
+    assert sorted(g.tokens for g in grants if g.tokens)[:2] == [40, 64]
+    assert sum(1 for g in grants if g.code == WAIT) == 100 - 16
 
 
 # --- property: random interleavings of reserve, settle, retry and crash --------------------
