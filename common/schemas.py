@@ -185,6 +185,12 @@ class ResultRow(BaseModel):
     error: str | None = None
 
 
+def _summary(exc: ValidationError) -> str:
+    """The first errors of ``exc``, without the input values: an invalid job's prompt (any size)
+    must not be copied into its error result, the RQ failure record and the log."""
+    return str(exc.errors(include_url=False, include_input=False, include_context=False)[:3])[:1000]
+
+
 def load_request(raw: Any) -> SubLLMRequest:
     """Validate a job argument (dict or JSON text) as a :class:`SubLLMRequest`.
 
@@ -196,7 +202,7 @@ def load_request(raw: Any) -> SubLLMRequest:
             return SubLLMRequest.model_validate_json(raw)
         return SubLLMRequest.model_validate(raw)
     except ValidationError as exc:
-        raise PayloadError(f"invalid sub-LLM request: {exc.error_count()} error(s): {exc.errors()[:3]}") from exc
+        raise PayloadError(f"invalid sub-LLM request: {exc.error_count()} error(s): {_summary(exc)}") from exc
 
 
 def load_lane_entry(raw: str | bytes) -> LaneEntry:
@@ -208,7 +214,7 @@ def load_lane_entry(raw: str | bytes) -> LaneEntry:
     try:
         return LaneEntry.model_validate_json(raw)
     except ValidationError as exc:
-        raise PayloadError(f"invalid lane entry: {exc.error_count()} error(s): {exc.errors()[:3]}") from exc
+        raise PayloadError(f"invalid lane entry: {exc.error_count()} error(s): {_summary(exc)}") from exc
 
 
 def load_result(raw: str | bytes) -> SubLLMResult:
