@@ -84,6 +84,16 @@ def test_dataset_checks(tmp_path: Path) -> None:
         load_rows(str(ds))
 
 
+def test_a_dataset_that_is_not_utf8_is_a_payload_error(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.jsonl"
+    row = json.dumps({"id": "a", "question": "?", "context": "c"})
+    ds.write_bytes(f"{row}\r\n".encode() + b'\xff\xfe{"id": "b"}\n')
+    with pytest.raises(PayloadError, match=r"ds.jsonl:2: not UTF-8"):
+        load_rows(str(ds))
+    ds.write_bytes(f"{row}\r\n\r\n".encode())
+    assert [r.id for r in load_rows(str(ds))] == ["a"]
+
+
 @pytest.mark.parametrize(
     ("exc", "code"),
     [
