@@ -117,3 +117,16 @@ def test_one_url_masker() -> None:
         mask_url("failed: redis://:pw@h:1/0 and http://u:v@m/v1") == "failed: redis://:***@h:1/0 and http://u:***@m/v1"
     )
     assert explain(RuntimeError("cannot use redis://:pw@h:1/0"))[1].endswith("redis://:***@h:1/0")
+
+
+def test_a_redis_that_wants_a_password_we_did_not_give_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: redis.Redis) -> bool:
+        raise redis.AuthenticationError("HELLO must be called with the client already authenticated, otherwise ...")
+
+    monkeypatch.setattr(redis.Redis, "ping", refuse)
+    with pytest.raises(RedisUnavailableError, match=r"redis://127.0.0.1:1/0 needs a password") as info:
+        check_redis("redis://127.0.0.1:1/0")
+    assert info.value.auth
+    with pytest.raises(RedisUnavailableError, match=r"refused the credentials") as info:
+        check_redis("redis://:wrong@127.0.0.1:1/0")
+    assert "wrong" not in str(info.value)
