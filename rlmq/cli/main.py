@@ -309,9 +309,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
+    from rlmq.common.errors import ConfigError
     from rlmq.scripted.server import serve
 
-    serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+    try:
+        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+    except OSError as exc:  # the port is taken, or the address is not ours
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     return 0
 
 

@@ -29,3 +29,15 @@ def test_bad_model_or_url_is_exit_2_and_one_line(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("rlmq: ") and expect in err[0], err
     assert not run_dir.exists()  # nothing started
+
+
+def test_mock_llm_on_a_taken_port_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["mock-llm", "--port", str(port)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"rlmq: cannot listen on 127.0.0.1:{port}"), err
