@@ -53,6 +53,12 @@ def check_redis(url: str, *, timeout: float = CHECK_TIMEOUT) -> None:
     try:
         client.ping()
     except redis.AuthenticationError as exc:
+        if client.connection_pool.connection_kwargs.get("password") is None:
+            raise RedisUnavailableError(
+                f"Redis at {where} refused the connection: it needs a password, give it in the URL"
+                " (redis://:PASSWORD@host:port/db)",
+                auth=True,
+            ) from exc
         raise RedisUnavailableError(f"Redis at {where} refused the credentials: {exc}", auth=True) from exc
     except redis.ResponseError as exc:  # NOAUTH on servers redis-py does not map, and the like
         auth = "auth" in str(exc).lower()

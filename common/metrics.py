@@ -26,6 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import ResultRow, SubLLMResult
 
 # Sub-calls wait in the queue from milliseconds (idle fleet) to minutes (a burst).
@@ -182,11 +183,15 @@ class Metrics:
 
         Raises:
             RuntimeError: already serving.
-            OSError: the port is taken.
+            ConfigError: the port is taken or the address cannot be bound (a mistake in the
+                command, exit 2, not a bug).
         """
         if self._server is not None:
             raise RuntimeError("metrics exporter already started")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}") from exc
         return int(self._server.server_port)
 
     @property

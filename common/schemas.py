@@ -233,11 +233,15 @@ def read_dataset(path: str) -> list[DatasetRow]:
     """Read a JSONL dataset file into rows.
 
     Raises:
-        PayloadError: a line is not valid JSON or misses ``id`` / ``question`` / ``context``.
+        PayloadError: a line is not UTF-8, not valid JSON or misses ``id`` / ``question`` / ``context``.
     """
     rows: list[DatasetRow] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PayloadError(f"{path}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start})") from exc
             if not line.strip():
                 continue
             try:

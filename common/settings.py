@@ -121,7 +121,7 @@ class Settings(BaseSettings):
         try:
             return type(self).model_validate({**self.model_dump(), **overrides})
         except ValidationError as exc:
-            raise ConfigError(str(exc)) from exc
+            raise ConfigError(invalid_settings(exc)) from exc
 
     @field_validator("sub_llm_max_completion_tokens", mode="before")
     @classmethod
@@ -167,6 +167,12 @@ class Settings(BaseSettings):
         return queue_name_for_model(self.model)
 
 
+def invalid_settings(exc: Any) -> str:
+    """One line for a pydantic ``ValidationError`` of :class:`Settings`: ``field: message; ...``."""
+    what = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+    return f"invalid setting(s): {what}"
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Build the settings from ``overrides`` (flags; ``None`` values are ignored) over the env.
 
@@ -183,5 +189,7 @@ def load_settings(**overrides: Any) -> Settings:
         values["redis_url"] = os.environ["REDIS_URL"]
     try:
         return Settings(**values)
-    except (ValidationError, SettingsError) as exc:  # a bad flag value, or an RLMQ_* variable that is not JSON
+    except ValidationError as exc:  # a bad flag value
+        raise ConfigError(invalid_settings(exc)) from exc
+    except SettingsError as exc:  # an RLMQ_* variable that is not JSON
         raise ConfigError(str(exc)) from exc

@@ -250,7 +250,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
+    from rlmq.common.errors import ConfigError
 
+    if not args.model.strip():
+        raise ConfigError("--model is empty: name the root model")
+    for flag, url in (("--base-url", args.base_url), ("--sub-base-url", args.sub_base_url)):
+        if url is not None and not url.lower().startswith(("http://", "https://")):
+            raise ConfigError(f"{flag} {url}: not an http:// or https:// URL")
     check_output(args.output, args.dataset, args.run_dir)
     rows = load_rows(args.dataset)
     sub_model = args.sub_model or args.model
@@ -303,9 +309,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
+    from rlmq.common.errors import ConfigError
     from rlmq.scripted.server import serve
 
-    serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+    try:
+        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+    except OSError as exc:  # the port is taken, or the address is not ours
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     return 0
 
 

@@ -90,7 +90,10 @@ class ResultSink:
         self.order = {row.id: i for i, row in enumerate(rows)}
         self.total = len(rows)
         self.output = output
-        self.partial = f"{output}.partial" if output else None
+        # a FIFO or a device (``--output /dev/stdout``) gets the rows streamed into it at the end,
+        # and no ``.partial`` beside it
+        self._stream = output is not None and os.path.exists(output) and not os.path.isfile(output)
+        self.partial = f"{output}.partial" if output and not self._stream else None
         self._done: dict[int, RolloutResult] = {}
         self._fh: IO[str] | None = None
 
@@ -122,13 +125,22 @@ class ResultSink:
             self._fh = None
         if self.output is None or not self._done:
             return False
-        folder = os.path.dirname(os.path.abspath(self.output))
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.output)}.", suffix=".tmp", dir=folder)
+        if self._stream:  # never renamed onto: that would replace the FIFO or device node itself
+            with open(self.output, "w", encoding="utf-8") as fh:
+                for res in self.results:
+                    fh.write(json.dumps(res.row.model_dump()) + "\n")
+            return True
+        target = os.path.realpath(self.output)  # a symlink keeps pointing where it did
+        folder = os.path.dirname(target)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
         try:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 for res in self.results:
                     fh.write(json.dumps(res.row.model_dump()) + "\n")
-            os.replace(tmp, self.output)
+            os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -125,3 +125,18 @@ def test_each_metrics_object_has_its_own_registry_and_port() -> None:
         b.close()
         a.close()  # idempotent
     assert a.port is None
+
+
+def test_a_taken_metrics_port_is_a_usage_error_naming_it() -> None:
+    import socket
+
+    from rlmq.common.errors import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        metrics = Metrics()
+        with pytest.raises(ConfigError, match=rf"127\.0\.0\.1:{port} \(--metrics-port\)"):
+            metrics.serve(port)
+        metrics.close()

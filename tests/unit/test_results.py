@@ -84,6 +84,16 @@ def test_dataset_checks(tmp_path: Path) -> None:
         load_rows(str(ds))
 
 
+def test_a_dataset_that_is_not_utf8_is_a_payload_error(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.jsonl"
+    row = json.dumps({"id": "a", "question": "?", "context": "c"})
+    ds.write_bytes(f"{row}\r\n".encode() + b'\xff\xfe{"id": "b"}\n')
+    with pytest.raises(PayloadError, match=r"ds.jsonl:2: not UTF-8"):
+        load_rows(str(ds))
+    ds.write_bytes(f"{row}\r\n\r\n".encode())
+    assert [r.id for r in load_rows(str(ds))] == ["a"]
+
+
 @pytest.mark.parametrize(
     ("exc", "code"),
     [
@@ -107,3 +117,47 @@ def test_one_url_masker() -> None:
         mask_url("failed: redis://:pw@h:1/0 and http://u:v@m/v1") == "failed: redis://:***@h:1/0 and http://u:***@m/v1"
     )
     assert explain(RuntimeError("cannot use redis://:pw@h:1/0"))[1].endswith("redis://:***@h:1/0")
+
+
+def test_a_redis_that_wants_a_password_we_did_not_give_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: redis.Redis) -> bool:
+        raise redis.AuthenticationError("HELLO must be called with the client already authenticated, otherwise ...")
+
+    monkeypatch.setattr(redis.Redis, "ping", refuse)
+    with pytest.raises(RedisUnavailableError, match=r"1/0 refused the connection: it needs a password") as info:
+        check_redis("redis://127.0.0.1:1/0")
+    assert info.value.auth
+    with pytest.raises(RedisUnavailableError, match=r"refused the credentials") as info:
+        check_redis("redis://:wrong@127.0.0.1:1/0")
+    assert "wrong" not in str(info.value)
+
+
+def test_output_through_a_symlink_or_into_a_fifo_keeps_the_link_and_the_fifo(tmp_path: Path) -> None:
+    import os
+    import stat
+    import threading
+
+    real = tmp_path / "real.jsonl"
+    real.write_text("earlier\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(real)
+    sink = ResultSink(_rows(1), str(link))
+    sink.add(_done("r0"))
+    assert sink.commit()
+    assert link.is_symlink() and json.loads(real.read_text())["id"] == "r0"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(real.stat().st_mode) == 0o666 & ~umask  # readable like any file it writes
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    sink = ResultSink(_rows(1), str(fifo))
+    sink.add(_done("r0"))
+    assert sink.commit()
+    reader.join(5)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # not replaced by a regular file
+    assert [json.loads(x)["id"] for x in got[0].splitlines()] == ["r0"]
+    assert not Path(f"{fifo}.partial").exists()
