@@ -86,6 +86,7 @@ class ReleaseWaits:
         self._seen: dict[str, int] = {}  # rollout -> releases (and re-subscriptions) seen
         self._parked: dict[str, dict[asyncio.Future[None], int]] = {}  # rollout -> parked call -> need
         self._closed = False
+        self._abandoned = False
         self.parked = 0
         """Calls parked now (waiting for a release)."""
 
@@ -114,6 +115,8 @@ class ReleaseWaits:
 
         Raises:
             redis.RedisError: asking the ledger failed.
+            asyncio.CancelledError: the worker is stopping (:meth:`abandon`): the call is not
+                granted after all, and its job is handed back to the queue unrun.
         """
         from rlmq.common.ledger import WAIT, WAITED_OUT, Grant
 
@@ -126,6 +129,8 @@ class ReleaseWaits:
                 grant = await ledger.reserve(rollout_id, reservation_id, cap, deadline)
                 if grant.code != WAIT:
                     return grant, parks, parked_seconds
+                if self._abandoned:
+                    raise asyncio.CancelledError("the worker is stopping: a parked call is handed back")
                 now = time.time()
                 if now >= give_up or self._closed:
                     with contextlib.suppress(RedisError, OSError):
@@ -234,6 +239,14 @@ class ReleaseWaits:
                 self._wake(rollout_id)  # (re)subscribed: a release may have gone unheard
             elif message.get("type") == "message":
                 self._wake(rollout_id, _fits(message.get("data")))
+
+    def abandon(self) -> None:
+        """The worker is stopping: every parked call, and every call that would park from now
+        on, ends with :class:`asyncio.CancelledError` at its next answer from the ledger, so
+        its job is handed back instead of calling the model during the worker's grace period
+        (a grant it was about to get stays free for the rest of the fleet)."""
+        self._abandoned = True
+        self._wake_all()
 
     async def aclose(self) -> None:
         """Wake every parked call (each asks once more, then gives up) and close the connection."""

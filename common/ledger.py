@@ -195,6 +195,7 @@ class BudgetLedger:
         self._flushes: set[asyncio.Task[None]] = set()
         self._unbudgeted: dict[str, float] = {}
         self._waits: Any = None  # a ReleaseWaits, made on the first wait
+        self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)
         self.on_park: Callable[[], None] | None = None
         """Called whenever the number of :attr:`parked` calls changes (the worker's slot count)."""
         self.resume_gate: Callable[[], Awaitable[None]] | None = None
@@ -347,6 +348,9 @@ class BudgetLedger:
         Raises:
             redis.RedisError: a reservation failed (waiting itself survives a lost pub/sub
                 connection: every waiter is woken to ask again).
+            asyncio.CancelledError: the worker is stopping (:meth:`abandon_waits`): a parked
+                call, or one granted after parking that has not called its model yet (its grant
+                is settled at 0 first), is handed back instead.
         """
         grant = await self.reserve(rollout_id, reservation_id, cap, deadline)
         if grant.code != WAIT:
@@ -355,12 +359,19 @@ class BudgetLedger:
             from rlmq.common.budget_wait import ReleaseWaits
 
             self._waits = ReleaseWaits(self._redis, self._park_changed)
+            if self._abandon:
+                self._waits.abandon()
         waits: Any = self._waits
         result: tuple[Grant, int, float] = await waits.wait_for_grant(
             self, rollout_id, reservation_id, cap, deadline, deadline - margin, grant
         )
         if result[0].granted and result[1] and self.resume_gate is not None:
             await self.resume_gate()  # cancelled here: the reservation stays charged in full
+        if result[0].granted and self._abandon:
+            # Granted as the worker began to stop: the model was never called, so the grant goes
+            # back (settled at 0 tokens) and the job is handed back like the parked ones.
+            await self.settle(rollout_id, reservation_id, 0)
+            raise asyncio.CancelledError("the worker is stopping: a granted call that had not started is handed back")
         return result
 
     @property
@@ -411,6 +422,19 @@ class BudgetLedger:
             pipe.hincrby(key, "rejections", n)
             pipe.expire(key, self._ttl)
             await pipe.execute()
+
+    @property
+    def abandoning(self) -> bool:
+        """True once :meth:`abandon_waits` was called (the worker is stopping)."""
+        return self._abandon
+
+    def abandon_waits(self) -> None:
+        """A stopping worker gives up its parked calls: each ends with
+        :class:`asyncio.CancelledError` instead of a grant (see
+        :meth:`rlmq.common.budget_wait.ReleaseWaits.abandon`), so its job is handed back."""
+        self._abandon = True
+        if self._waits is not None:
+            self._waits.abandon()
 
     async def aclose(self) -> None:
         """Stop waiting: wake every parked call (it asks once more) and close the pub/sub connection."""

@@ -158,7 +158,9 @@ class SubLLMWorker:
         first held call always passes when nothing else runs, so holding never deadlocks."""
         self._resuming += 1
         try:
-            while len(self.jobs) - self.ledger.parked - self._resuming >= self.concurrency:
+            while (
+                not self.ledger.abandoning and len(self.jobs) - self.ledger.parked - self._resuming >= self.concurrency
+            ):
                 self.jobs.running_changed.clear()
                 await self.jobs.running_changed.wait()
         finally:
@@ -228,6 +230,11 @@ class SubLLMWorker:
             raise WorkerFailed(f"worker {self.name}: its {task} task kept failing ({type(exc).__name__}: {exc})")
 
     async def _drain(self, grace: float) -> None:
+        # Parked budget calls are not granted while the worker stops: their jobs are handed
+        # back unrun (their model calls would start inside the grace period and could be cut
+        # at its end, leaving their grants charged in full).
+        self.ledger.abandon_waits()
+        self.jobs.running_changed.set()  # a call held by the resume gate re-checks (and is handed back)
         tasks = self.jobs.tasks
         if tasks:
             log.info("worker %s: waiting up to %.0f s for %d in-flight sub-calls", self.name, grace, len(tasks))

@@ -102,3 +102,53 @@ async def test_calls_granted_after_a_wait_stay_within_the_workers_concurrency(re
     assert all(r.budget_waits >= 1 for r in results)
     assert double.calls == 8
     assert double.peak <= concurrency, f"{double.peak} model calls ran at once on a worker of concurrency {concurrency}"
+
+
+async def test_a_stopping_worker_hands_its_parked_calls_back_instead_of_running_them(redis_url: str) -> None:
+    """Found by a hostile review: after SIGTERM a worker granted its parked budget calls one by
+    one and started their model calls inside its grace period. Now a stopping worker's parked
+    calls end unrun and their jobs go back to the queue, for the next worker."""
+    model = f"abandon-{uuid.uuid4().hex[:6]}"
+    settings = load_settings(
+        redis_url=redis_url, model=model, worker_concurrency=4, sub_llm_budget_max_parked=8, heartbeat_interval=0.5
+    )
+    double = CountingModel()
+    worker = SubLLMWorker(settings, client_factory=lambda: double)  # type: ignore[arg-type,return-value]
+    running = asyncio.create_task(worker.run(grace=20))
+    redis = async_client(redis_url)
+    queue = queue_name_for_model(model)
+    try:
+        ledger = BudgetLedger(redis)
+        rid = f"abandon-{uuid.uuid4().hex[:8]}"
+        await ledger.open(rid, 1000, cap=100)
+        deadline = time.time() + 60
+        for i in range(10):  # another worker's calls hold the whole budget
+            assert (await ledger.reserve(rid, f"elsewhere-{i}", None, deadline)).tokens == 100
+        spec = BatchSpec(
+            rollout_id=rid,
+            batch_id="b1",
+            queue=queue,
+            sub_call_timeout=60,
+            parallelism=6,
+            call=SubCallOptions(model=model, budgeted=True),
+        )
+        batch = asyncio.create_task(Dispatcher(redis).run_batch(spec, [f"Part {i}?" for i in range(6)]))
+        async with asyncio.timeout(30):
+            while getattr(worker, "ledger", None) is None or worker.ledger.parked < 6:
+                await asyncio.sleep(0.01)  # polling this process's own counter, bounded by the timeout
+        t0 = time.monotonic()
+        worker.request_stop()
+        for i in range(10):  # the budget comes free while the worker drains: it must not use it
+            await ledger.settle(rid, f"elsewhere-{i}", 0)
+        await asyncio.wait_for(running, 30)
+        stopped_in = time.monotonic() - t0
+        queued = await redis.llen(f"rq:queue:{queue}")
+        batch.cancel()
+    finally:
+        if not running.done():
+            worker.request_stop()
+            await asyncio.wait_for(running, 30)
+        await redis.aclose()
+    assert double.calls == 0, f"a stopping worker started {double.calls} model calls for parked jobs"
+    assert queued == 6  # all six handed back, unrun
+    assert stopped_in < 20  # it did not sit out its grace period
