@@ -276,6 +276,21 @@ class Dispatcher:
         live = outcomes[-1]
         return now, int(live) if isinstance(live, int) else 1
 
+    async def _withdraw(self, spec: BatchSpec, indices: list[int]) -> None:
+        """Take back the still-queued jobs of slots the batch has given up on (no live worker):
+        a worker that comes later would otherwise run them, before their deadlines, for a
+        rollout that has moved on. Off the normal path; a failure leaves them to their TTL."""
+        if not indices:
+            return
+        queue = K.rq_queue(spec.queue)
+        with contextlib.suppress(RedisError, OSError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in indices:
+                    jid = job_id_for(spec, i)
+                    pipe.lrem(queue, 0, jid)
+                    pipe.delete(K.rq_job(jid))
+                await pipe.execute()
+
     def _drop_later(self, reply: str) -> None:
         """Delete a finished batch's reply stream without making the batch wait for it (a
         round trip off the light-load path). A late duplicate recreates the stream with the
@@ -339,6 +354,7 @@ class Dispatcher:
                     "%d open sub-calls end with error_kind=no_worker",
                     spec.batch_id, spec.rollout_id, spec.queue, now - unserved_since, pending,
                 )  # fmt: skip
+                await self._withdraw(spec, [i for i in range(next_index) if results[i] is None])
                 for i in range(n):
                     if results[i] is None:
                         results[i] = no_worker_result(spec, i, self.no_worker_grace)

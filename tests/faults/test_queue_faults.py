@@ -33,7 +33,7 @@ from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
 from rlmq.common.schemas import SubCallOptions, SubLLMRequest, SubLLMResult
-from rlmq.producer.dispatch import BatchSpec, Dispatcher
+from rlmq.producer.dispatch import BatchSpec, Dispatcher, job_id_for
 from tests.faults.conftest import HEARTBEAT_TTL, await_until, model_stats, wait_until
 from tests.faults.proxy import FaultProxy
 from tests.replies import reply_results
@@ -309,6 +309,9 @@ async def test_a_queue_no_worker_serves_is_reported_within_seconds(
     assert [r.error_kind for r in results] == ["no_worker"] * 3
     assert "no live worker serves queue" in results[0].content and queue in results[0].content
     assert "no live worker serves queue" in caplog.text
+    # The given-up jobs were taken back: a worker that comes later does not run them for nothing.
+    assert real_redis.llen(K.rq_queue(queue)) == 0
+    assert not any(real_redis.exists(K.rq_job(job_id_for(spec, i))) for i in range(3))
     fleet = LocalFleet(redis_url=redis_url, model=model, workers=1, log_dir=str(tmp_path / "logs"))
     with fleet:
         fleet.wait_for_workers(1)
@@ -326,6 +329,7 @@ async def test_a_queue_no_worker_serves_is_reported_within_seconds(
         finally:
             await client.aclose()
         assert [r.status for r in served] == ["ok", "ok"]
+        assert "nw1" not in model_stats(str(fleet.base_url))["per_user"]  # the withdrawn jobs never ran
         snap = collect(real_redis)
         row = next(q for q in snap["queues"] if q["name"] == queue)
         assert row["workers"] == 1, snap["queues"]
