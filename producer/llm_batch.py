@@ -157,5 +157,6 @@ class LlmBatchService:
             lines.append(
                 f"  [{r.index}] {r.status:<8} {r.completion_tokens:>6} tokens  {r.turns} turn(s)  {r.seconds:6.2f} s"
                 + (f"  {r.error_kind}" if r.status == "error" and r.error_kind else "")
+                + ("  truncated (cut at its token grant)" if r.truncated else "")
             )
         return "\n".join(lines)
