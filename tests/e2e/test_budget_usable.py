@@ -58,17 +58,27 @@ answer["ready"] = True
 """
 
 
-async def test_250_token_answers_use_nearly_all_of_a_3000_token_budget(early_fleet: LocalFleet) -> None:
-    budget, n = 3000, 112
+async def budgeted_rollout(
+    fleet: LocalFleet, label: str, prompt_expr: str, n: int, budget: int, sub_call_timeout: float
+) -> tuple[str, Any]:
+    """One rollout whose root code sends ``n`` prompts in one batch under ``budget``; returns
+    its rollout id and its :class:`~rlmq.producer.env.RolloutResult`."""
     settings = load_settings(
-        redis_url=early_fleet.redis_url, base_url=early_fleet.base_url, model=MODEL, sub_call_timeout=120
+        redis_url=fleet.redis_url, base_url=fleet.base_url, model=MODEL, sub_call_timeout=sub_call_timeout
     )
-    code = batch_code('f"Summarise part {i} of the report. [[mock:tokens:250]]"', n)
-    rid = f"fixed-{uuid.uuid4().hex[:8]}"
+    code = batch_code(prompt_expr, n)
+    rid = f"{label}-{uuid.uuid4().hex[:8]}"
     async with RLMEnv(settings=settings, sub_llm_max_completion_tokens=budget, max_sub_llm_parallelism=n) as env:
         res = await env.rollout(
-            DatasetRow(id="fixed", question="Q. " + root_code_directive(code), context="x"), model=MODEL, rollout_id=rid
+            DatasetRow(id=label, question="Q. " + root_code_directive(code), context="x"), model=MODEL, rollout_id=rid
         )
+    return rid, res
+
+
+async def test_250_token_answers_use_nearly_all_of_a_3000_token_budget(early_fleet: LocalFleet) -> None:
+    budget, n = 3000, 112
+    prompt = 'f"Summarise part {i} of the report. [[mock:tokens:250]]"'
+    rid, res = await budgeted_rollout(early_fleet, "fixed", prompt, n, budget, 120)
     assert res.row.stop_reason == "answer_ready", res.row.error
     ok, rejected, total = (int(x) for x in str(res.row.final_answer).split())
     assert total == n and ok + rejected == n  # every call ended: a grant or a clear rejection
@@ -210,15 +220,8 @@ async def test_a_budget_under_two_caps_answers_a_batch_at_once_not_one_call_at_a
     eighth of it, at least 128) and a call takes what is free once that is half a grant, so
     all four run at once and are answered in full, in one call's time rather than four."""
     budget, n = 1000, 4
-    settings = load_settings(
-        redis_url=early_fleet.redis_url, base_url=early_fleet.base_url, model=MODEL, sub_call_timeout=6
-    )
-    code = batch_code('f"Slow part {i}. [[mock:tokens:100]] [[mock:sleep:2]]"', n)
-    rid = f"small-{uuid.uuid4().hex[:8]}"
-    async with RLMEnv(settings=settings, sub_llm_max_completion_tokens=budget, max_sub_llm_parallelism=n) as env:
-        res = await env.rollout(
-            DatasetRow(id="small", question="Q. " + root_code_directive(code), context="x"), model=MODEL, rollout_id=rid
-        )
+    prompt = 'f"Slow part {i}. [[mock:tokens:100]] [[mock:sleep:2]]"'
+    rid, res = await budgeted_rollout(early_fleet, "small", prompt, n, budget, 6)
     assert res.row.stop_reason == "answer_ready", res.row.error
     results = [SubLLMResult(**r) for e in res.trajectory if e["type"] == "llm_batch" for r in e["results"]]
     assert [r.status for r in results] == ["ok"] * n, [r.content[:80] for r in results]

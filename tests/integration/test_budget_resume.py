@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from rlmq.common.connection import async_client
-from rlmq.common.keys import queue_name_for_model
+from rlmq.common.keys import queue_name_for_model, rq_queue
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings
@@ -57,6 +57,28 @@ class CountingModel:
         return None
 
 
+async def hold_budget_and_send(
+    redis: Any, model: str, rollout_id: str, n: int
+) -> tuple[BudgetLedger, asyncio.Task[Any]]:
+    """Open a 1,000-token ledger (cap 100) whose whole budget another "worker" (this test)
+    holds in ten reservations ``elsewhere-0..9``, and send a budgeted batch of ``n`` prompts."""
+    ledger = BudgetLedger(redis)
+    await ledger.open(rollout_id, 1000, cap=100)
+    deadline = time.time() + 60
+    for i in range(10):
+        assert (await ledger.reserve(rollout_id, f"elsewhere-{i}", None, deadline)).tokens == 100
+    spec = BatchSpec(
+        rollout_id=rollout_id,
+        batch_id="b1",
+        queue=queue_name_for_model(model),
+        sub_call_timeout=60,
+        parallelism=n,
+        call=SubCallOptions(model=model, budgeted=True),
+    )
+    batch = asyncio.create_task(Dispatcher(redis).run_batch(spec, [f"Part {i}?" for i in range(n)]))
+    return ledger, batch
+
+
 @pytest.mark.parametrize("concurrency", [1, 2])  # 1: held calls must still pass one by one (no deadlock)
 async def test_calls_granted_after_a_wait_stay_within_the_workers_concurrency(redis_url: str, concurrency: int) -> None:
     model = f"resume-{uuid.uuid4().hex[:6]}"
@@ -72,21 +94,8 @@ async def test_calls_granted_after_a_wait_stay_within_the_workers_concurrency(re
     running = asyncio.create_task(worker.run(grace=5))
     redis = async_client(redis_url)
     try:
-        ledger = BudgetLedger(redis)
         rid = f"resume-{uuid.uuid4().hex[:8]}"
-        await ledger.open(rid, 1000, cap=100)
-        deadline = time.time() + 60
-        for i in range(10):  # another worker's calls hold the whole budget
-            assert (await ledger.reserve(rid, f"elsewhere-{i}", None, deadline)).tokens == 100
-        spec = BatchSpec(
-            rollout_id=rid,
-            batch_id="b1",
-            queue=queue_name_for_model(model),
-            sub_call_timeout=60,
-            parallelism=8,
-            call=SubCallOptions(model=model, budgeted=True),
-        )
-        batch = asyncio.create_task(Dispatcher(redis).run_batch(spec, [f"Part {i}?" for i in range(8)]))
+        ledger, batch = await hold_budget_and_send(redis, model, rid, 8)
         async with asyncio.timeout(30):
             while getattr(worker, "ledger", None) is None or worker.ledger.parked < 8:
                 await asyncio.sleep(0.01)  # polling this process's own counter, bounded by the timeout
@@ -118,21 +127,8 @@ async def test_a_stopping_worker_hands_its_parked_calls_back_instead_of_running_
     redis = async_client(redis_url)
     queue = queue_name_for_model(model)
     try:
-        ledger = BudgetLedger(redis)
         rid = f"abandon-{uuid.uuid4().hex[:8]}"
-        await ledger.open(rid, 1000, cap=100)
-        deadline = time.time() + 60
-        for i in range(10):  # another worker's calls hold the whole budget
-            assert (await ledger.reserve(rid, f"elsewhere-{i}", None, deadline)).tokens == 100
-        spec = BatchSpec(
-            rollout_id=rid,
-            batch_id="b1",
-            queue=queue,
-            sub_call_timeout=60,
-            parallelism=6,
-            call=SubCallOptions(model=model, budgeted=True),
-        )
-        batch = asyncio.create_task(Dispatcher(redis).run_batch(spec, [f"Part {i}?" for i in range(6)]))
+        ledger, batch = await hold_budget_and_send(redis, model, rid, 6)
         async with asyncio.timeout(30):
             while getattr(worker, "ledger", None) is None or worker.ledger.parked < 6:
                 await asyncio.sleep(0.01)  # polling this process's own counter, bounded by the timeout
@@ -142,7 +138,7 @@ async def test_a_stopping_worker_hands_its_parked_calls_back_instead_of_running_
             await ledger.settle(rid, f"elsewhere-{i}", 0)
         await asyncio.wait_for(running, 30)
         stopped_in = time.monotonic() - t0
-        queued = await redis.llen(f"rq:queue:{queue}")
+        queued = await redis.llen(rq_queue(queue))
         batch.cancel()
     finally:
         if not running.done():
