@@ -69,16 +69,27 @@ def encode_job_data(func: str, args: list[Any] | None = None, *, args_json: str 
     return zlib.compress(raw, 1) if len(raw) >= COMPRESS_MIN_BYTES else raw
 
 
+MAX_JOB_DATA = 256 * 1024 * 1024
+"""Bytes a job's data may decompress to (a batch body is at most ``max_batch_bytes``, 64 MiB by
+default); more is refused before it is read whole, so a 2 KB compression bomb in a job costs a
+worker nothing."""
+
+
 def decode_job_data(raw: bytes) -> tuple[str, list[Any], dict[str, Any]]:
     """Inverse of :func:`encode_job_data`; returns ``(func, args, kwargs)``.
 
     Raises:
-        ValueError: the data is not a JSON-serialized RQ job (pickled jobs are refused).
+        ValueError: the data is not a JSON-serialized RQ job (pickled jobs are refused), or it
+            decompresses to more than :data:`MAX_JOB_DATA` bytes (a compression bomb).
     """
     try:
-        text = zlib.decompress(raw)
+        inflater = zlib.decompressobj()
+        text = inflater.decompress(raw, MAX_JOB_DATA + 1)
     except zlib.error:
         text = raw
+    else:
+        if len(text) > MAX_JOB_DATA or inflater.unconsumed_tail:
+            raise ValueError(f"job data decompresses to more than {MAX_JOB_DATA} bytes")
     try:
         func, _instance, args, kwargs = json.loads(text)
     except (ValueError, TypeError) as exc:
