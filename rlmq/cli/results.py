@@ -164,6 +164,14 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     errors = [r for r in rows if r.get("error")]
     for r in errors[:5]:
         lines.append(f"  error in {r['id']}: {r['error']}")
+    calls = sum(int(r["metrics"].get("sub_llm_call_count", 0)) for r in rows)
+    if calls:
+        # In all, not as a mean: a run whose sub-calls all failed (no worker on the queue, say)
+        # must not look healthy just because its rollouts ended with an answer.
+        failed = sum(int(r["metrics"].get("sub_llm_error_count", 0)) for r in rows)
+        refused = sum(int(r["metrics"].get("sub_llm_rejected_count", 0)) for r in rows)
+        line = f"sub-LLM calls: {calls} in all, {failed} ended in error, {refused} rejected by the budget"
+        lines.append(line + ("  <- see the errors in the run folder's report" if failed else ""))
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r["metrics"] if k not in keys]

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from rlmq.cli.exits import EXIT_INTERNAL, EXIT_REDIS, EXIT_USAGE, explain
-from rlmq.cli.results import ResultSink, check_output, load_rows
+from rlmq.cli.results import ResultSink, check_output, load_rows, summarize
 from rlmq.common.connection import check_redis, mask_url
 from rlmq.common.errors import ConfigError, EmbeddedRedisError, PayloadError, RedisUnavailableError
 from rlmq.common.schemas import DatasetRow, ResultRow
@@ -161,3 +161,16 @@ def test_output_through_a_symlink_or_into_a_fifo_keeps_the_link_and_the_fifo(tmp
     assert stat.S_ISFIFO(fifo.stat().st_mode)  # not replaced by a regular file
     assert [json.loads(x)["id"] for x in got[0].splitlines()] == ["r0"]
     assert not Path(f"{fifo}.partial").exists()
+
+
+def test_the_summary_counts_sub_calls_that_failed_in_all() -> None:
+    row = {"id": "a", "correct": None, "stop_reason": "answer_ready", "error": None}
+    rows = [
+        {**row, "metrics": {"sub_llm_call_count": 3, "sub_llm_error_count": 3, "sub_llm_rejected_count": 0}},
+        {**row, "id": "b", "metrics": {"sub_llm_call_count": 2, "sub_llm_error_count": 2, "sub_llm_rejected_count": 1}},
+    ]
+    text = summarize(rows)
+    assert "sub-LLM calls: 5 in all, 5 ended in error, 1 rejected by the budget  <- see the errors" in text
+    healthy = summarize([{**row, "metrics": {"sub_llm_call_count": 4, "sub_llm_error_count": 0}}])
+    assert "sub-LLM calls: 4 in all, 0 ended in error, 0 rejected by the budget" in healthy
+    assert "<-" not in healthy
