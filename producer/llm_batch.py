@@ -87,8 +87,12 @@ class LlmBatchService:
     async def run(self, rollout: Rollout, prompts: list[str]) -> tuple[list[str], str]:
         """Run one ``llm_batch(prompts)`` of ``rollout``; returns (contents in prompt order, summary).
 
-        Never raises for Redis trouble: a Redis that is gone past the client's reconnect
-        backoff gives every prompt an ``error`` result (``error_kind="redis"``).
+        A Redis that is gone past the client's reconnect backoff while the batch is
+        dispatched gives every prompt an ``error`` result (``error_kind="redis"``).
+
+        Raises:
+            RedisError: reading the budget ledger failed (budgeted rollouts only); the
+                interception server answers ``llm_batch`` with HTTP 503 and the message.
         """
         t0 = time.perf_counter()
         batch_id = rollout.next_batch_id()
