@@ -142,10 +142,12 @@ class Fetcher:
             while not w.stopping.is_set():
                 free = w.concurrency - len(jobs) + min(w.ledger.parked, w.max_parked)
                 entry = self._popped_lane_entry()
-                if entry is not None and (free <= 0 or not (idle or after_lane)):
+                announced = self._wake.is_set() or bool(self._hints)  # other work announced meanwhile
+                if entry is not None and (free <= 0 or not (idle or after_lane) or announced):
                     # Popped by a pop left waiting from an idle spell, but this worker has found
-                    # queued work since: taking the entry's jobs now would put them ahead of older
-                    # jobs on their queue. They stay in queue order; the others are woken.
+                    # queued work since, or been woken for some (a larger batch's announcement that
+                    # came in with the entry): taking the entry's jobs now would put them ahead of
+                    # older jobs on their queue. They stay in queue order; the others are woken.
                     self.adopt(entry.queue)
                     with contextlib.suppress(redis.RedisError, OSError):
                         await self._pass_on(entry)
