@@ -74,6 +74,17 @@ class InFlight:
         self.done.append(done)
         self.done_event.set()
 
+    def take_done(self) -> list[FinishedJob]:
+        """The finished jobs waiting for the flush, handed over (the list starts again empty)."""
+        self.done_event.clear()
+        batch, self.done = self.done, []
+        return batch
+
+    def put_back(self, batch: list[FinishedJob]) -> None:
+        """Finished jobs a flush could not record: held again, ahead of newer ones."""
+        self.done = batch + self.done
+        self.done_event.set()
+
     def queue_of(self, member: str) -> str:
         """The queue a held job came from."""
         return self._queue_of.get(member, self.default_queue)

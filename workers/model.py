@@ -300,7 +300,6 @@ class ChatClient:
         self.url = self.base_url + "/chat/completions"
         self.timeout = timeout
         self.retries = retries
-        self.max_connections = max_connections
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}

@@ -34,7 +34,7 @@ from rlmq.common.scripts import run_pipeline, sha1
 from rlmq.workers.lua import FINISH_LUA, REAP_LUA, START_LUA
 
 
-def _slot_of(jid: str, meta_raw: bytes | None) -> tuple[str, str, int]:
+def slot_of(jid: str, meta_raw: bytes | None) -> tuple[str, str, int]:
     """``(rollout id, batch id, index)`` of a job, from its ``rlmq_meta`` or else its id."""
     try:
         meta = json.loads(meta_raw) if meta_raw else {}
@@ -249,7 +249,7 @@ class Records:
         ]  # fmt: skip
         for member, jid, info in zip(members, job_ids, infos, strict=True):
             reply, meta_raw, worker = info if not isinstance(info, Exception) else (None, None, None)
-            rollout, batch, index = _slot_of(jid, meta_raw)
+            rollout, batch, index = slot_of(jid, meta_raw)
             eid = member.rsplit(":", 1)[1]
             err = SubLLMResult.failure(
                 rollout, batch, index, job_id=jid, kind="abandoned",

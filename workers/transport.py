@@ -54,7 +54,6 @@ class AiohttpTransport:
     def __init__(self, max_connections: int = 1024) -> None:
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def _get_session(self) -> aiohttp.ClientSession:
         session = self._session
@@ -63,19 +62,13 @@ class AiohttpTransport:
             session = self._session = aiohttp.ClientSession(connector=connector)
         return session
 
-    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
-        timeout = self._timeouts.get(seconds)
-        if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=seconds)
-            if len(self._timeouts) < 16:  # the client's own timeout; deadlines vary per call
-                self._timeouts[seconds] = timeout
-        return timeout
-
     async def post(self, url: str, data: bytes, *, headers: Mapping[str, str], timeout: float) -> HttpReply:
         """POST ``data`` to ``url``; see :class:`Transport` for what it raises."""
         session = self._get_session()
         try:
-            async with session.post(url, data=data, headers=headers, timeout=self._timeout(timeout)) as resp:
+            async with session.post(
+                url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
                 return HttpReply(resp.status, resp.headers, await resp.read())
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc

@@ -43,7 +43,6 @@ import redis
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ConfigError, PayloadError, WorkerFailed
-from rlmq.common.keys import parse_job_id
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.rqjobs import SUB_LLM_FUNC, decode_job_data
@@ -53,7 +52,7 @@ from rlmq.common.supervise import supervised
 from rlmq.workers.fetch import Fetcher
 from rlmq.workers.inflight import InFlight
 from rlmq.workers.model import ChatClient
-from rlmq.workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value
+from rlmq.workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value, slot_of
 from rlmq.workers.subllm import SubLLMContext, run_sub_llm
 from rlmq.workers.tools import ToolRegistry
 from rlmq.workers.upkeep import Upkeep
@@ -345,7 +344,7 @@ class SubLLMWorker:
         return load_request(args[0])
 
     def _payload_error(self, job: StartedJob, message: str) -> SubLLMResult:
-        rollout, batch, index = parse_job_id(job.job_id) or ("unknown", "unknown", 0)
+        rollout, batch, index = slot_of(job.job_id, None)
         return SubLLMResult.failure(
             rollout, batch, index, job_id=job.job_id, kind="payload",
             content=f"[error] invalid sub-LLM job: {message}", error=message, worker=self.name, attempt=job.attempt,
@@ -383,8 +382,7 @@ class SubLLMWorker:
 
     def _let_go(self, exc: BaseException) -> None:
         """Stop holding the finished jobs Redis keeps refusing: the reaper re-queues them."""
-        batch, self.jobs.done = self.jobs.done, []
-        self.jobs.done_event.clear()
+        batch = self.jobs.take_done()
         self.jobs.release([d.job.member for d in batch])
         log.error(
             "worker %s: Redis refused to record %d results for %.0f s (%s); letting the reaper re-queue them",
@@ -402,18 +400,16 @@ class SubLLMWorker:
             await self._flush_held()
 
     async def _flush_held(self) -> None:
-        self.jobs.done_event.clear()
-        if not self.jobs.done:
+        batch = self.jobs.take_done()
+        if not batch:
             return
-        batch, self.jobs.done = self.jobs.done, []
         by_queue: dict[str, list[FinishedJob]] = {}
         for d in batch:
             by_queue.setdefault(self.jobs.queue_of(d.job.member), []).append(d)
         try:
             outcomes = await asyncio.gather(*(self.records_for(q).finish(b) for q, b in by_queue.items()))
         except BaseException:
-            self.jobs.done = batch + self.jobs.done
-            self.jobs.done_event.set()
+            self.jobs.put_back(batch)
             raise
         undeliverable = sum(u for _, u in outcomes)
         if undeliverable:
