@@ -95,8 +95,7 @@ class LlmBatchService:
                 interception server answers ``llm_batch`` with HTTP 503 and the message.
         """
         t0 = time.perf_counter()
-        batch_id = rollout.next_batch_id()
-        rollout.stats.batches.append(len(prompts))
+        batch_id = rollout.start_batch(len(prompts))
         refused = await self.refusal(rollout)
         if refused is not None:
             message, spent = refused

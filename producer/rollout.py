@@ -108,17 +108,17 @@ class Rollout:
     stats: RolloutStats = field(default_factory=RolloutStats)
     trajectory: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    batches_run: int = 0
 
     @property
     def budget(self) -> int | None:
         """The sub-LLM completion-token budget (``None``: no budget)."""
         return self.settings.sub_llm_max_completion_tokens
 
-    def next_batch_id(self) -> str:
-        """``b1``, ``b2``, ... (batch ids hold no ``-``: see :mod:`rlmq.producer.dispatch`)."""
-        self.batches_run += 1
-        return f"b{self.batches_run}"
+    def start_batch(self, size: int) -> str:
+        """Record a batch of ``size`` prompts; returns its id, ``b1``, ``b2``, ... (batch ids hold
+        no ``-``: see :mod:`rlmq.producer.dispatch`)."""
+        self.stats.batches.append(size)
+        return f"b{len(self.stats.batches)}"
 
 
 def _repl_code(arguments: str | None) -> str | None:

@@ -15,6 +15,8 @@ __all__ = ["MIN_OWN_UID", "ChildHandle", "describe_death", "kill_uid", "killpg"]
 _READ_CHUNK = 1 << 18  # bytes per read of the child's output pipe
 
 MIN_OWN_UID = 100_000
+REAP_GRACE = 2.0
+"""Seconds a child that closed its reply pipe gets to exit before SIGKILL."""
 """``repl_child.UID_BASE``: uids of REPL children (never a real user's)."""
 
 

@@ -11,13 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlmq.common.errors import ReplStartupError
-from rlmq.producer.repl.handle import ChildHandle, killpg
+from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, killpg
 from rlmq.producer.repl.output import OutputBuffer
 from rlmq.producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
 
 __all__ = ["child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
 
-_REAP_GRACE = 2.0  # seconds a child that closed its reply pipe gets to exit before SIGKILL
 _PIP_ENV_KEYS = ("PATH", "HOME", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
 
 
@@ -208,7 +207,7 @@ async def _handshake(child: ChildHandle, init: dict[str, Any]) -> dict[str, Any]
     await child.send(init)
     message = await child.receive()
     if message is None or message.get("type") != "ready":
-        status = await child.reap(_REAP_GRACE)
+        status = await child.reap(REAP_GRACE)
         raise ReplStartupError(f"the child exited before it was ready (status {status})")
     return message
 

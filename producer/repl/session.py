@@ -15,7 +15,7 @@ from typing import Any
 from rlmq.common.errors import ReplError
 from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.containment import Containment, note_containment
-from rlmq.producer.repl.handle import MIN_OWN_UID, ChildHandle, describe_death
+from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
 from rlmq.producer.repl.sweep import sweep_uid
@@ -23,7 +23,6 @@ from rlmq.producer.repl.sweep import sweep_uid
 __all__ = ["Repl"]
 
 _CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repl_child.py")
-_REAP_GRACE = 2.0  # seconds a child that closed its reply pipe gets to exit before SIGKILL
 _MESSAGE_SLACK = 64 * 1024  # bytes of a reply line besides the answer's characters
 _RESET_NOTE = "its state (variables, imports) was reset. `context`, `llm_batch` and `answer` are available again."
 
@@ -345,7 +344,7 @@ class Repl:
                         f"restarted and {_RESET_NOTE}]"
                     )
                 else:
-                    status = await child.reap(_REAP_GRACE)
+                    status = await child.reap(REAP_GRACE)
                     death = describe_death(status, self._cpu_seconds, self._memory_bytes)
                     note = f"[{death}; it was restarted and {_RESET_NOTE}]"
                 child.kill()  # whatever the cell started in the process group goes too

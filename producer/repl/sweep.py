@@ -14,12 +14,12 @@ import os
 import shutil
 import stat
 
+from rlmq.producer.repl.handle import MIN_OWN_UID
+
 __all__ = ["WORLD_WRITABLE", "sweep_uid"]
 
 WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue")  # noqa: S108
 """The host folders anyone may write into (their sub-folders are walked too)."""
-
-_MIN_UID = 100_000  # never sweep a uid that is not a REPL's own
 
 
 def _sweep_tree(top: str, uid: int) -> int:
@@ -102,7 +102,7 @@ def sweep_uid(uid: int, roots: tuple[str, ...] = WORLD_WRITABLE) -> int:
     Raises:
         ValueError: ``uid`` is below 100000 (not a REPL's own).
     """
-    if uid < _MIN_UID:
+    if uid < MIN_OWN_UID:  # never sweep a uid that is not a REPL's own
         raise ValueError(f"refusing to sweep uid {uid}: not a REPL's own")
     removed = sum(_sweep_tree(root, uid) for root in roots if os.path.isdir(root))
     return removed + _sweep_sysv(uid)

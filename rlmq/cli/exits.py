@@ -5,7 +5,6 @@ The README lists them; a stop signal ``N`` (SIGINT 2, SIGTERM 15, SIGHUP 1) give
 
 from __future__ import annotations
 
-import signal
 import sys
 
 from rlmq.common.connection import mask_url
@@ -22,12 +21,6 @@ EXIT_REDIS = 3
 """Redis unreachable, refusing the password, or no embedded Redis could be started."""
 EXIT_INTERNAL = 4
 """Anything else: a bug or an unexpected failure (``--verbose`` shows the traceback)."""
-EXIT_CODES = {
-    EXIT_OK: "ok", EXIT_ROLLOUT_ERRORS: "rollouts ended in error", EXIT_USAGE: "usage or input error",
-    EXIT_REDIS: "Redis unavailable", EXIT_INTERNAL: "internal error",
-    128 + signal.SIGHUP: "SIGHUP", 128 + signal.SIGINT: "SIGINT (Ctrl-C)", 128 + signal.SIGTERM: "SIGTERM",
-}  # fmt: skip
-"""Each exit code and what it means."""
 
 
 def explain(exc: BaseException) -> tuple[int, str]:

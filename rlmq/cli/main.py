@@ -116,7 +116,7 @@ def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
         "concurrency", "max_turns", "sub_llm_max_turns", "sub_llm_max_completion_tokens",
         "sub_llm_per_call_max_tokens", "root_max_completion_tokens", "max_sub_llm_parallelism",
         "sub_call_timeout", "code_execution_timeout", "max_output_length", "root_prompt_verbosity",
-        "sub_prompt_verbosity",
+        "sub_prompt_verbosity", "sub_tools",
     ]  # fmt: skip
     values = {n: getattr(args, n, None) for n in names}
     values.update(extra)
@@ -131,7 +131,6 @@ async def evaluate(
     sink: ResultSink,
     quiet: bool,
     metrics: Metrics | None = None,
-    sub_tools: list[str] | None = None,
 ) -> list[RolloutResult]:
     """Run the rollouts of ``rows``; each finished one goes to ``sink`` as it finishes.
 
@@ -155,7 +154,7 @@ async def evaluate(
         bar.set_postfix(correct=correct)
 
     try:
-        async with RLMEnv(settings=settings, metrics=metrics, sub_tools=sub_tools or []) as env:
+        async with RLMEnv(settings=settings, metrics=metrics) as env:
             try:
                 await env.evaluate(rows, model=model, concurrency=settings.concurrency, on_done=on_done)
             except asyncio.CancelledError:
@@ -187,7 +186,6 @@ def _evaluate(
     fleet: LocalFleet | None,
     *,
     model: str,
-    sub_tools: list[str] | None = None,
 ) -> int:
     """Run the evaluation (on ``fleet``'s Redis when given), then :func:`finish`; on a stop
     signal, stop the fleet, keep what finished and re-raise ``KeyboardInterrupt``."""
@@ -197,8 +195,7 @@ def _evaluate(
     meta = {"model": model, **extra}
     try:
         if fleet is None:
-            run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics,
-                              sub_tools=sub_tools))  # fmt: skip
+            run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics))
         else:
             scripted = fleet.base_url is None
             with fleet:
@@ -208,8 +205,7 @@ def _evaluate(
                 settings = settings.model_copy(update=update)
                 model_text = f"scripted model (test double) {fleet.base_url} | " if scripted else ""
                 print(f"redis {mask_url(str(fleet.redis_url))} | {model_text}{fleet.n_workers} workers", flush=True)
-                run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics,
-                                  sub_tools=sub_tools))  # fmt: skip
+                run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics))
     except KeyboardInterrupt:
         finish(args, sink, settings, started, meta, interrupted=True)
         raise
@@ -274,11 +270,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     extra = {k: v for k, v in extra.items() if v is not None}
     settings = _settings_from(args, redis_url=redis_url or "redis://embedded", **extra)
-    sub_tools = list(args.sub_tools or [])
     fleet = None
     if not redis_url:
         worker_args = ["--queue", args.queue] if args.queue else []
-        for tool in sub_tools:
+        for tool in settings.sub_tools:
             worker_args += ["--allow-tool", tool]
         fleet = LocalFleet(
             model=sub_model,
@@ -290,7 +285,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             say=say,
         )
     return _evaluate(args, rows, settings, {"sub_model": sub_model, "dataset": args.dataset}, fleet,
-                     model=args.model, sub_tools=sub_tools)  # fmt: skip
+                     model=args.model)  # fmt: skip
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -334,7 +329,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``rlmq`` console script; returns the exit code (see :data:`EXIT_CODES`)."""
+    """Entry point of the ``rlmq`` console script; returns the exit code (see :mod:`rlmq.cli.exits`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
