@@ -21,6 +21,8 @@ A spent budget, a missed deadline or a timed-out cell are not exceptions: they a
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RlmqError(Exception):
     """Base class of every error raised on purpose by rlmq."""
@@ -79,6 +81,12 @@ class ReplError(RlmqError):
 
 class ReplStartupError(ReplError):
     """The REPL subprocess did not become ready within ``max_startup_wait_seconds``."""
+
+
+def validation_summary(exc: Any, root: str) -> str:
+    """One line for a pydantic ``ValidationError``: ``field: message; ...`` (``root`` names an
+    error of the whole object). Input values are never included."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or root}: {e['msg']}" for e in exc.errors(include_input=False))
 
 
 def tree(root: type[BaseException] = RlmqError, indent: str = "") -> str:

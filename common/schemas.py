@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlmq.common.errors import PayloadError
+from rlmq.common.errors import PayloadError, validation_summary
 
 StopReason = Literal["answer_ready", "max_turns", "no_tool_call", "error"]
 SubCallStatus = Literal["ok", "rejected", "error"]
@@ -247,8 +247,7 @@ def read_dataset(path: str) -> list[DatasetRow]:
             try:
                 rows.append(DatasetRow.model_validate(json.loads(line)))
             except ValidationError as exc:  # one line: "question: Field required; context: ..."
-                what = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}" for e in exc.errors())
-                raise PayloadError(f"{path}:{lineno}: not a dataset row ({what})") from exc
+                raise PayloadError(f"{path}:{lineno}: not a dataset row ({validation_summary(exc, 'row')})") from exc
             except ValueError as exc:
                 raise PayloadError(f"{path}:{lineno}: not a dataset row: {exc}") from exc
     return rows

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rlmq.common.errors import ConfigError
+from rlmq.common.errors import ConfigError, validation_summary
 from rlmq.common.keys import queue_name_for_model, tenant_queue
 
 Verbosity = Literal["light", "medium", "heavy"]
@@ -169,8 +169,7 @@ class Settings(BaseSettings):
 
 def invalid_settings(exc: Any) -> str:
     """One line for a pydantic ``ValidationError`` of :class:`Settings`: ``field: message; ...``."""
-    what = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
-    return f"invalid setting(s): {what}"
+    return f"invalid setting(s): {validation_summary(exc, 'settings')}"
 
 
 def load_settings(**overrides: Any) -> Settings:
