@@ -204,18 +204,19 @@ RQ_QUEUES = f"{RQ_PREFIX}:queues"
 """Set of all queue keys (``Queue.redis_queues_keys``)."""
 
 
+def _name_after(key: str | bytes, prefix: str) -> str:
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
 def queue_of_key(key: str | bytes) -> str:
     """The queue name of a queue key (a member of :data:`RQ_QUEUES`): inverse of :func:`rq_queue`."""
-    text = key.decode(errors="replace") if isinstance(key, bytes) else key
-    prefix = rq_queue("")
-    return text[len(prefix) :] if text.startswith(prefix) else text
+    return _name_after(key, rq_queue(""))
 
 
 def worker_of_key(key: str | bytes) -> str:
     """The worker name of a worker key (a member of :data:`RQ_WORKERS`): inverse of :func:`rq_worker`."""
-    text = key.decode(errors="replace") if isinstance(key, bytes) else key
-    prefix = rq_worker("")
-    return text[len(prefix) :] if text.startswith(prefix) else text
+    return _name_after(key, rq_worker(""))
 
 
 RQ_WORKERS = f"{RQ_PREFIX}:workers"
