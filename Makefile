@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: all install lint types test bench demo
+.PHONY: all install lint types test bench demo settings-docs
 
 all: lint types test
 
@@ -13,8 +13,8 @@ install: $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 
 lint:
-	$(PY) -m ruff check rlmq common producer workers tests bench
-	$(PY) -m ruff format --check rlmq common producer workers tests bench
+	$(PY) -m ruff check rlmq common producer workers tests bench setup.py
+	$(PY) -m ruff format --check rlmq common producer workers tests bench setup.py
 
 types:
 	$(PY) -m mypy
@@ -27,3 +27,7 @@ bench:
 
 demo:
 	$(VENV)/bin/rlmq demo --output rows.jsonl
+
+# docs/settings.md is generated from common/settings.py (a test fails when they differ).
+settings-docs:
+	$(PY) -m rlmq.common.settings_schema > docs/settings.md

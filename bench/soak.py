@@ -19,6 +19,14 @@ overlapped its batch; must be 0), duplicates delivered to the REPL (must be 0), 
 overshoot (tokens the model server served to a rollout beyond its budget; must be 0),
 wedged workers (alive, but still holding jobs or silent 30 s after the load stopped; must be
 0) and p50/p99 batch time, overall and for batches overlapping a fault window (fault time + 15 s).
+
+Fleet conditions (issue 23): ``--acl`` runs the workers and the producer as the ACL users of
+:mod:`rlmq.common.acl` (a tenant producer, confined to ``soak_*`` rollouts; the users are
+created again after each Redis restart); ``--skew S`` keeps one worker whose wall clock runs
+``S`` seconds ahead (libfaketime); ``--result-ttl`` sets the workers' RQ result TTL; every
+``--sample-every`` seconds Redis's ``used_memory``, key count and the sizes of RQ's finished
+and failed registries and worker sets are sampled (``memory_curve``; ``memory_flat`` compares
+the last third of the run with the middle third). ``--faults`` picks the fault cycle.
 """
 
 from __future__ import annotations
@@ -42,12 +50,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rlmq.producer.dispatch as dispatch_mod  # noqa: E402
 from rlmq.cli.local import LocalFleet  # noqa: E402
 from rlmq.common import keys as K  # noqa: E402
+from rlmq.common.acl import acl_rules  # noqa: E402
 from rlmq.common.redis_server import EmbeddedRedis  # noqa: E402
 from rlmq.common.schemas import DatasetRow, SubLLMResult  # noqa: E402
 from rlmq.common.settings import load_settings  # noqa: E402
 from rlmq.producer.env import RLMEnv  # noqa: E402
 from rlmq.scripted.server import root_code_directive  # noqa: E402
 from tests.faults.proxy import FaultProxy  # noqa: E402
+from tests.fleet.harness import skewed_env  # noqa: E402
 
 FAULT_WINDOW = 15.0
 DIRECTIVES = [
@@ -86,6 +96,9 @@ class Soak:
         self.worker_seq = 0
         self.rng = random.Random(args.seed)
         self.wedged: list[str] = []
+        self.skewed: set[str] = set()
+        self.samples: list[dict[str, float]] = []
+        self.users: dict[str, tuple[str, str, str | None]] = {}  # role -> (name, password, tenant)
 
     # -------------------------------------------------------------- instrumentation
 
@@ -116,7 +129,68 @@ class Soak:
     def start_worker(self, fleet: LocalFleet) -> None:
         self.worker_seq += 1
         name = f"soak-w{self.worker_seq}-{uuid.uuid4().hex[:4]}"
-        self.workers[name] = fleet.start_worker(name, ["--name", name])
+        skew = self.args.skew and not any(n in self.skewed for n in self.live_workers())
+        env = dict(fleet.worker_env)
+        if skew:  # one live worker at a time runs with its clock ahead
+            fleet.worker_env = {**env, **skewed_env(self.args.skew)}
+            self.skewed.add(name)
+        try:
+            self.workers[name] = fleet.start_worker(name, ["--name", name])
+        finally:
+            fleet.worker_env = env
+
+    def create_users(self, admin_url: str) -> None:
+        """(Re)create the ACL users (a restarted Redis without persistence forgot them)."""
+        import redis
+
+        client = redis.Redis.from_url(admin_url)
+        try:
+            for role, (name, password, tenant) in self.users.items():
+                client.execute_command(
+                    "ACL", "SETUSER", name, "reset", "on", f">{password}", *acl_rules(role.split(":")[0], tenant)
+                )
+        finally:
+            client.close()
+
+    async def sample(self, admin_url: str, stop: asyncio.Event) -> None:
+        """Every ``--sample-every`` seconds: Redis memory, keys, registry and worker-set sizes."""
+        import redis
+
+        client = redis.Redis.from_url(admin_url, socket_timeout=5)
+        t0 = time.time()
+        try:
+            while not stop.is_set():
+                try:
+                    queues = [K.queue_of_key(q) for q in client.smembers(K.RQ_QUEUES)]
+                    regs = sum(client.zcard(K.rq_finished(q)) + client.zcard(K.rq_failed(q)) for q in queues)
+                    wsets = client.scard(K.RQ_WORKERS) + sum(client.scard(K.rq_workers_of_queue(q)) for q in queues)
+                    self.samples.append({
+                        "t": round(time.time() - t0, 1), "used_memory": int(client.info("memory")["used_memory"]),
+                        "keys": int(client.dbsize()), "registry_members": int(regs), "worker_set_members": int(wsets),
+                    })  # fmt: skip
+                except (redis.RedisError, OSError):
+                    pass  # Redis restarting: no sample this time
+                try:
+                    await asyncio.wait_for(stop.wait(), self.args.sample_every)
+                except TimeoutError:
+                    pass
+        finally:
+            client.close()
+
+    def memory_flat(self) -> dict[str, Any]:
+        """Last third of the samples against the middle third: memory and registries must not grow."""
+        n = len(self.samples)
+        if n < 6:
+            return {"flat": None, "why": f"{n} samples"}
+        if self.restarts:
+            return {"flat": None, "why": "Redis restarted during the run: memory starts again from empty"}
+        mid, last = self.samples[n // 3 : 2 * n // 3], self.samples[2 * n // 3 :]
+        out: dict[str, Any] = {}
+        for key, slack in (("used_memory", 2_000_000), ("registry_members", 200), ("keys", 500)):
+            a, b = max(x[key] for x in mid), max(x[key] for x in last)
+            out[key] = {"middle_max": a, "last_max": b, "flat": b <= 1.2 * a + slack}
+        out["flat"] = all(v["flat"] for v in out.values() if isinstance(v, dict))
+        return out
 
     def live_workers(self) -> list[str]:
         return [n for n, p in self.workers.items() if p.poll() is None]
@@ -124,7 +198,7 @@ class Soak:
     async def inject(
         self, fleet: LocalFleet, server: EmbeddedRedis, proxies: list[FaultProxy], stop: asyncio.Event
     ) -> None:
-        cycle = ["kill9", "sigterm", "readonly_burst", "redis_restart"]
+        cycle = self.args.faults.split(",")
         i = 0
         while not stop.is_set():
             try:
@@ -147,6 +221,8 @@ class Soak:
             elif kind == "redis_restart":
                 server.stop()
                 server.start()
+                if self.users:
+                    self.create_users(server.url)
                 self.restarts.append((now, time.time()))
             print(f"[{time.strftime('%H:%M:%S')}] fault: {kind}", flush=True)
 
@@ -189,7 +265,7 @@ class Soak:
     async def rollouts(self, env: RLMEnv, model: str, stop: asyncio.Event) -> None:
         async def one() -> None:
             while not stop.is_set():
-                rid = f"soak-{uuid.uuid4().hex[:12]}"
+                rid = f"soak_{uuid.uuid4().hex[:12]}"
                 self.budgets[rid] = self.args.budget
                 row = DatasetRow(id=rid, question=self.question(), context="x")
                 try:
@@ -231,7 +307,8 @@ class Soak:
                     continue  # slower than its deadline on purpose: a deadline error is the right result
                 if r.status == "error":
                     errors[r.error_kind or "unknown"] += 1
-                if r.status == "error" and r.error_kind in ("deadline", "no_worker", "redis") and not r.worker:
+                lost_kinds = ("deadline", "no_worker", "redis", "redis_lost")
+                if r.status == "error" and r.error_kind in lost_kinds and not r.worker:
                     if overlap_restart:
                         lost_in_restart += 1
                     else:
@@ -261,6 +338,15 @@ class Soak:
             "batch_seconds_p99": pct(times, 0.99),
             "batch_seconds_p99_during_faults": pct(fault_times, 0.99),
             "batches_during_faults": len(fault_times),
+            "conditions": {
+                "acl": self.args.acl,
+                "skew_seconds": self.args.skew,
+                "result_ttl": self.args.result_ttl,
+                "skewed_workers": sorted(self.skewed),
+                "faults": self.args.faults,
+            },  # fmt: skip
+            "memory_flat": self.memory_flat(),
+            "memory_curve": self.samples,
         }
 
 
@@ -274,9 +360,21 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     proxies = [worker_proxy, producer_proxy]
     logs = tempfile.mkdtemp(prefix="rlmq-soak-")
     model = f"soak-{uuid.uuid4().hex[:6]}"
+    worker_url, producer_url = worker_proxy.url, producer_proxy.url
+    if args.acl:
+        for role, tenant in (("worker", None), ("producer", "soak")):
+            soak.users[role] = (f"soak-{role}", uuid.uuid4().hex, tenant)
+        soak.create_users(server.url)
+
+        def with_user(url: str, role: str) -> str:
+            name, password, _ = soak.users[role]
+            return url.replace("redis://", f"redis://{name}:{password}@", 1)
+
+        worker_url, producer_url = with_user(worker_url, "worker"), with_user(producer_url, "producer")
     fleet = LocalFleet(
-        redis_url=worker_proxy.url, model=model, workers=0, worker_concurrency=args.concurrency,
+        redis_url=worker_url, model=model, workers=0, worker_concurrency=args.concurrency,
         worker_args=["--heartbeat-ttl", "2"], log_dir=logs,
+        worker_env={"RLMQ_RESULT_TTL": str(args.result_ttl)} if args.result_ttl is not None else None,
     )  # fmt: skip
     try:
         fleet.start()
@@ -286,7 +384,8 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         for proxy in proxies:
             proxy.drop_rate = args.drop_rate
         settings = load_settings(
-            redis_url=producer_proxy.url, base_url=fleet.base_url, model=model, sub_call_timeout=args.sub_call_timeout,
+            redis_url=producer_url, base_url=fleet.base_url, model=model, sub_call_timeout=args.sub_call_timeout,
+            tenant="soak",
         )  # fmt: skip
         stop = asyncio.Event()
         t0 = time.time()
@@ -296,9 +395,11 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         ) as env:  # fmt: skip
             work = asyncio.create_task(soak.rollouts(env, model, stop))
             faults = asyncio.create_task(soak.inject(fleet, server, proxies, stop))
+            sampler = asyncio.create_task(soak.sample(server.url, stop))
             await asyncio.sleep(args.seconds)  # the soak's duration
             stop.set()
             await faults
+            await sampler
             await asyncio.wait_for(work, args.sub_call_timeout + 120)
         for proxy in proxies:
             proxy.drop_rate = 0.0
@@ -330,6 +431,11 @@ def main() -> None:
     p.add_argument("--fault-every", type=float, default=20.0, help="seconds between injected faults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drop-rate", type=float, default=0.01, help="share of commands whose reply the proxies drop")
+    p.add_argument("--faults", default="kill9,sigterm,readonly_burst,redis_restart", help="the fault cycle")
+    p.add_argument("--acl", action="store_true", help="workers and producer as rlmq's ACL users")
+    p.add_argument("--skew", type=float, default=0.0, help="one worker's clock this many seconds ahead (libfaketime)")
+    p.add_argument("--result-ttl", type=int, default=None, help="the workers' RQ result TTL (seconds)")
+    p.add_argument("--sample-every", type=float, default=15.0, help="seconds between Redis memory samples")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak.json"))
     args = p.parse_args()
     report = asyncio.run(amain(args))
@@ -344,6 +450,7 @@ def main() -> None:
         and report["duplicates_delivered"] == 0
         and report["budget_overshoot_tokens"] == 0
         and not report["wedged_workers"]
+        and report["memory_flat"].get("flat") is not False
     )
     print("zeros hold" if ok else "ZEROS VIOLATED")
     sys.exit(0 if ok else 1)

@@ -1,0 +1,13 @@
+"""``rlmq.common``: the repository's top-level folder ``common/``, a subpackage of ``rlmq``.
+
+It has one import name. Imported as ``common`` (the checkout's root on ``sys.path``, e.g. under
+pytest's default import mode) it would be a second copy of every module, with classes of its
+own (a ``common.errors.ConfigError`` that ``except rlmq.common.errors.ConfigError`` does not
+catch), so that import stops here.
+"""
+
+if __name__ != "rlmq.common":
+    raise ImportError(
+        f"the folder common/ is the package rlmq.common: import rlmq.common, not {__name__!r} "
+        "(a second copy of it would have classes of its own)"
+    )

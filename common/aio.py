@@ -282,3 +282,43 @@ async def cancel_and_wait(tasks: Collection[asyncio.Future[Any]]) -> None:
     for t in tasks:
         if not t.cancelled():
             t.exception()
+
+
+def start_in_daemon_thread(
+    call: Callable[[], T], *, name: str, on_end: Callable[[], None] | None = None
+) -> asyncio.Future[T]:
+    """Start ``call()`` in a daemon thread of its own; return a future of the running loop that
+    gets its result, or whatever it raised (``BaseException`` included: ``SystemExit`` from a
+    tool fails its call, not the process).
+
+    A call past its caller's timeout runs on until it returns (a thread cannot be stopped) but
+    holds no pool's thread (later calls do not queue behind it) and not the process's exit (a
+    pool's threads are joined at exit). ``on_end``, if given, runs in the thread when ``call``
+    ends, before the future is settled. Cancelling the future leaves the thread running.
+
+    Raises:
+        RuntimeError: no thread could be started (the process is out of threads or memory);
+            nothing ran then.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def run() -> None:
+        ok: bool = True
+        value: Any = None
+        try:
+            value = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting call
+            ok, value = False, exc
+        finally:
+            if on_end is not None:
+                on_end()
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, ok, value)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

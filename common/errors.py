@@ -4,12 +4,14 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
 
     RlmqError
     ├── ConfigError            bad settings or arguments (unknown RLMEnv argument, bad flag)
+    │   └── UncontainedReplError  a worker asked to host REPLs on a host that cannot contain them
     ├── PayloadError           a job, result or request body failed pydantic validation
     ├── EmbeddedRedisError     no embedded redis-server could be started
     ├── WorkerFailed           a worker's long-lived task kept failing: the process exits non-zero
     ├── RedisUnavailableError  a Redis did not answer, or refused the password
     ├── SubLLMError            one sub-LLM call failed
     │   └── ModelError         the model server failed after the retry layer gave up
+    │       └── PromptTooLongError  the server refused the prompt for its length (context window)
     └── ReplError              the rollout's Python REPL
         └── ReplStartupError   the REPL did not come up within max_startup_wait_seconds
 
@@ -30,6 +32,11 @@ class RlmqError(Exception):
 
 class ConfigError(RlmqError):
     """Settings or arguments are invalid (for example an unknown ``RLMEnv`` argument)."""
+
+
+class UncontainedReplError(ConfigError):
+    """``rlmq worker --repl-slots N`` on a host where the probe REPL is not fully contained (own
+    uid, no network, private file system), without ``--allow-uncontained-repl``."""
 
 
 class PayloadError(RlmqError):
@@ -59,6 +66,11 @@ class RedisUnavailableError(RlmqError):
         self.auth = auth
 
 
+class PreflightError(RlmqError):
+    """Before any rollout started, a model server did not answer, or no live worker served
+    the sub-LLM queue; the message names which (``rlmq run`` exits 5)."""
+
+
 class SubLLMError(RlmqError):
     """Base class of the failures of one sub-LLM call."""
 
@@ -73,6 +85,18 @@ class ModelError(SubLLMError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class PromptTooLongError(ModelError):
+    """The model server refused the prompt because it does not fit the model's context window
+    (an OpenAI-compatible server's 400 with a context-length message). Not retried: the same
+    prompt would be refused again. The rollout engine ends the rollout with ``prompt_too_long``."""
+
+
+class RootBudgetSpent(RlmqError):
+    """A child rollout's root turn cannot run: the tree budget granted less than its minimum, or
+    refused (its tree or its parent ended). Raised by the root client before the model is called;
+    the root loop ends the rollout with ``budget_spent`` and its best answer so far."""
 
 
 class ReplError(RlmqError):

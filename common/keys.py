@@ -69,22 +69,69 @@ def serves(base: str, queue: str) -> bool:
     return queue == base or queue.startswith(base + "@")
 
 
-class RolloutKeys:
-    """Key names of one rollout (all share the hash tag ``{rollout_id}``).
+CHILD_QUEUE_MARK = "+rlm"
+"""Between a model queue's base name and a depth in the name of its child-rollout queue."""
+
+
+def child_queue(queue: str, depth: int) -> str:
+    """The queue of the child rollouts at ``depth`` (>= 2) whose root model serves ``queue``.
+
+    ``rlmq.sub.m`` gives ``rlmq.sub.m+rlm2``; a tenant's ``rlmq.sub.m@t`` gives
+    ``rlmq.sub.m+rlm2@t`` (the tenant stays last, so a tenant's ACL pattern covers it). One queue
+    per depth, so a worker whose slots for one depth are full still takes the jobs of another
+    (a parent waiting for its children never holds what they need: no deadlock).
+
+    Raises:
+        ValueError: ``depth`` < 2.
+    """
+    if depth < 2:
+        raise ValueError(f"child rollouts have depth >= 2, not {depth}")
+    base, at, tenant = queue.partition("@")
+    return f"{base}{CHILD_QUEUE_MARK}{depth}{at}{tenant}"
+
+
+def parse_child_queue(queue: str) -> tuple[str, int] | None:
+    """Inverse of :func:`child_queue`: ``(the model queue, depth)``, or ``None`` when ``queue`` is
+    not a child-rollout queue. ``rlmq.sub.m+rlm2@t`` gives ``("rlmq.sub.m@t", 2)``."""
+    base, at, tenant = queue.partition("@")
+    model, mark, depth = base.rpartition(CHILD_QUEUE_MARK)
+    if not mark or not model or not depth.isdigit() or int(depth) < 2:
+        return None
+    return f"{model}{at}{tenant}", int(depth)
+
+
+def check_ledger_id(ledger_id: str) -> str:
+    """Return ``ledger_id`` if it is 1-64 characters of ``[A-Za-z0-9_-]`` (a rollout id's alphabet).
+
+    Raises:
+        ConfigError: otherwise.
+    """
+    if not _ROLLOUT_ID.fullmatch(ledger_id):
+        raise ConfigError(f"invalid ledger id {ledger_id!r}: use 1-64 characters of [A-Za-z0-9_-]")
+    return ledger_id
+
+
+class LedgerKeys:
+    """Key names of one budget ledger (all share the hash tag ``{ledger_id}``).
+
+    A ledger is addressed by its own id, not by a rollout's: every rollout of one tree charges
+    the one ledger its top rollout opened (issue 22). A depth-1 rollout opens a ledger whose id
+    is its own rollout id, so its ledger keys then share its rollout keys' hash tag (and names).
+    The ledger's owner refreshes these keys' TTL; the TTL itself is stored in the ledger.
 
     Args:
-        rollout_id: the rollout's id, ``[A-Za-z0-9_-]{1,64}``.
+        ledger_id: the ledger's id, ``[A-Za-z0-9_-]{1,64}``.
     """
 
-    __slots__ = ("rollout_id", "tag")
+    __slots__ = ("ledger_id", "tag")
 
-    def __init__(self, rollout_id: str) -> None:
-        self.rollout_id = check_rollout_id(rollout_id)
-        self.tag = "{" + rollout_id + "}"
+    def __init__(self, ledger_id: str) -> None:
+        self.ledger_id = check_ledger_id(ledger_id)
+        self.tag = "{" + ledger_id + "}"
 
     @property
     def budget(self) -> str:
-        """Hash: the rollout's budget ledger (``limit``, ``charged``, ``grants``, ...)."""
+        """Hash: the ledger (``limit``, ``charged``, ``grants``, ``ttl``, ``cap``, ``cap:<kind>``, ...)."""
         return namespace(self.tag, "budget")
 
     @property
@@ -101,8 +148,61 @@ class RolloutKeys:
     @property
     def released(self) -> str:
         """Pub/sub channel (no TTL: channels hold nothing): the ledger's settle script publishes
-        here after a settlement, once the rollout has had a waiting call; waiters wake on it."""
+        here after a settlement, once the ledger has had a waiting call; waiters wake on it."""
         return namespace(self.tag, "released")
+
+    def node(self, node_id: str) -> str:
+        """String with a short TTL: present while the tree node ``node_id`` (a rollout of the tree,
+        by the id it runs under) is alive; its host refreshes it, and deletes it when the rollout
+        ends. A reservation naming a node whose key is gone is refused (:mod:`rlmq.common.ledger`).
+
+        Raises:
+            ConfigError: ``node_id`` is not 1-64 characters of ``[A-Za-z0-9_-]``.
+        """
+        return namespace(self.tag, "node", check_rollout_id(node_id))
+
+    def all(self) -> list[str]:
+        """The ledger's keys (for TTL refresh and cleanup; the channel and the node keys, which
+        have TTLs of their own, are not listed)."""
+        return [self.budget, self.reservations, self.live_reservations]
+
+
+class RolloutKeys:
+    """Key names of one rollout (all share the hash tag ``{rollout_id}``).
+
+    ``budget``, ``reservations``, ``live_reservations`` and ``released`` are the keys of the
+    ledger a rollout opens *for itself* (``LedgerKeys(rollout_id)``: a depth-1 rollout, or the top
+    of a tree); code that charges a ledger uses :class:`LedgerKeys` of the ledger id its job carries.
+
+    Args:
+        rollout_id: the rollout's id, ``[A-Za-z0-9_-]{1,64}``.
+    """
+
+    __slots__ = ("rollout_id", "tag")
+
+    def __init__(self, rollout_id: str) -> None:
+        self.rollout_id = check_rollout_id(rollout_id)
+        self.tag = "{" + rollout_id + "}"
+
+    @property
+    def budget(self) -> str:
+        """Hash: the budget ledger this rollout opened for itself (see :class:`LedgerKeys`)."""
+        return LedgerKeys(self.rollout_id).budget
+
+    @property
+    def reservations(self) -> str:
+        """Hash: the reservations of the ledger this rollout opened for itself."""
+        return LedgerKeys(self.rollout_id).reservations
+
+    @property
+    def live_reservations(self) -> str:
+        """Sorted set: the live reservations of the ledger this rollout opened for itself."""
+        return LedgerKeys(self.rollout_id).live_reservations
+
+    @property
+    def released(self) -> str:
+        """Pub/sub channel of the ledger this rollout opened for itself."""
+        return LedgerKeys(self.rollout_id).released
 
     @property
     def info(self) -> str:
@@ -141,18 +241,19 @@ def parse_job_id(jid: str) -> tuple[str, str, int] | None:
 
 
 def serving(queue: str) -> str:
-    """Sorted set: names of the live workers of ``queue``'s model queue -> heartbeat expiry (Unix s).
+    """Sorted set: names of the live workers of ``queue``'s model queue -> heartbeat expiry
+    (Unix s, Redis's clock: ``TIME``).
 
     Workers add themselves with every heartbeat; the producer counts the members whose expiry
     is later than ``now - SERVING_CLOCK_SKEW`` to tell, within seconds, that nobody serves a
-    queue (tenants included)."""
+    queue (tenants included); ``rlmq status`` counts those whose expiry is later than Redis's now."""
     return namespace("serving", queue.split("@", 1)[0])
 
 
 SERVING_CLOCK_SKEW = 30.0
-"""Seconds of clock difference between a worker's host and a producer's host that
-:func:`serving` tolerates (expiries are the worker's clock, compared with the producer's):
-a queue whose workers all died is reported ``no_worker`` up to this much later."""
+"""Seconds of clock difference between Redis and a producer's host that :func:`serving`
+tolerates (expiries are Redis's clock, compared with the producer's): a queue whose workers
+all died is reported ``no_worker`` up to this much later."""
 
 
 LIVE_ROLLOUTS = namespace("rollouts")
@@ -248,6 +349,16 @@ def rq_failed(queue: str) -> str:
     return f"{RQ_PREFIX}:failed:{queue}"
 
 
+def rq_other_registry(kind: str, queue: str) -> str:
+    """Sorted set of one of RQ's registries rlmq never writes (``deferred``, ``ready``,
+    ``scheduled``, ``canceled``): RQ's maintenance (``rq info``) reads and prunes them."""
+    return f"{RQ_PREFIX}:{kind}:{queue}"
+
+
+RQ_RATE_LIMIT_KEYS = f"{RQ_PREFIX}:rl-keys"
+"""Set of RQ's rate-limit registries (rlmq has none); RQ's maintenance (``rq info``) reads it."""
+
+
 def rq_worker(worker_name: str) -> str:
     """Hash of one worker (``Worker.key``)."""
     return f"{RQ_PREFIX}:worker:{worker_name}"
@@ -271,3 +382,112 @@ def rq_execution(job_id: str, execution_id: str) -> str:
 def rq_job_executions(job_id: str) -> str:
     """Sorted set of a job's executions (``ExecutionRegistry.key``)."""
     return f"{RQ_PREFIX}:executions:{job_id}"
+
+
+# ---------------------------------------------------------------------------
+# Who uses which key: the source of the ACL rules (:mod:`rlmq.common.acl`)
+
+
+class KeyUse:
+    """How the roles of a fleet use one family of names declared above.
+
+    Args:
+        template: the name of its builder in this module (``"rq_job"``, ``"RolloutKeys.budget"``).
+        pattern: a Redis glob matching every name of the family (``"rq:job:*"``).
+        producer / worker / dashboard: ``""`` none, ``"r"`` read, ``"rw"`` read and write
+            (for a channel: ``"rw"`` publish and subscribe).
+        channel: a pub/sub channel, not a key.
+        tenant_pattern: the glob confining a tenant's producer (``{t}`` is the tenant), or
+            ``None`` when every tenant's producer needs the whole family (shared hints).
+    """
+
+    __slots__ = ("channel", "dashboard", "pattern", "producer", "template", "tenant_pattern", "worker")
+
+    def __init__(
+        self,
+        template: str,
+        pattern: str,
+        producer: str,
+        worker: str,
+        dashboard: str,
+        *,
+        channel: bool = False,
+        tenant_pattern: str | None = None,
+    ) -> None:
+        self.template, self.pattern, self.channel = template, pattern, channel
+        self.producer, self.worker, self.dashboard = producer, worker, dashboard
+        self.tenant_pattern = tenant_pattern
+
+    def access(self, role: str) -> str:
+        """``""``, ``"r"`` or ``"rw"``: what ``role`` (``producer``, ``worker``, ``dashboard``) does."""
+        return str(getattr(self, role))
+
+
+_ROLLOUT_T = "rlmq:{{{t}_*"
+KEY_USES: tuple[KeyUse, ...] = (
+    # a ledger's keys: its id is its top rollout's id, so a tenant's ledgers are its own
+    KeyUse("LedgerKeys.budget", "rlmq:{*}:budget", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("LedgerKeys.reservations", "rlmq:{*}:resv", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("LedgerKeys.live_reservations", "rlmq:{*}:live", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("LedgerKeys.node", "rlmq:{*}:node:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("LedgerKeys.released", "rlmq:{*}:released", "rw", "rw", "", channel=True, tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.budget", "rlmq:{*}:budget", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.reservations", "rlmq:{*}:resv", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.live_reservations", "rlmq:{*}:live", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    # workers write it too: a REPL host announces the child rollouts it runs (rlmq status)
+    KeyUse("RolloutKeys.info", "rlmq:{*}:info", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.reply", "rlmq:{*}:reply:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.released", "rlmq:{*}:released", "rw", "rw", "", channel=True, tenant_pattern=_ROLLOUT_T),
+    KeyUse("ORPHAN_REPLIES", "rlmq:orphan-replies", "", "rw", "r"),
+    KeyUse("serving", "rlmq:serving:*", "r", "rw", "r"),
+    KeyUse("LIVE_ROLLOUTS", "rlmq:rollouts", "rw", "rw", "r"),
+    KeyUse("wake_channel", "rlmq:wake:*", "rw", "rw", "", channel=True),
+    KeyUse("lane", "rlmq:lane:*", "rw", "rw", "r"),
+    KeyUse("rq_queue", "rq:queue:*", "rw", "rw", "r", tenant_pattern="rq:queue:*@{t}"),
+    KeyUse("RQ_QUEUES", "rq:queues", "rw", "rw", "r"),
+    KeyUse("RQ_WORKERS", "rq:workers", "", "rw", "r"),
+    KeyUse("rq_job", "rq:job:*", "rw", "rw", "r", tenant_pattern="rq:job:{t}_*"),
+    KeyUse("rq_results", "rq:results:*", "", "rw", "r"),
+    KeyUse("rq_started", "rq:wip:*", "", "rw", "r"),
+    KeyUse("rq_finished", "rq:finished:*", "", "rw", "r"),
+    KeyUse("rq_failed", "rq:failed:*", "", "rw", "r"),
+    *(
+        KeyUse("rq_other_registry", f"rq:{kind}:*", "", "rw", "r")
+        for kind in ("deferred", "ready", "scheduled", "canceled")
+    ),
+    KeyUse("RQ_RATE_LIMIT_KEYS", "rq:rl-keys", "", "rw", "r"),
+    KeyUse("rq_worker", "rq:worker:*", "", "rw", "r"),
+    KeyUse("rq_workers_of_queue", "rq:workers:*", "", "rw", "r"),
+    KeyUse("rq_worker_executions", "rq:worker:*:executions", "", "rw", "r"),
+    KeyUse("rq_execution", "rq:execution:*", "", "rw", "r"),
+    KeyUse("rq_job_executions", "rq:executions:*", "", "rw", "r"),
+)
+"""Every key and channel family above, with what each role does with it (the source of
+:mod:`rlmq.common.acl`; ``tests/integration/test_acl_rules.py`` checks that every builder of
+this module is declared here and that a real Redis grants each role what it says)."""
+
+_TENANT = re.compile(r"[A-Za-z0-9]{1,32}")
+
+
+def check_tenant(tenant: str) -> str:
+    """Return ``tenant`` if it is 1-32 letters or digits (it prefixes rollout ids: ``<tenant>_...``).
+
+    Raises:
+        ConfigError: otherwise (an ``_`` in a tenant would let one tenant's pattern match another's ids).
+    """
+    if not _TENANT.fullmatch(tenant):
+        raise ConfigError(f"invalid tenant {tenant!r}: use 1-32 letters or digits")
+    return tenant
+
+
+def reply_of_job(jid: str) -> str | None:
+    """The reply stream a job of id ``jid`` answers on (its rollout's, its batch's), or ``None``
+    for an id of another shape. Workers deliver there whatever the job hash says, so a producer
+    confined to its own rollouts' keys cannot make a worker write into another's."""
+    parsed = parse_job_id(jid)
+    if parsed is None:
+        return None
+    try:
+        return RolloutKeys(parsed[0]).reply(parsed[1])
+    except ConfigError:
+        return None

@@ -1,4 +1,4 @@
-"""The sub-LLM completion-token budget ledger of a rollout, kept in Redis.
+"""The completion-token budget ledger of a rollout (with recursion: of a rollout tree), kept in Redis.
 
 The guarantee (``shared/DESIGN.md``, invariants 1 and 2): for every rollout, the completion
 tokens sub-LLM servers return add up to at most ``sub_llm_max_completion_tokens``, with
@@ -47,35 +47,87 @@ answer overshoot, the charge here happens *before* the call, atomically.
 Whether a call is budgeted is the ledger's to say, not the job's: a worker asks the ledger
 for every call of a rollout it has not seen without one (:meth:`BudgetLedger.known_unbudgeted`).
 
-Ledger hash fields (``RolloutKeys.budget``): ``limit``, ``cap`` (0: none), ``charged``,
+A ledger is addressed by its own id (:class:`rlmq.common.keys.LedgerKeys`), which every job
+charging it carries: a depth-1 rollout opens one whose id is its rollout id; all rollouts of one
+tree will share their top rollout's (issue 22). Its reservations have a *kind* (:data:`SUB_LLM`, a
+sub-LLM turn, the default; :data:`ROOT`, a root-model turn), each with its own per-call cap; the
+budget is one for all kinds. The ledger stores the TTL its owner chose (``ttl``): every script that
+touches its keys uses that one, never the caller's own, so a worker configured with a shorter TTL
+cannot make a producer's ledger expire under it.
+
+Ledger hash fields (``LedgerKeys.budget``): ``limit``, ``ttl`` (seconds), ``cap`` (0: none; the
+cap of :data:`SUB_LLM` reservations), ``cap:<kind>`` (the cap of another kind), ``charged``,
 ``used`` (tokens servers reported), ``grants``, ``rejections`` (calls refused: by the
 script, by a waiter giving up, or up front by the producer), ``waits`` ("wait" answers),
 ``released``, ``overrun`` (tokens a server returned beyond its grant; stays 0 with a server
-that honours ``max_tokens``). Live reservations: ``RolloutKeys.live_reservations``.
+that honours ``max_tokens``). Live reservations: ``LedgerKeys.live_reservations``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
 
-from rlmq.common.keys import RolloutKeys
-from rlmq.common.ledger_script import LEDGER_LUA
+from rlmq.common.keys import LedgerKeys
+from rlmq.common.ledger_script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
 from rlmq.common.scripts import run_pipeline
 
-__all__ = ["LEDGER_LUA", "BudgetLedger", "BudgetSnapshot", "Grant", "Settlement"]
+__all__ = [
+    "LEDGER_LUA", "NODE_TTL", "ROOT", "SUB_LLM", "BudgetLedger", "BudgetSnapshot", "Grant", "Settlement", "node_ttl",
+]  # fmt: skip
 
 _Op = tuple[str, str, int, float, "asyncio.Future[list[int]]"]
-"""One coalesced ledger operation: kind (``r`` / ``s``), reservation id, cap or used, deadline, its waiter."""
+"""One coalesced ledger operation: op (``r`` / ``r:<kind>`` / ``s`` / ``x``), reservation id, cap or
+used, deadline, its waiter."""
+_Group = tuple[str, tuple[str, ...]]
+"""What one script call serves: a ledger id and the node chain its reservations name."""
 
-GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT, WAITED_OUT = 0, 1, 2, 3, 4, 5
+SUB_LLM = "sub"
+"""Reservation kind of a sub-LLM model turn (the default; its cap is the ledger's ``cap``)."""
+ROOT = "root"
+"""Reservation kind of a root-model turn of a child rollout (its cap: ``cap:root``)."""
+_KIND = re.compile(r"[a-z_]{1,16}")
+
+
+def _reserve_op(kind: str) -> str:
+    """The script's op name of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``.
+
+    Raises:
+        ValueError: ``kind`` is not 1-16 characters of ``[a-z_]``.
+    """
+    if kind == SUB_LLM:
+        return "r"
+    if not _KIND.fullmatch(kind):
+        raise ValueError(f"invalid reservation kind {kind!r}: use 1-16 characters of [a-z_]")
+    return "r:" + kind
+
+
+GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT, WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = range(9)
 """Reservation codes (:attr:`Grant.code`); ``WAITED_OUT`` is never the script's: the waiter gave up at
-the call's deadline (:mod:`rlmq.common.budget_wait`)."""
+the call's deadline (:mod:`rlmq.common.budget_wait`). ``TREE_CLOSED``: the ledger is closed (its top
+rollout ended); ``NODE_GONE``: a node of the call's chain is gone (:attr:`Grant.gone_node`);
+``UNLIMITED``: a liveness-only ledger (a tree without a budget) found the chain alive: call without
+a grant, settle nothing."""
+
+NODE_TTL = 30
+"""Seconds a tree node's key lives without a refresh (:meth:`BudgetLedger.open_node`; at most the
+rollout's key TTL, :func:`node_ttl`). Short, unlike the ledger's own TTL (an hour by default): a
+host killed with its rollouts stops their subtrees within this long, at their next model call. The
+host refreshes its nodes every third of it (:class:`rlmq.producer.live.LiveRollouts`), so two missed
+refreshes in a row still keep a node alive; a rollout that ends deletes its node at once."""
+
+
+def node_ttl(rollout_key_ttl: int) -> int:
+    """The TTL of a tree node's key for a rollout whose keys live ``rollout_key_ttl`` seconds:
+    ``min(NODE_TTL, rollout_key_ttl)``, at least 1 (seconds)."""
+    return max(1, min(NODE_TTL, rollout_key_ttl))
+
 
 UNBUDGETED_MEMORY = 60.0
 """Seconds a worker remembers that a rollout has no ledger (see :meth:`BudgetLedger.known_unbudgeted`)."""
@@ -94,6 +146,7 @@ class Grant:
         retry_at: for ``code`` 4, the Unix time (seconds) at which the earliest live
             reservation's deadline passes and it stops counting as live (0 otherwise).
         need: for ``code`` 4, the grant the call waits for (tokens free before it is given).
+        gone_node: for ``code`` 7 (:data:`NODE_GONE`), the first node of the chain whose key is gone.
     """
 
     tokens: int
@@ -102,6 +155,26 @@ class Grant:
     code: int
     retry_at: float = 0.0
     need: int = 0
+    gone_node: str = ""
+
+    @property
+    def tree_refused(self) -> bool:
+        """True for a refusal by the tree (:data:`TREE_CLOSED` or :data:`NODE_GONE`), not the budget."""
+        return self.code in (TREE_CLOSED, NODE_GONE)
+
+    @property
+    def refusal_reason(self) -> str:
+        """``tree_closed`` or ``parent_gone`` (a node of the chain is gone), for a tree refusal; else ``""``."""
+        return {TREE_CLOSED: "tree_closed", NODE_GONE: "parent_gone"}.get(self.code, "")
+
+    @property
+    def refusal_message(self) -> str:
+        """What a tree refusal says (``tree_closed: ...`` / ``parent_gone: ...``); ``""`` otherwise."""
+        if self.code == TREE_CLOSED:
+            return "tree_closed: the top rollout of its tree has ended (its budget ledger is closed)"
+        if self.code == NODE_GONE:
+            return f"parent_gone: rollout {self.gone_node or '?'} of its tree chain has ended or died"
+        return ""
 
     @property
     def granted(self) -> bool:
@@ -120,10 +193,11 @@ class Settlement:
 
 @dataclass(frozen=True)
 class BudgetSnapshot:
-    """The ledger of a rollout at one moment (all figures in completion tokens).
+    """A ledger at one moment (all figures in completion tokens).
 
     ``waits`` counts the reservations answered "wait" (a call can be told to wait several
-    times); ``cap`` is the per-call cap (0: none).
+    times); ``cap`` is the per-call cap of sub-LLM reservations (0: none); ``ttl`` the seconds
+    its keys live after a refresh, as its owner stored it (0: an older ledger without one).
     """
 
     limit: int
@@ -135,6 +209,7 @@ class BudgetSnapshot:
     overrun: int
     cap: int = 0
     waits: int = 0
+    ttl: int = 0
 
     @property
     def remaining(self) -> int:
@@ -169,12 +244,13 @@ def default_cap(limit: int, grant_tokens: int) -> int:
 
 
 class BudgetLedger:
-    """Atomic reserve / settle of sub-LLM completion tokens for rollouts.
+    """Atomic reserve / settle of completion tokens in ledgers addressed by their own ids.
 
     Args:
         redis: an asyncio Redis client (``decode_responses`` either way).
-        ttl: seconds each ledger key lives after its last write; the producer refreshes it
-            while the rollout lives.
+        ttl: seconds the keys of a ledger *this process opens* live after a refresh (stored in
+            the ledger by :meth:`open`; the owner refreshes them while its rollout lives).
+            Nothing else uses it: a worker's scripts use the TTL stored in each ledger.
 
     Reservations and settlements are coalesced: every call made in the same event-loop turn
     (hundreds of sub-calls in flight in one worker) goes out in one round trip, one
@@ -190,12 +266,14 @@ class BudgetLedger:
         self._redis = redis
         self._ttl = ttl
         self._script = redis.register_script(LEDGER_LUA)
-        self._pending: dict[str, list[_Op]] = {}
+        self._pending: dict[_Group, list[_Op]] = {}
         self._flush_scheduled = False
         self._flushes: set[asyncio.Task[None]] = set()
         self._unbudgeted: dict[str, float] = {}
         self._waits: Any = None  # a ReleaseWaits, made on the first wait
         self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)
+        self._parked_kinds: dict[tuple[str, str], str] = {}  # (ledger, reservation) -> kind, while acquiring
+        self._parked_nodes: dict[tuple[str, str], tuple[str, ...]] = {}  # ... -> node chain, while acquiring
         self.on_park: Callable[[], None] | None = None
         """Called whenever the number of :attr:`parked` calls changes (the worker's slot count)."""
         self.resume_gate: Callable[[], Awaitable[None]] | None = None
@@ -203,11 +281,11 @@ class BudgetLedger:
         it fits in its concurrency again (parked calls do not count against it, resumed ones do)."""
 
     def _submit(
-        self, rollout_id: str, kind: str, reservation_id: str, n: int, deadline: float
+        self, ledger_id: str, op: str, reservation_id: str, n: int, deadline: float, nodes: tuple[str, ...] = ()
     ) -> asyncio.Future[list[int]]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[int]] = loop.create_future()
-        self._pending.setdefault(rollout_id, []).append((kind, reservation_id, n, deadline, fut))
+        self._pending.setdefault((ledger_id, nodes), []).append((op, reservation_id, n, deadline, fut))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._start_flush)
@@ -221,7 +299,7 @@ class BudgetLedger:
             self._flushes.add(task)
             task.add_done_callback(self._flushes.discard)
 
-    async def _flush(self, pending: dict[str, list[_Op]]) -> None:
+    async def _flush(self, pending: dict[_Group, list[_Op]]) -> None:
         groups = list(pending.items())
         try:
             if len(groups) == 1:
@@ -245,89 +323,151 @@ class BudgetLedger:
                 else:
                     fut.set_result([int(x) for x in outcome[i]])
 
-    async def _pipelined(self, groups: list[tuple[str, list[_Op]]]) -> list[Any]:
-        """One round trip for several rollouts: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
+    async def _pipelined(self, groups: list[tuple[_Group, list[_Op]]]) -> list[Any]:
+        """One round trip for several ledgers: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
 
         def build(pipe: Any) -> None:
-            for rollout_id, ops in groups:
-                pipe.evalsha(self._script.sha, 4, *self._keys(rollout_id), *self._args(ops))
+            for group, ops in groups:
+                keys = self._keys(group)
+                pipe.evalsha(self._script.sha, len(keys), *keys, *self._args(ops))
 
         return await run_pipeline(self._redis, build, [LEDGER_LUA], raise_on_error=False)
 
     def add_settles(self, pipe: Any, settles: Sequence[tuple[str, str, int]]) -> None:
-        """Queue settlements on ``pipe`` (one ``EVALSHA`` per rollout), for a caller that sends
+        """Queue settlements on ``pipe`` (one ``EVALSHA`` per ledger), for a caller that sends
         them in one round trip with its own commands (the worker's ``FINISH``).
 
         Args:
             pipe: a redis-py asyncio pipeline; the caller executes it and, on ``NOSCRIPT``,
                 loads :data:`LEDGER_LUA` and sends it again (settling is idempotent).
-            settles: ``(rollout_id, reservation_id, completion tokens used)`` each.
+            settles: ``(ledger_id, reservation_id, completion tokens used)`` each.
         """
-        by_rollout: dict[str, list[Any]] = {}
-        for rollout_id, reservation_id, used in settles:
-            by_rollout.setdefault(rollout_id, []).extend(["s", reservation_id, max(0, int(used)), 0])
-        for rollout_id, ops in by_rollout.items():
-            pipe.evalsha(self._script.sha, 4, *self._keys(rollout_id), self._ttl, time.time(), *ops)
+        by_ledger: dict[str, list[Any]] = {}
+        for ledger_id, reservation_id, used in settles:
+            by_ledger.setdefault(ledger_id, []).extend(["s", reservation_id, max(0, int(used)), 0])
+        for ledger_id, ops in by_ledger.items():
+            pipe.evalsha(self._script.sha, 4, *self._keys((ledger_id, ())), 0, time.time(), *ops)
 
     @staticmethod
-    def _keys(rollout_id: str) -> list[str]:
-        keys = RolloutKeys(rollout_id)
-        return [keys.budget, keys.reservations, keys.live_reservations, keys.released]
+    def _keys(group: _Group) -> list[str]:
+        keys = LedgerKeys(group[0])
+        return [keys.budget, keys.reservations, keys.live_reservations, keys.released, *map(keys.node, group[1])]
 
     def _args(self, ops: list[_Op]) -> list[Any]:
-        args: list[Any] = [self._ttl, repr(time.time())]
+        # ARGV[1] 0: the script uses the TTL stored in the ledger (or, for a ledger without
+        # one, the budget hash's own), never this process's.
+        args: list[Any] = [0, repr(time.time())]
         for kind, reservation_id, n, deadline, _ in ops:
             args += [kind, reservation_id, n, repr(deadline)]
         return args
 
-    async def open(self, rollout_id: str, limit: int, cap: int | None = None) -> None:
-        """Create the rollout's ledger with a budget of ``limit`` tokens (keeps an existing one).
+    async def open(
+        self,
+        ledger_id: str,
+        limit: int,
+        cap: int | None = None,
+        *,
+        ttl: int | None = None,
+        kind_caps: Mapping[str, int] | None = None,
+    ) -> None:
+        """Create the ledger ``ledger_id`` with a budget of ``limit`` tokens (keeps an existing one).
 
         Args:
-            rollout_id: the rollout.
-            limit: the budget in completion tokens, >= 1.
-            cap: the per-call cap in tokens (a grant is at most this; a job can lower it for
-                itself, never raise it), or ``None`` for none (a call may be granted all that is free).
+            ledger_id: the ledger's own id (a depth-1 rollout: its rollout id).
+            limit: the budget in completion tokens, >= 1, for reservations of every kind.
+            cap: the per-call cap of :data:`SUB_LLM` reservations in tokens (a grant is at most
+                this; a job can lower it for itself, never raise it), or ``None`` for none (a call
+                may be granted all that is free).
+            ttl: seconds the ledger's keys live after a refresh, stored in the ledger (every
+                script touching its keys uses it); default: this ledger object's ``ttl``.
+            kind_caps: per-call caps of other reservation kinds (``{ROOT: 2048}``), tokens; a
+                kind without one has no cap of its own.
 
         Raises:
             ValueError: ``limit`` < 1 (a budget of 0 would refuse every call: leave the budget
-                unset instead) or ``cap`` < 1.
+                unset instead), a cap < 1, ``ttl`` < 1 or an invalid kind.
         """
         if limit < 1:
             raise ValueError("budget limit must be >= 1 token (a budget of 0 refuses every sub-LLM call)")
         if cap is not None and cap < 1:
             raise ValueError("per-call cap must be >= 1 token")
-        keys = RolloutKeys(rollout_id)
+        ttl = self._ttl if ttl is None else ttl
+        if ttl < 1:
+            raise ValueError("ledger ttl must be >= 1 second")
+        extra = {}
+        for kind, kcap in (kind_caps or {}).items():
+            if kcap < 1:
+                raise ValueError(f"per-call cap of {kind!r} reservations must be >= 1 token")
+            extra["cap:" + _reserve_op(kind).removeprefix("r:")] = kcap
+        keys = LedgerKeys(ledger_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(keys.budget, "limit", limit)
             pipe.hsetnx(keys.budget, "charged", 0)
             pipe.hsetnx(keys.budget, "cap", cap or 0)
-            pipe.expire(keys.budget, self._ttl)
+            pipe.hsetnx(keys.budget, "ttl", ttl)
+            for field, value in extra.items():
+                pipe.hsetnx(keys.budget, field, value)
+            pipe.expire(keys.budget, ttl)
             await pipe.execute()
 
     async def reserve(
-        self, rollout_id: str, reservation_id: str, cap: int | None, deadline: float | None = None
+        self,
+        ledger_id: str,
+        reservation_id: str,
+        cap: int | None,
+        deadline: float | None = None,
+        *,
+        kind: str | None = None,
+        nodes: Sequence[str] | None = None,
     ) -> Grant:
-        """Reserve ``min(cap, ledger cap, free)`` tokens under ``reservation_id``, or learn to wait.
+        """Reserve ``min(cap, ledger cap of the kind, free)`` tokens under ``reservation_id``, or learn to wait.
 
         One attempt: a ``code`` 4 (wait) answer is the caller's to handle (:meth:`acquire` does).
 
         Args:
-            rollout_id: the rollout whose budget is charged.
+            ledger_id: the ledger charged (the id the job carries).
             reservation_id: unique per model call *attempt*; reserving it again while open
                 returns the same grant.
             cap: the caller's cap in tokens, or ``None``; it can only lower the ledger's cap.
             deadline: Unix time (seconds) after which the call can no longer report tokens;
                 until then its reservation is *live* (others may wait for it). Default: the TTL.
+            kind: the reservation kind (:data:`SUB_LLM`, :data:`ROOT`); default: the kind
+                :meth:`acquire` is waiting with for this reservation, else :data:`SUB_LLM`.
+            nodes: the calling rollout's tree chain (node ids, top .. caller; empty for a top
+                rollout's call): refused (:data:`NODE_GONE`) unless each node is alive in this
+                ledger; default: the chain :meth:`acquire` is waiting with, else none.
+                A closed ledger refuses every reservation (:data:`TREE_CLOSED`).
+
+        Raises:
+            ValueError: an invalid ``kind``.
+            ConfigError: an invalid node id.
         """
+        parked = (ledger_id, reservation_id)
+        if kind is None:
+            kind = self._parked_kinds.get(parked, SUB_LLM)
+        chain = tuple(nodes) if nodes is not None else self._parked_nodes.get(parked, ())
+        if chain:
+            for node in chain:
+                LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        out = await self._submit(rollout_id, "r", reservation_id, cap or 0, dl)
+        out = await self._submit(ledger_id, _reserve_op(kind), reservation_id, cap or 0, dl, chain)
         if out[3] == NO_LEDGER:
-            self._remember_unbudgeted(rollout_id)
+            self._remember_unbudgeted(ledger_id)
+        if out[3] in (TREE_CLOSED, NODE_GONE):
+            gone = chain[out[4] - 1] if out[3] == NODE_GONE and 0 < out[4] <= len(chain) else ""
+            return Grant(0, out[1], out[2], out[3], gone_node=gone)
         return Grant(out[0], out[1], out[2], out[3], out[4] / 1000.0, out[5] if len(out) > 5 else 0)
 
     async def acquire(
-        self, rollout_id: str, reservation_id: str, cap: int | None, deadline: float, *, margin: float = 0.5
+        self,
+        ledger_id: str,
+        reservation_id: str,
+        cap: int | None,
+        deadline: float,
+        *,
+        margin: float = 0.5,
+        kind: str = SUB_LLM,
+        nodes: Sequence[str] = (),
     ) -> tuple[Grant, int, float]:
         """Reserve, waiting for releases while the ledger says "wait"; the worker's entry point.
 
@@ -338,7 +478,7 @@ class BudgetLedger:
         ``code`` :data:`WAITED_OUT`, so its result still reaches the producer in time.
 
         Args:
-            rollout_id / reservation_id / cap / deadline: as for :meth:`reserve` (seconds).
+            ledger_id / reservation_id / cap / deadline / kind / nodes: as for :meth:`reserve` (seconds).
             margin: seconds before ``deadline`` at which waiting ends.
 
         Returns:
@@ -352,7 +492,7 @@ class BudgetLedger:
                 call, or one granted after parking that has not called its model yet (its grant
                 is settled at 0 first), is handed back instead.
         """
-        grant = await self.reserve(rollout_id, reservation_id, cap, deadline)
+        grant = await self.reserve(ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes)
         if grant.code != WAIT:
             return grant, 0, 0.0
         if self._waits is None:
@@ -362,15 +502,24 @@ class BudgetLedger:
             if self._abandon:
                 self._waits.abandon()
         waits: Any = self._waits
-        result: tuple[Grant, int, float] = await waits.wait_for_grant(
-            self, rollout_id, reservation_id, cap, deadline, deadline - margin, grant
-        )
+        parked_key = (ledger_id, reservation_id)
+        if kind != SUB_LLM:
+            self._parked_kinds[parked_key] = kind  # the waiter asks again through reserve(), by id
+        if nodes:
+            self._parked_nodes[parked_key] = tuple(nodes)
+        try:
+            result: tuple[Grant, int, float] = await waits.wait_for_grant(
+                self, ledger_id, reservation_id, cap, deadline, deadline - margin, grant
+            )
+        finally:
+            self._parked_kinds.pop(parked_key, None)
+            self._parked_nodes.pop(parked_key, None)
         if result[0].granted and result[1] and self.resume_gate is not None:
             await self.resume_gate()  # cancelled here: the reservation stays charged in full
         if result[0].granted and self._abandon:
             # Granted as the worker began to stop: the model was never called, so the grant goes
             # back (settled at 0 tokens) and the job is handed back like the parked ones.
-            await self.settle(rollout_id, reservation_id, 0)
+            await self.settle(ledger_id, reservation_id, 0)
             raise asyncio.CancelledError("the worker is stopping: a granted call that had not started is handed back")
         return result
 
@@ -383,45 +532,43 @@ class BudgetLedger:
         if self.on_park is not None:
             self.on_park()
 
-    def known_unbudgeted(self, rollout_id: str) -> bool:
-        """True when this process found no ledger for ``rollout_id`` in the last :data:`UNBUDGETED_MEMORY`
+    def known_unbudgeted(self, ledger_id: str) -> bool:
+        """True when this process found no ledger ``ledger_id`` in the last :data:`UNBUDGETED_MEMORY`
         seconds. Safe to trust: the producer opens a rollout's ledger before it enqueues any
-        of its jobs, so a rollout seen without one gets none later."""
-        expiry = self._unbudgeted.get(rollout_id)
+        of its jobs, so a ledger id seen without one gets none later."""
+        expiry = self._unbudgeted.get(ledger_id)
         if expiry is None:
             return False
         if expiry < time.monotonic():
-            del self._unbudgeted[rollout_id]
+            del self._unbudgeted[ledger_id]
             return False
         return True
 
-    def _remember_unbudgeted(self, rollout_id: str) -> None:
+    def _remember_unbudgeted(self, ledger_id: str) -> None:
         if len(self._unbudgeted) >= 10_000:  # bounded: forget the oldest half
             for key in list(self._unbudgeted)[:5_000]:
                 del self._unbudgeted[key]
-        self._unbudgeted[rollout_id] = time.monotonic() + UNBUDGETED_MEMORY
+        self._unbudgeted[ledger_id] = time.monotonic() + UNBUDGETED_MEMORY
 
-    async def settle(self, rollout_id: str, reservation_id: str, used: int) -> Settlement:
-        """Settle a reservation with the ``used`` completion tokens the server reported."""
-        return Settlement(*(await self._submit(rollout_id, "s", reservation_id, max(0, int(used)), 0.0))[:4])
+    async def settle(self, ledger_id: str, reservation_id: str, used: int) -> Settlement:
+        """Settle a reservation of ledger ``ledger_id`` with the ``used`` completion tokens the server reported."""
+        return Settlement(*(await self._submit(ledger_id, "s", reservation_id, max(0, int(used)), 0.0))[:4])
 
-    async def retire(self, rollout_id: str, reservation_ids: Sequence[str]) -> int:
+    async def retire(self, ledger_id: str, reservation_ids: Sequence[str]) -> int:
         """Stop counting ``reservation_ids`` as live (nobody waits for them any more); they stay
         charged and can still be settled. For the reservations of a job's earlier attempts when
         the job runs again (its earlier worker was declared dead). Returns how many were live."""
         if not reservation_ids:
             return 0
-        outs = await asyncio.gather(*(self._submit(rollout_id, "x", rid, 0, 0.0) for rid in reservation_ids))
+        outs = await asyncio.gather(*(self._submit(ledger_id, "x", rid, 0, 0.0) for rid in reservation_ids))
         return sum(out[0] for out in outs)
 
-    async def count_rejections(self, rollout_id: str, n: int) -> None:
-        """Add ``n`` calls refused before they were enqueued (the producer's up-front refusal of a
-        batch on a spent budget) to the ledger's ``rejections``, so it counts every refusal."""
-        key = RolloutKeys(rollout_id).budget
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(key, "rejections", n)
-            pipe.expire(key, self._ttl)
-            await pipe.execute()
+    async def count_rejections(self, ledger_id: str, n: int) -> None:
+        """Add ``n`` calls refused outside the ledger script (the producer's up-front refusal of a
+        batch on a spent budget, a waiter giving up) to the ledger's ``rejections``, so it counts
+        every refusal. A missing ledger is not re-created, and the ledger's TTL is left as its
+        owner set it (a worker's own TTL never touches it)."""
+        await self._redis.eval(COUNT_REJECTIONS_LUA, 1, LedgerKeys(ledger_id).budget, n)
 
     @property
     def abandoning(self) -> bool:
@@ -441,12 +588,89 @@ class BudgetLedger:
         if self._waits is not None:
             await self._waits.aclose()
 
-    async def snapshot(self, rollout_id: str) -> BudgetSnapshot | None:
-        """Read the ledger, or ``None`` when the rollout has none."""
-        raw = await self._redis.hgetall(RolloutKeys(rollout_id).budget)
+    async def open_unlimited(self, ledger_id: str, ttl: int | None = None) -> None:
+        """Open a liveness-only ledger ``ledger_id``: no budget, but closable and with tree nodes,
+        for a tree whose top has no sub-LLM budget (its calls get :data:`UNLIMITED` while their
+        chain is alive). Keeps an existing ledger as it is (only its TTL is pushed).
+
+        Args:
+            ttl: seconds it lives after a refresh; default: this object's ``ttl``.
+
+        Raises:
+            ValueError: ``ttl`` < 1.
+            redis.RedisError: Redis refused or is gone.
+        """
+        ttl = self._ttl if ttl is None else ttl
+        if ttl < 1:
+            raise ValueError("ledger ttl must be >= 1 second")
+        await self._redis.eval(OPEN_UNLIMITED_LUA, 1, LedgerKeys(ledger_id).budget, ttl)
+
+    async def open_node(self, ledger_id: str, node_id: str, ttl: int = NODE_TTL) -> None:
+        """Mark the tree node ``node_id`` alive in ledger ``ledger_id`` for ``ttl`` seconds (its host
+        refreshes it: :meth:`refresh_nodes`). Reservations whose chain names it are granted only
+        while it is.
+
+        Raises:
+            ConfigError: an invalid id. ValueError: ``ttl`` < 1.
+            redis.RedisError: Redis refused or is gone.
+        """
+        if ttl < 1:
+            raise ValueError("node ttl must be >= 1 second")
+        await self._redis.set(LedgerKeys(ledger_id).node(node_id), 1, ex=ttl)
+
+    async def refresh_nodes(self, nodes: Sequence[tuple[str, str, int]]) -> None:
+        """Push the TTL of live nodes ``(ledger_id, node_id, ttl seconds)`` in one round trip. A node
+        already gone (expired, closed, deleted by a reaper) stays gone: ``EXPIRE`` never re-creates it.
+
+        Raises:
+            redis.RedisError: Redis refused or is gone.
+        """
+        if not nodes:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for ledger_id, node_id, ttl in nodes:
+                pipe.expire(LedgerKeys(ledger_id).node(node_id), ttl)
+            await pipe.execute()
+
+    async def node_alive(self, ledger_id: str, node_id: str) -> bool:
+        """True when the node ``node_id`` of ledger ``ledger_id`` is alive (one ``EXISTS``)."""
+        return bool(await self._redis.exists(LedgerKeys(ledger_id).node(node_id)))
+
+    async def close_node(self, ledger_id: str, node_id: str) -> None:
+        """End the node ``node_id`` (its rollout ended, or a reaper found its attempt dead): every
+        later reservation whose chain names it (its own calls, its descendants') is refused, and
+        the ledger's parked calls are woken to ask again (those under it are refused now).
+
+        Raises:
+            redis.RedisError: Redis refused or is gone.
+        """
+        keys = LedgerKeys(ledger_id)
+        await self._redis.eval(CLOSE_LEDGER_LUA, 3, keys.budget, keys.released, keys.node(node_id), 0)
+
+    async def close(self, ledger_id: str, top_node: str | None = None) -> bool:
+        """Close the ledger ``ledger_id`` (its top rollout ended, timed out or was cancelled): every
+        later reservation is refused (:data:`TREE_CLOSED`), with or without a chain; settlements
+        still count. Deletes the node ``top_node`` too, in the same script, and wakes the ledger's
+        parked calls (they are refused now, not at their deadline). A lost ledger is not
+        re-created. Returns True when a ledger was closed.
+
+        Raises:
+            redis.RedisError: Redis refused or is gone.
+        """
+        keys = LedgerKeys(ledger_id)
+        extra = [keys.node(top_node)] if top_node is not None else []
+        return bool(await self._redis.eval(CLOSE_LEDGER_LUA, 2 + len(extra), keys.budget, keys.released, *extra, 1))
+
+    async def exists(self, ledger_id: str) -> bool:
+        """True when the ledger ``ledger_id`` exists in Redis (one ``EXISTS``)."""
+        return bool(await self._redis.exists(LedgerKeys(ledger_id).budget))
+
+    async def snapshot(self, ledger_id: str) -> BudgetSnapshot | None:
+        """Read the ledger ``ledger_id``, or ``None`` when there is none."""
+        raw = await self._redis.hgetall(LedgerKeys(ledger_id).budget)
         if not raw or not any(k in (b"limit", "limit") for k in raw):
             return None
-        f = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+        f = {(k.decode() if isinstance(k, bytes) else k): _int_or_zero(v) for k, v in raw.items()}
         return BudgetSnapshot(
             limit=f.get("limit", 0),
             charged=f.get("charged", 0),
@@ -457,4 +681,14 @@ class BudgetLedger:
             overrun=f.get("overrun", 0),
             cap=f.get("cap", 0),
             waits=f.get("waits", 0),
+            ttl=f.get("ttl", 0),
         )
+
+
+def _int_or_zero(value: bytes | str) -> int:
+    """A ledger field as an int; 0 for one that is not an integer (a corrupt ``ttl``: the script
+    ignores it too, and a snapshot must not fail a rollout's usage line over it)."""
+    try:
+        return int(value)
+    except ValueError:
+        return 0

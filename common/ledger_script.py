@@ -5,11 +5,22 @@ Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re
 """
 
 # KEYS[1] budget hash, KEYS[2] reservations hash, KEYS[3] live-open sorted set, KEYS[4] release
-# channel (one rollout: all share its hash tag). ARGV[1] TTL seconds, ARGV[2] now (Unix seconds),
-# then per operation i four arguments from ARGV[4i-1]: kind ('r' reserve, 's' settle, 'x' retire),
-# reservation id, n, deadline (both unused by a retire). For a reserve n is the caller's cap in
-# tokens (<= 0: none; it can only lower the ledger's own 'cap') and deadline the call's deadline
-# (Unix seconds); for a settle
+# channel (one ledger: all share its id's hash tag), then KEYS[5..] the node keys of the calling
+# rollout's tree chain (top .. caller; none for a call of a top rollout): a reservation is refused
+# with code 6 when the ledger is 'closed' (its top rollout ended) and with code 7 when one of those
+# node keys is gone (the caller, or an ancestor, ended or died; 'next' = the missing node's position
+# in the chain, from 1). Settles and retires are never refused: tokens spent are always recorded.
+# ARGV[1] the TTL (seconds) of a ledger that
+# stores none (opened by an older producer; 0: the budget hash's own remaining TTL): a ledger
+# opened now stores its owner's TTL in its 'ttl' field and the script uses that, never the
+# caller's (a stored 'ttl' that is not a whole number of seconds from 1 to ten years is ignored:
+# an EXPIRE that fails mid-script would leave a grant charged with nobody to settle it). ARGV[2]
+# unused (now is Redis's TIME),
+# then per operation i four arguments from ARGV[4i-1]: kind ('r' reserve, 'r:<kind>' reserve of
+# reservation kind <kind>, 's' settle, 'x' retire), reservation id, n, deadline (both unused by a
+# retire). For a reserve n is the caller's cap in tokens (<= 0: none; it can only lower the
+# ledger's own cap of the kind: 'cap' for 'r', 'cap:<kind>' for 'r:<kind>', none when unset) and
+# deadline the call's deadline (Unix seconds); for a settle
 # n is the completion tokens the server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
 # ledger once (HMGET) and writes it once (HSET). Returns one {a, charged, limit, code, next[, need]}
@@ -17,6 +28,8 @@ Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re
 # * reserve: a = grant. code 0 granted (grant > 0); 1 rejected (grant 0: nothing free and no live
 #   reservation that could give tokens back); 2 no ledger (budget hash missing: expired, lost, or
 #   an unbudgeted rollout); 3 already settled (a retried job asked again for a closed reservation);
+#   8 unlimited (a liveness-only ledger, field 'unlimited', no 'limit': a tree without a budget;
+#   the chain is alive, call without a grant and settle nothing);
 #   4 wait (less than a full grant is free but live reservations may give some back: ask again
 #   after a release, or at 'next', the earliest live reservation's deadline in ms, when it stops
 #   counting as live, and need, the grant it waits for). An open reservation with the same id
@@ -34,14 +47,46 @@ Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re
 # deadline): one held by a dead worker stops being live at its deadline but stays charged.
 # After any settle, once the rollout has had a waiter, the script publishes '<free> <live>' on
 # KEYS[4] (free = limit - charged, live = live reservations left): waiters wake by it.
-# The reservations hash gets its TTL with the rollout's first grant, the live set with every
-# script that adds to it (the producer's key refresh keeps both alive with the ledger).
+# The reservations hash gets the ledger's stored TTL with the ledger's first grant, the live set
+# with every script that adds to it (the owner's key refresh keeps both alive with the ledger).
 LEDGER_LUA = """
-local ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ttl = tonumber(ARGV[1])
+local clock = redis.call('TIME')  -- "now" is Redis's clock, never the calling host's
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 local nops = (#ARGV - 2) / 4
 local b = redis.call('HMGET', KEYS[1], 'limit', 'charged', 'grants', 'used', 'released', 'overrun', 'rejections',
-                     'waits', 'cap')
+                     'waits', 'cap', 'ttl', 'closed', 'unlimited')
 local limit, lcap = tonumber(b[1]), tonumber(b[9] or '0')
+local refusal = nil  -- {code, position}: why this ledger refuses every reservation now (computed once)
+local function tree_refusal()
+  if refusal == nil then
+    refusal = false
+    if b[11] then
+      refusal = {6, 0}
+    elseif #KEYS > 4 then
+      local nodes = {}
+      for k = 5, #KEYS do nodes[#nodes + 1] = KEYS[k] end
+      if redis.call('EXISTS', unpack(nodes)) < #nodes then
+        for k = 5, #KEYS do
+          if redis.call('EXISTS', KEYS[k]) == 0 then
+            refusal = {7, k - 4}
+            break
+          end
+        end
+      end
+    end
+  end
+  return refusal
+end
+local stored = tonumber(b[10] or '')
+if stored and stored >= 1 and stored <= 315360000 and stored == math.floor(stored) then ttl = stored end
+if not (ttl >= 1 and ttl == math.floor(ttl)) then ttl = redis.call('TTL', KEYS[1]) end
+local kcaps = {}
+local function kind_cap(k)
+  if k == '' then return lcap end
+  if kcaps[k] == nil then kcaps[k] = tonumber(redis.call('HGET', KEYS[1], 'cap:' .. k) or '0') or 0 end
+  return kcaps[k]
+end
 local f = {charged = tonumber(b[2] or '0'), grants = tonumber(b[3] or '0'), used = tonumber(b[4] or '0'),
            released = tonumber(b[5] or '0'), overrun = tonumber(b[6] or '0'), rejections = tonumber(b[7] or '0'),
            waits = tonumber(b[8] or '0')}
@@ -73,9 +118,13 @@ local out = {}
 for i = 1, nops do
   local kind, id, n, dl = ARGV[4 * i - 1], ARGV[4 * i], tonumber(ARGV[4 * i + 1]), tonumber(ARGV[4 * i + 2])
   local s = state[id]
-  if kind == 'r' then
-    if not limit then
+  if string.sub(kind, 1, 1) == 'r' then
+    if not limit and not b[12] then
       out[i] = {0, 0, 0, 2, 0}
+    elseif tree_refusal() then
+      out[i] = {0, f.charged, limit or 0, refusal[1], refusal[2]}
+    elseif not limit then
+      out[i] = {0, 0, 0, 8, 0}
     elseif s then
       if string.sub(s, 1, 5) == 'open:' then
         out[i] = {tonumber(string.sub(s, 6)), f.charged, limit, 0, 0}
@@ -83,7 +132,7 @@ for i = 1, nops do
         out[i] = {0, f.charged, limit, 3, 0}
       end
     else
-      local cap = lcap
+      local cap = kind_cap(string.sub(kind, 3))
       if n > 0 and (cap <= 0 or n < cap) then cap = n end
       local free = limit - f.charged
       local full = 1
@@ -167,10 +216,47 @@ end
 for i = 1, #rargs, 1000 do
   redis.call('HSET', KEYS[2], unpack(rargs, i, math.min(i + 999, #rargs)))
 end
-if first_grant then redis.call('EXPIRE', KEYS[2], ttl) end
-if added then redis.call('EXPIRE', KEYS[3], ttl) end
+if first_grant and ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
+if added and ttl > 0 then redis.call('EXPIRE', KEYS[3], ttl) end
 if settled and f.waits > 0 then
   redis.call('PUBLISH', KEYS[4], (limit or 0) - f.charged .. ' ' .. live_count())
 end
 return out
+"""
+
+# Count calls refused outside the script (the producer's up-front refusal, a waiter giving up):
+# KEYS[1] budget hash, ARGV[1] how many. Only an existing ledger is counted (never re-created), and
+# its TTL is left as its owner set it. Returns 1 when counted.
+COUNT_REJECTIONS_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], 'rejections', ARGV[1])
+return 1
+"""
+
+# Close a ledger (its top rollout ended, timed out or was cancelled) or end some of its nodes:
+# KEYS[1] the budget hash, KEYS[2] its release channel, KEYS[3..] node keys to delete; ARGV[1] '1' to
+# close the ledger, '0' to only delete the nodes. Closing sets 'closed' on an existing ledger (never
+# re-creates a lost one; its TTL is left as it is) so every later reservation is refused, whatever
+# chain it names. Publishes 'closed' on the channel (not a '<free> <live>' pair: every parked call of
+# the ledger wakes and asks again, so calls under what ended are refused now, not at their
+# deadline). Returns 1 when a ledger was closed.
+CLOSE_LEDGER_LUA = """
+for k = 3, #KEYS do redis.call('DEL', KEYS[k]) end
+local closed = 0
+if ARGV[1] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HSET', KEYS[1], 'closed', 1)
+  closed = 1
+end
+redis.call('PUBLISH', KEYS[2], 'closed')
+return closed
+"""
+
+# Open a liveness-only ledger (a tree without a sub-LLM budget): KEYS[1] the budget hash, ARGV[1]
+# its TTL (seconds). Keeps an existing ledger (budgeted or not) as it is, only pushing its TTL.
+OPEN_UNLIMITED_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'unlimited', 1, 'ttl', ARGV[1])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
 """

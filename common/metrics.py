@@ -16,18 +16,23 @@ reason), :meth:`~Metrics.observe_result` only for results the producer made itse
 up-front rejections when the budget is already spent), so no sub-call is counted twice
 across a fleet.
 
+Where an ``rlm_batch`` result arrives (the parent rollout's host, a producer or a REPL-hosting
+worker): :meth:`~Metrics.observe_child` for each result a child rollout answered, by the
+child's depth and stop reason. A child reports to one parent only, so each is counted once
+across a fleet.
+
 Every metric is named ``rlmq_*``; times are seconds, tokens are tokens.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from rlmq.common.errors import ConfigError
-from rlmq.common.schemas import ResultRow, SubLLMResult
+from rlmq.common.schemas import ResultRow, StopReason, SubLLMResult
 
 # Sub-calls wait in the queue from milliseconds (idle fleet) to minutes (a burst).
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -38,6 +43,9 @@ BATCH_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 60
 OUTCOMES = ("ok", "rejected", "error")
 TOKEN_KINDS = ("prompt", "completion", "granted", "released")
 LANE_OUTCOMES = ("early", "after_start", "lost")
+MAX_DEPTH_LABEL = 64
+"""Child depths above this are counted under it (a tree's node chain holds at most 64 ids)."""
+STOP_REASONS: tuple[str, ...] = get_args(StopReason)
 
 
 class Metrics:
@@ -60,7 +68,7 @@ class Metrics:
         self.tokens = Counter(
             "rlmq_tokens",
             "Sub-LLM tokens by kind: prompt, completion (reported by the server), granted and released "
-            "(budget reservations)",
+            "(budget reservations), overrun (completion tokens beyond the max_tokens sent, included in completion)",
             ["kind"],
             registry=r,
         )
@@ -108,6 +116,20 @@ class Metrics:
         )
         self.rollouts = Counter("rlmq_rollouts", "Finished rollouts by stop reason", ["stop_reason"], registry=r)
         self.rollouts_correct = Counter("rlmq_rollouts_correct", "Finished rollouts graded correct", registry=r)
+        self.child_rollouts = Counter(
+            "rlmq_child_rollouts",
+            "Child rollouts (rlm_batch) that reported to their parent, by depth (2 = a top rollout's child) and "
+            "stop reason",
+            ["depth", "stop_reason"],
+            registry=r,
+        )
+        self.child_root_tokens = Counter(
+            "rlmq_child_root_completion_tokens",
+            "Root-model completion tokens of the child rollouts that reported, by depth (charged to their tree's "
+            "budget)",
+            ["depth"],
+            registry=r,
+        )
         for outcome in OUTCOMES:  # export zeros, so rate() works from the first scrape
             self.subcalls.labels(outcome=outcome, error_kind="")
         for kind in TOKEN_KINDS:
@@ -128,6 +150,7 @@ class Metrics:
             ("completion", result.completion_tokens),
             ("granted", result.granted_tokens),
             ("released", result.released_tokens),
+            ("overrun", result.overrun_tokens),
         ):
             if value > 0:
                 self.tokens.labels(kind=name).inc(value)
@@ -167,6 +190,21 @@ class Metrics:
         self.rollouts.labels(stop_reason=str(data.get("stop_reason"))).inc()
         if data.get("correct"):
             self.rollouts_correct.inc()
+
+    def observe_child(self, result: SubLLMResult) -> None:
+        """Count one ``rlm_batch`` result a child rollout answered (``result.child`` set; a result
+        without it, a plain call or a slot no child answered, is not counted here): the child by
+        depth and stop reason (``other`` for one rlmq does not know), its root completion tokens
+        (``main_rlm_completion_tokens`` of its metrics) by depth."""
+        child = result.child
+        if child is None:
+            return
+        depth = str(min(child.depth, MAX_DEPTH_LABEL))
+        stop = child.stop_reason if child.stop_reason in STOP_REASONS else "other"
+        self.child_rollouts.labels(depth=depth, stop_reason=stop).inc()
+        tokens = child.metrics.get("main_rlm_completion_tokens", 0)
+        if tokens > 0:
+            self.child_root_tokens.labels(depth=depth).inc(tokens)
 
     # ------------------------------------------------------------------ export
 

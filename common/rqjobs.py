@@ -7,16 +7,18 @@ and a stock ``rq worker`` all see ordinary RQ jobs; ``tests/unit/test_dispatch.p
 reads them back through RQ's ``Job.fetch`` to prove it. Doing it here instead of through
 ``Queue.enqueue_many`` saves most of RQ's per-job Python and Redis work (see bench/).
 
-rlmq adds fields RQ ignores: ``rlmq_reply`` (the batch's reply list), ``rlmq_meta``
+rlmq adds fields RQ ignores: ``rlmq_reply`` (the batch's reply list), ``rlmq_reply_ttl`` (how
+long that list lives: the producer's), ``rlmq_meta``
 (JSON: rollout id, batch id, index, for error results written by the reaper),
 ``rlmq_attempts`` (incremented when an abandoned job is re-queued) and ``rlmq_started``
 (``created_at/attempt`` of the execution a worker last started; see
-``rlmq.workers.records.START_LUA``). The producer writes only the first two, so an enqueue
+``rlmq.common.jobs_lua.START_LUA``). The producer writes only the first three, so an enqueue
 applied twice leaves the others as they were.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import zlib
 from datetime import UTC, datetime
@@ -33,11 +35,25 @@ F_STARTED = "rlmq_started"
 """``created_at/attempt`` of the execution a worker last started."""
 F_EXEC = "rlmq_exec"
 """Execution id ``START`` last granted (lets a ``START`` re-sent after a lost reply find its own jobs)."""
-JOB_FIELDS = {"F_REPLY": F_REPLY, "F_META": F_META, "F_ATTEMPTS": F_ATTEMPTS, "F_STARTED": F_STARTED, "F_EXEC": F_EXEC}
+F_REPLY_TTL = "rlmq_reply_ttl"
+"""Seconds the reply stream lives after a result (written by the producer, which owns the stream:
+``FINISH`` and ``REAP`` use it, never the worker's own TTL)."""
+JOB_FIELDS = {
+    "F_REPLY": F_REPLY,
+    "F_META": F_META,
+    "F_ATTEMPTS": F_ATTEMPTS,
+    "F_STARTED": F_STARTED,
+    "F_EXEC": F_EXEC,
+    "F_REPLY_TTL": F_REPLY_TTL,
+}
 """The names above by constant name, for splicing into Lua (``string.Template``: ``$F_REPLY``)."""
 
 # The job function, by import path: the producer never imports the workers package.
 SUB_LLM_FUNC = "rlmq.workers.job.run_sub_llm"
+CHILD_ROLLOUT_FUNC = "rlmq.workers.job.run_child_rollout"
+"""A child rollout of ``rlm_batch`` (issue 22): its one argument is a
+:class:`~rlmq.common.schemas.ChildRolloutRequest`, its result a
+:class:`~rlmq.common.schemas.SubLLMResult` with ``child`` set."""
 
 
 def utcformat(dt: datetime) -> str:
@@ -110,6 +126,7 @@ def job_hash(
     ttl: int,
     reply_key: str,
     meta: dict[str, Any],
+    reply_ttl: int | None = None,
     now: str | None = None,
     func: str = SUB_LLM_FUNC,
     data: bytes | None = None,
@@ -125,10 +142,12 @@ def job_hash(
         ttl: seconds the job may wait in the queue before it expires unstarted.
         reply_key: the batch's reply list.
         meta: rollout id, batch id, index (for results the reaper writes).
+        reply_ttl: seconds the reply stream lives after a result (``None``: not written; the
+            worker then falls back to a default, never to its own settings).
         data: the ``data`` field already encoded by :func:`encode_job_data`.
     """
     stamp = now or utcnow_str()
-    return {
+    fields: dict[str, bytes | str | int] = {
         "status": "queued",
         "created_at": stamp,
         "data": data if data is not None else encode_job_data(func, args),
@@ -150,3 +169,16 @@ def job_hash(
         F_REPLY: reply_key,
         F_META: json.dumps(meta, separators=(",", ":")),
     }
+    if reply_ttl is not None:
+        fields[F_REPLY_TTL] = reply_ttl
+    return fields
+
+
+def rq_return_value(value: Any) -> str:
+    """RQ's result-stream encoding of a return value with the JSON serializer."""
+    return base64.b64encode(json.dumps(value, separators=(",", ":")).encode()).decode()
+
+
+def rq_exc_string(text: str) -> str:
+    """RQ's result-stream encoding of an exception string."""
+    return base64.b64encode(zlib.compress(text.encode())).decode()

@@ -8,105 +8,506 @@ in rlmq reads the environment anywhere else. ``REDIS_URL`` is accepted as well a
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rlmq.common.errors import ConfigError, validation_summary
+from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
+from rlmq.common.schemas import normalize_sampling
+from rlmq.common.tree import MAX_DEPTH
 
 Verbosity = Literal["light", "medium", "heavy"]
+SystemPromptMode = Literal["prepend", "append", "replace"]
 
-BUDGET_ZERO = (
-    "sub_llm_max_completion_tokens (--sub-llm-max-completion-tokens) must be >= 1: a budget of 0 "
-    "would refuse every sub-LLM call; leave it unset for no budget"
-)
+BUDGET_ZERO = "must be >= 1: a budget of 0 would refuse every sub-LLM call; leave it unset for no budget"
 
 
-class Settings(BaseSettings):
-    """Every knob of rlmq, for producer and worker alike. Times in seconds, sizes in tokens
-    (completion tokens) or characters as named."""
+def meta(
+    *,
+    unit: str | None = None,
+    flag: str | None = None,
+    metavar: str | None = None,
+    commands: tuple[str, ...] | None = None,
+    required_by: tuple[str, ...] = (),
+    default_text: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """What a field declares beyond its type, default and description (``json_schema_extra``).
 
-    model_config = SettingsConfigDict(env_prefix="RLMQ_", extra="forbid", populate_by_name=True, frozen=True)
+    Every key is optional; :mod:`rlmq.common.settings_schema` derives what is left out.
+
+    Args:
+        unit: the unit of a number (``"completion tokens"``, ``"seconds"``, ``"characters"``).
+        flag: the command-line flag when it is not ``--`` + the name with dashes.
+        metavar: the flag's value placeholder when the unit does not name it.
+        commands: the ``rlmq`` commands that take the flag (default by owner: rollout options
+            ``run`` and ``demo``; worker options ``worker``; the process's own: none).
+        required_by: commands on which the flag is required.
+        default_text: what the default means, when its value does not say it (``None``).
+        aliases: more flags for the same setting (short ones, as vf-eval's ``-n``, ``-r``, ``-S``).
+    """
+    out: dict[str, Any] = {"unit": unit, "flag": flag, "metavar": metavar, "default_text": default_text}
+    out = {k: v for k, v in out.items() if v is not None}
+    if commands is not None:
+        out["commands"] = list(commands)
+    if required_by:
+        out["required_by"] = list(required_by)
+    if aliases:
+        out["aliases"] = list(aliases)
+    return out
+
+
+class RolloutOptions(BaseModel):
+    """What one rollout needs, and may carry to another host: no connection, no secret.
+
+    Owned by the producer that starts the rollout. A value here that a worker must honour
+    (the key TTL, the budget, the cap) travels with the rollout, in its ledger or its job,
+    and is never read from the worker's own environment. Times in seconds, sizes in
+    completion tokens or characters as named. :meth:`Settings.rollout_options` builds one.
+
+    Each field is a flag of ``rlmq run`` / ``rlmq demo``, an ``RLMEnv`` argument, a
+    ``--env.agent.harness.*`` knob of the verifiers harness and an ``RLMQ_*`` variable
+    (``docs/settings.md``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
+    """No ``inf`` or ``nan``: an endless timeout would silently switch its bound off (and a
+    socket timeout derived from it overflows); give a large number instead."""
+
+    sub_model: str | None = Field(
+        default=None,
+        description="model the sub-LLM workers serve; it names the queue",
+        json_schema_extra=meta(commands=("run",), metavar="NAME", default_text="the root model"),
+    )
+    max_turns: int = Field(
+        default=50,
+        description="root-model turns per rollout; 0 or less: no turn limit (rollout_timeout still applies)",
+        json_schema_extra=meta(unit="turns"),
+    )
+    sub_llm_max_turns: int = Field(
+        default=5, ge=1, description="turns of one sub-LLM's own tool loop", json_schema_extra=meta(unit="turns")
+    )
+    sub_llm_max_completion_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "the rollout's sub-LLM budget, hard across all workers; 0 is refused (it would refuse "
+            "every sub-LLM call): leave it unset for no budget"
+        ),
+        json_schema_extra=meta(unit="completion tokens", default_text="no budget"),
+    )
+    sub_llm_per_call_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="max_tokens of every sub-LLM model call; with a budget, also the largest grant",
+        json_schema_extra=meta(unit="completion tokens", default_text="no cap"),
+    )
+    sub_llm_budget_grant_tokens: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "with a budget and no per-call cap: the largest grant of one model call (a rollout's cap is "
+            "an eighth of its budget, at least 128, at most this)"
+        ),
+        json_schema_extra=meta(unit="completion tokens"),
+    )
+    child_root_min_grant_tokens: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "a child rollout's root turn granted fewer completion tokens than this by the tree budget ends "
+            "the child with its best answer (stop reason budget_spent) instead of a cut tool call; a full "
+            "root grant is at least twice this"
+        ),
+        json_schema_extra=meta(unit="completion tokens"),
+    )
+    root_max_completion_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="the root model's own completion tokens per rollout; each root call gets what is left",
+        json_schema_extra=meta(unit="completion tokens", default_text="no limit"),
+    )
+    max_sub_llm_parallelism: int = Field(
+        default=64,
+        ge=1,
+        description="sub-calls of one rollout queued or running at once",
+        json_schema_extra=meta(unit="sub-calls"),
+    )
+    max_depth: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_DEPTH,
+        description=(
+            "depth of the rollout tree: below it, rlm_batch in a rollout's REPL starts child rollouts (each "
+            "with its own REPL and root model, the sub-model) on the fleet; at it, rlm_batch runs plain "
+            f"sub-LLM calls; 1: no child rollouts; at most {MAX_DEPTH} (the deepest child queue a REPL host serves)"
+        ),
+        json_schema_extra=meta(flag="--max-depth", unit="levels", metavar="N"),
+    )
+    max_output_length: int = Field(
+        default=8192,
+        ge=100,
+        description="characters of a REPL cell's output shown to the root model",
+        json_schema_extra=meta(unit="characters"),
+    )
+    code_execution_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="how long a REPL cell may run before the REPL is restarted",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    max_startup_wait_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="how long a rollout's REPL may take to start (package installs included)",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    abort_on_code_timeout: bool = Field(
+        default=False,
+        description="end the rollout (stop reason code_timeout) when a REPL cell runs past "
+        "code_execution_timeout, instead of telling the root model and going on",
+    )
+    root_context_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="the root model's context window; a root reply whose prompt reaches "
+        "context_warning_threshold of it makes the next tool message tell the model to finish",
+        json_schema_extra=meta(unit="tokens", default_text="unknown: no warning"),
+    )
+    context_warning_threshold: float = Field(
+        default=0.80,
+        gt=0,
+        le=1,
+        description="share of root_context_tokens at which the root model is told to finish (once)",
+        json_schema_extra=meta(unit="share, (0, 1]", metavar="SHARE"),
+    )
+    rollout_timeout: float = Field(
+        default=3600.0,
+        gt=0,
+        description="wall-clock deadline of one whole rollout; past it the rollout ends in error",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    sub_call_timeout: float = Field(
+        default=300.0,
+        gt=0,
+        description="deadline of one sub-call, from enqueue to result",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    root_prompt_verbosity: Verbosity = Field(
+        default="light", description="how much the root model's system prompt explains"
+    )
+    sub_prompt_verbosity: Verbosity = Field(default="light", description="how much a sub-LLM's system prompt explains")
+    sub_tools: list[str] = Field(
+        default_factory=list,
+        description=(
+            "a tool the sub-LLMs may call, as a dotted import path (repeatable); local workers allow it, "
+            "remote ones need --allow-tool"
+        ),
+        json_schema_extra=meta(commands=("run",), flag="--sub-tool", metavar="DOTTED.PATH", default_text="none"),
+    )
+    pip_install_packages: list[str] = Field(
+        default_factory=list,
+        description="a package (requirement or wheel path) pip installs into each top rollout's REPL (repeatable); "
+        "child rollouts (max_depth > 1) get none: their REPL hosts never pip install for a job",
+        json_schema_extra=meta(flag="--pip-install-packages", metavar="PACKAGE", default_text="none"),
+    )
+    include_sub_llm_in_trajectory: bool = Field(
+        default=False, description="keep every sub-LLM's own conversation in the trajectory"
+    )
+    sampling_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="sampling arguments of every root-model call, a JSON object: temperature, top_p, "
+        "max_tokens (completion tokens per call), extra_body (a server's own keys, merged in)",
+        json_schema_extra=meta(flag="--sampling-args", aliases=("-S",), metavar="JSON", default_text="{}"),
+    )
+    sub_sampling_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="sampling arguments of every sub-LLM model call, a JSON object: temperature, top_p, "
+        "extra_body; its max_tokens is --sub-llm-per-call-max-tokens (and the budget's grant)",
+        json_schema_extra=meta(metavar="JSON", default_text="{}"),
+    )
+    rollout_key_ttl: int = Field(
+        default=3600,
+        ge=10,
+        description="how long a rollout's Redis keys live without a refresh (refreshed while it runs)",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    max_batch_prompts: int = Field(
+        default=10_000, ge=1, description="prompts in one llm_batch call", json_schema_extra=meta(unit="prompts")
+    )
+    max_batch_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="size of one llm_batch request from the REPL",
+        json_schema_extra=meta(unit="bytes"),
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="dotted import paths (pkg.mod:func) of tools for the root REPL and the sub-LLMs alike "
+        "(the workers must allow-list them), as the verifiers RLMEnv's tools (repeatable)",
+        json_schema_extra=meta(commands=("run",), flag="--tool", metavar="MODULE:FUNCTION", default_text="none"),
+    )
+    root_tools: list[str] = Field(
+        default_factory=list,
+        description="dotted import paths (pkg.mod:func) of tools callable from the root REPL only; each is a "
+        "REPL global of its own name that runs in the producer (repeatable)",
+        json_schema_extra=meta(commands=("run",), flag="--root-tool", metavar="MODULE:FUNCTION", default_text="none"),
+    )
+    root_tool_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="how long one call of a root (REPL) tool may run before it fails (at most a day: "
+        "the REPL's socket timeout is derived from it)",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    root_tool_max_args_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest JSON body of one root-tool call's arguments",
+        json_schema_extra=meta(unit="bytes"),
+    )
+    root_tool_max_result_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest JSON result a root-tool call may return",
+        json_schema_extra=meta(unit="bytes"),
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        description="the environment author's own system prompt for the root model (see system_prompt_mode)",
+        json_schema_extra=meta(metavar="TEXT", default_text="none"),
+    )
+    system_prompt_mode: SystemPromptMode = Field(
+        default="prepend",
+        description="where system_prompt goes: before the scaffold's REPL and budget text (prepend), after it "
+        "(append), or instead of it (replace: the author then explains the REPL)",
+    )
+    sub_llm_final_answer_turn: bool = Field(
+        default=True,
+        description="when a sub-LLM's tool loop reaches sub_llm_max_turns, ask it for a final answer in one "
+        "more turn without tools (budgeted like any turn; skipped when the budget is spent)",
+    )
+
+    @field_validator("sampling_args", mode="before")
+    @classmethod
+    def _root_sampling(cls, value: Any) -> dict[str, Any]:
+        return normalize_sampling(value, sub=False)
+
+    @field_validator("sub_sampling_args", mode="before")
+    @classmethod
+    def _sub_sampling(cls, value: Any) -> dict[str, Any]:
+        return normalize_sampling(value, sub=True)
+
+    @field_validator("sub_llm_max_completion_tokens", mode="before")
+    @classmethod
+    def _no_zero_budget(cls, value: Any) -> Any:
+        if value is not None and str(value).strip() == "0":
+            raise ValueError(BUDGET_ZERO)
+        return value
+
+
+class WorkerOptions(BaseModel):
+    """What only a sub-LLM worker process reads (flags of ``rlmq worker``). Times in seconds."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    worker_concurrency: int = Field(
+        default=256,
+        ge=1,
+        description="sub-calls in flight in one worker process",
+        json_schema_extra=meta(unit="sub-calls", flag="--concurrency"),
+    )
+    model_timeout: float = Field(
+        default=120.0,
+        gt=0,
+        description="how long one HTTP call to the model server may take",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    model_retries: int = Field(
+        default=3,
+        ge=0,
+        description="retries of a failed model call (429, 5xx, timeouts, resets)",
+        json_schema_extra=meta(unit="retries"),
+    )
+    heartbeat_interval: float = Field(
+        default=1.0, gt=0, description="how often a worker heartbeats", json_schema_extra=meta(unit="seconds")
+    )
+    job_heartbeat_ttl: int = Field(
+        default=10,
+        ge=2,
+        description="a started job whose worker has not heartbeated for this long is taken back",
+        json_schema_extra=meta(unit="seconds", flag="--heartbeat-ttl"),
+    )
+    job_max_attempts: int = Field(
+        default=2,
+        ge=1,
+        description="attempts of a sub-call job whose worker died",
+        json_schema_extra=meta(unit="attempts"),
+    )
+    result_ttl: int = Field(
+        default=600,
+        ge=0,
+        description="how long RQ keeps finished jobs (rq info and rq-dashboard show them)",
+        json_schema_extra=meta(unit="seconds"),
+    )
+    sub_llm_budget_max_parked: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "budgeted calls waiting for a release that a worker does not count against its concurrency; "
+            "past that, waiters hold slots (a parked call costs memory only, never a model call)"
+        ),
+        json_schema_extra=meta(unit="sub-calls", default_text="4 x --concurrency"),
+    )
+    allowed_sub_tools: list[str] = Field(
+        default_factory=list,
+        description=(
+            "a sub-tool this worker may run, as a dotted import path (repeatable; a job asking for others fails)"
+        ),
+        json_schema_extra=meta(flag="--allow-tool", metavar="DOTTED.PATH", default_text="none"),
+    )
+    lane_early_calls: bool = Field(
+        default=True,
+        description="start the calls a lane entry carries (and their budget reservations) before START "
+        "confirms the jobs; turn off when producers of different tenants share the fleet (the lane is not "
+        "confined to a tenant)",
+    )
+    repl_slots: int = Field(
+        default=0,
+        ge=0,
+        description="child rollouts (rlm_batch) this worker hosts at once PER DEPTH, each with its own REPL; "
+        "0: it hosts none. A host needs a contained REPL (own uid, no network, private file system: run it as "
+        "root with namespaces) or --allow-uncontained-repl",
+        json_schema_extra=meta(unit="child rollouts per depth"),
+    )
+    allow_uncontained_repl: bool = Field(
+        default=False,
+        description="host child rollouts even when the REPL sandbox is NOT fully contained on this host: code the "
+        "models write then runs with this worker's network, files or user (which hold Redis write rights and "
+        "model keys)",
+    )
+
+
+class Settings(BaseSettings, RolloutOptions, WorkerOptions):
+    """Every knob of rlmq, for producer and worker alike: the process's own (connections,
+    secrets, how many rollouts at once) declared here, the rest in :class:`RolloutOptions`
+    (per rollout, travels) and :class:`WorkerOptions` (a worker's own), one flat object.
+    Times in seconds, sizes in tokens (completion tokens) or characters as named.
+
+    Precedence, the same on every path: an explicit value (flag, ``RLMEnv`` argument,
+    harness knob) > its ``RLMQ_*`` variable > the default here."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="RLMQ_", extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False
+    )
     """Frozen: built once and passed down; a changed value is a new object (:meth:`with_overrides`)."""
 
-    # --- connections -------------------------------------------------------------------
-    redis_url: str | None = None
-    """Redis to use; ``None`` starts an embedded one (``rlmq demo`` / ``rlmq run``)."""
-    base_url: str | None = None
-    """OpenAI-compatible base URL of the root model (producer) or the served model (worker)."""
-    model: str | None = None
-    api_key: SecretStr = Field(
-        default=SecretStr("EMPTY"), validation_alias=AliasChoices("api_key", "RLMQ_API_KEY", "OPENAI_API_KEY")
+    # --- connections and secrets (the process's own; never travel) ------------------------
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("RLMQ_REDIS_URL", "REDIS_URL"),
+        description="Redis URL of the fleet (also read from REDIS_URL)",
+        json_schema_extra=meta(
+            commands=("run", "worker", "status"),
+            metavar="URL",
+            default_text="run/demo start an embedded one; worker/status need one",
+        ),
     )
-    sub_model: str | None = None
-    sub_base_url: str | None = None
-    """Where locally started workers send sub-LLM calls (``rlmq run`` without REDIS_URL)."""
-    queue: str | None = None
-    """RQ queue name; by default derived from the (sub-)model name, the same on both sides."""
-    tenant: str | None = None
-    """Fair-share key of a producer: its jobs go to ``<queue>@<tenant>``, which workers serve
-    round-robin with the other tenants of the same queue. ``None``: this host's name."""
+    base_url: str | None = Field(
+        default=None,
+        description="OpenAI-compatible base URL: of the root model (run), of the model served (worker)",
+        json_schema_extra=meta(commands=("run", "worker"), metavar="URL", required_by=("run",)),
+    )
+    model: str | None = Field(
+        default=None,
+        description="model name: the root model (run), the model served (worker; it names the queue)",
+        json_schema_extra=meta(commands=("run", "worker"), metavar="NAME", required_by=("run",)),
+    )
+    api_key: SecretStr = Field(
+        default=SecretStr("EMPTY"),
+        validation_alias=AliasChoices("RLMQ_API_KEY", "OPENAI_API_KEY"),
+        description="API key of the model server(s), also given to local workers (also read from OPENAI_API_KEY)",
+        json_schema_extra=meta(commands=("run", "worker"), metavar="KEY", default_text="EMPTY"),
+    )
+    sub_base_url: str | None = Field(
+        default=None,
+        description="model server that locally started workers call (rlmq run without a Redis URL)",
+        json_schema_extra=meta(commands=("run",), metavar="URL", default_text="--base-url"),
+    )
+    queue: str | None = Field(
+        default=None,
+        description="RQ queue of the sub-LLM calls, the same on producer and worker",
+        json_schema_extra=meta(commands=("run", "worker"), metavar="NAME", default_text="named from the (sub-)model"),
+    )
+    tenant: str | None = Field(
+        default=None,
+        description="fair-share key of a producer: its jobs go to <queue>@<tenant>, served round-robin",
+        json_schema_extra=meta(commands=("run",), metavar="NAME", default_text="this host's name"),
+    )
+    concurrency: int = Field(
+        default=4,
+        ge=1,
+        description="rollouts run at once by rlmq run / rlmq demo",
+        json_schema_extra=meta(commands=("run", "demo"), unit="rollouts"),
+    )
+    allow_evicting_redis: bool = Field(
+        default=False,
+        description="start even when Redis may evict keys (a maxmemory-policy other than noeviction): "
+        "budget ledgers, jobs and results may then vanish",
+        json_schema_extra=meta(commands=("run", "worker")),
+    )
 
-    # --- rollout (producer) ------------------------------------------------------------
-    max_turns: int = Field(default=50, ge=1)
-    sub_llm_max_turns: int = Field(default=5, ge=1)
-    sub_llm_max_completion_tokens: int | None = Field(default=None, ge=1)
-    """The rollout's sub-LLM budget (completion tokens), hard across all workers; ``None``: none.
-    0 is refused (it would refuse every sub-LLM call): leave it unset for no budget."""
-    sub_llm_per_call_max_tokens: int | None = Field(default=None, ge=1)
-    """``max_tokens`` of every sub-LLM model call; with a budget, also the largest grant."""
-    sub_llm_budget_grant_tokens: int = Field(default=512, ge=1)
-    """With a budget and no ``sub_llm_per_call_max_tokens``: the largest grant of one model call
-    (tokens); the cap of a rollout is :func:`rlmq.common.ledger.default_cap` of its budget (an
-    eighth of it, at least 128, at most this). A call waits while less than half its cap is free
-    and running calls may give tokens back."""
-    root_max_completion_tokens: int | None = Field(default=None, ge=1)
-    max_sub_llm_parallelism: int = Field(default=64, ge=1)
-    max_output_length: int = Field(default=8192, ge=100)
-    code_execution_timeout: float = Field(default=120.0, gt=0)
-    max_startup_wait_seconds: float = Field(default=120.0, gt=0)
-    rollout_timeout: float = Field(default=3600.0, gt=0)
-    """Wall-clock deadline of one whole rollout (seconds); past it the rollout ends in ``error``."""
-    sub_call_timeout: float = Field(default=300.0, gt=0)
-    """Deadline of one sub-call, from enqueue to result (seconds)."""
-    concurrency: int = Field(default=4, ge=1)
-    """Rollouts run at once by ``rlmq run`` / ``rlmq demo`` (a worker's in-flight sub-calls are
-    ``worker_concurrency``; ``rlmq worker --concurrency`` sets that one)."""
-    root_prompt_verbosity: Verbosity = "light"
-    sub_prompt_verbosity: Verbosity = "light"
-    sub_tools: list[str] = Field(default_factory=list)
-    """Dotted import paths of tools the sub-LLMs may call (the workers must allow-list them)."""
-    pip_install_packages: list[str] = Field(default_factory=list)
-    """Packages installed into each rollout's REPL."""
-    include_sub_llm_in_trajectory: bool = False
-    """Keep every sub-LLM's own conversation in the trajectory."""
-    rollout_key_ttl: int = Field(default=3600, ge=10)
-    max_batch_prompts: int = Field(default=10_000, ge=1)
-    max_batch_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    num_examples: int | None = Field(
+        default=None,
+        ge=1,
+        description="run only the first N rows of the dataset",
+        json_schema_extra=meta(commands=("run",), aliases=("-n",), unit="rows", default_text="all"),
+    )
+    rollouts_per_example: int = Field(
+        default=1,
+        ge=1,
+        description="rollouts of each dataset row",
+        json_schema_extra=meta(commands=("run", "demo"), aliases=("-r",), unit="rollouts"),
+    )
+    preflight: bool = Field(
+        default=True,
+        description="before any rollout, check that the model servers answer and a worker serves the queue",
+        json_schema_extra=meta(commands=("run",)),
+    )
+    preflight_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="how long each preflight check may take (a model server, the queue's workers)",
+        json_schema_extra=meta(commands=("run",), unit="seconds"),
+    )
+    max_sub_call_error_rate: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="fraction of sub-LLM calls (0..1) that may end in error before rlmq run exits 6",
+        json_schema_extra=meta(commands=("run", "demo"), unit="fraction of sub-calls", metavar="FRACTION"),
+    )
 
-    # --- worker --------------------------------------------------------------------------
-    worker_concurrency: int = Field(default=256, ge=1)
-    model_timeout: float = Field(default=120.0, gt=0)
-    """Seconds one HTTP call to the model server may take."""
-    model_retries: int = Field(default=3, ge=0)
-    """Retries of a failed model call (429, 5xx, timeouts, resets) by rlmq's one retry layer."""
-    heartbeat_interval: float = Field(default=1.0, gt=0)
-    job_heartbeat_ttl: int = Field(default=10, ge=2)
-    """A started job whose worker has not heartbeated for this long is abandoned (seconds)."""
-    job_max_attempts: int = Field(default=2, ge=1)
-    result_ttl: int = Field(default=600, ge=0)
-    """How long RQ keeps finished jobs (seconds); ``rq info`` and rq-dashboard show them."""
-    sub_llm_budget_max_parked: int | None = Field(default=None, ge=0)
-    """Budgeted calls waiting for a release that a worker does not count against its in-flight
-    concurrency (default: 4 x ``worker_concurrency``); past that, waiters hold slots. A parked
-    call costs memory only (its request), never a model call."""
-    allowed_sub_tools: list[str] = Field(default_factory=list)
-    """Dotted import paths of sub-tools this worker may run (a job asking for others fails)."""
+    def rollout_options(self) -> RolloutOptions:
+        """This process's rollout options: the :class:`RolloutOptions` fields of these settings."""
+        return RolloutOptions.model_validate(self.model_dump(include=set(RolloutOptions.model_fields)))
 
     def with_overrides(self, **overrides: Any) -> Settings:
         """A copy with ``overrides`` (field name -> value) applied and the whole validated again.
+
+        Raises:
+            ConfigError: an override names no field, or a value is invalid.
+        """
+        return self.with_values(overrides)
+
+    def with_values(self, overrides: Mapping[str, Any], label: Callable[[str], str] = str) -> Settings:
+        """:meth:`with_overrides`, an error naming a field as ``label(field)`` (an argument).
 
         Raises:
             ConfigError: an override names no field, or a value is invalid.
@@ -115,20 +516,13 @@ class Settings(BaseSettings):
 
         unknown = sorted(set(overrides) - set(type(self).model_fields))
         if unknown:
-            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+            raise ConfigError(f"unknown setting(s): {', '.join(label(n) for n in unknown)}")
         if not overrides:
             return self
         try:
             return type(self).model_validate({**self.model_dump(), **overrides})
         except ValidationError as exc:
-            raise ConfigError(invalid_settings(exc)) from exc
-
-    @field_validator("sub_llm_max_completion_tokens", mode="before")
-    @classmethod
-    def _no_zero_budget(cls, value: Any) -> Any:
-        if value is not None and str(value).strip() == "0":
-            raise ValueError(BUDGET_ZERO)
-        return value
+            raise ConfigError(invalid_settings(exc, overrides, label)) from exc
 
     def sub_queue(self) -> str:
         """The queue the producer enqueues sub-LLM jobs on.
@@ -167,28 +561,106 @@ class Settings(BaseSettings):
         return queue_name_for_model(self.model)
 
 
-def invalid_settings(exc: Any) -> str:
-    """One line for a pydantic ``ValidationError`` of :class:`Settings`: ``field: message; ...``."""
-    return f"invalid setting(s): {validation_summary(exc, 'settings')}"
+def invalid_settings(exc: Any, given: Iterable[str] = (), label: Callable[[str], str] = str) -> str:
+    """One line for a pydantic ``ValidationError`` of :class:`Settings`, each error named as the
+    user wrote it: ``label(field)`` for a field in ``given`` (a flag, an argument), the
+    ``RLMQ_*`` variable for one set in the environment, else the field's name.
+
+    Returns ``invalid setting(s): NAME: message; ...``; input values are never included.
+    """
+    given = set(given)
+    parts = []
+    for error in exc.errors(include_input=False):
+        loc = error["loc"]
+        field = _field_of(str(loc[0])) if loc else None
+        if field is None:
+            name = ".".join(map(str, loc)) or "settings"
+        elif field in given:
+            name = label(field)
+        else:
+            name = _variable_set(field) or field
+        parts.append(f"{name}: {str(error['msg']).removeprefix('Value error, ')}")
+    return f"invalid setting(s): {'; '.join(parts)}"
+
+
+def _field_of(loc: str) -> str | None:
+    """The :class:`Settings` field an error location names (its name or one of its aliases)."""
+    if loc in Settings.model_fields:
+        return loc
+    return next((name for name in Settings.model_fields if loc in env_vars(name)), None)
+
+
+def env_vars(name: str) -> list[str]:
+    """The environment variables of the :class:`Settings` field ``name``, first one first:
+    ``RLMQ_<NAME>``, or the names its ``validation_alias`` lists (``REDIS_URL``, ...)."""
+    alias = Settings.model_fields[name].validation_alias
+    if isinstance(alias, AliasChoices):
+        return [str(a) for a in alias.choices if isinstance(a, str)]
+    if isinstance(alias, str):
+        return [alias]
+    return [f"RLMQ_{name.upper()}"]
+
+
+def _variable_set(name: str) -> str | None:
+    """The environment variable of the field ``name`` that is set (any case, as pydantic reads them)."""
+    present = {k.upper() for k in os.environ}
+    return next((v for v in env_vars(name) if v.upper() in present), None)
+
+
+def build_settings(values: Mapping[str, Any], label: Callable[[str], str] = str) -> Settings:
+    """:class:`Settings` from explicit ``values`` (field name -> value) over the ``RLMQ_*``
+    environment over the defaults: the one precedence of every path.
+
+    Args:
+        values: the explicit values; every key is used, ``None`` included (it means ``None``).
+        label: how the caller names a field in an error (``--max-turns`` on the command line).
+
+    Raises:
+        ConfigError: one line naming each bad value as the user wrote it (``label(field)``,
+            or the ``RLMQ_*`` variable it came from).
+    """
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(label(n) for n in unknown)}")
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise ConfigError(invalid_settings(exc, values, label)) from exc
+    except RecursionError:  # an RLMQ_* variable of JSON nested past Python's recursion limit
+        deep = next((v for v in os.environ if v.upper().startswith("RLMQ_") and _too_deep(os.environ[v])), None)
+        raise ConfigError(
+            f"invalid setting(s): {(deep or 'an RLMQ_* variable').upper()}: JSON nested too deeply"
+        ) from None
+    except SettingsError as exc:  # an RLMQ_* variable that is not JSON
+        match = re.search(r'field "(\w+)"', str(exc))
+        if match is None or match.group(1) not in Settings.model_fields:
+            raise ConfigError(str(exc)) from exc
+        variable = _variable_set(match.group(1)) or match.group(1)
+        raise ConfigError(
+            f'invalid setting(s): {variable}: not JSON (a list is written as JSON, e.g. ["a.b"])'
+        ) from exc
+
+
+def _too_deep(text: str) -> bool:
+    """Whether ``text`` is JSON nested past Python's recursion limit."""
+    import json
+
+    try:
+        json.loads(text)
+    except RecursionError:
+        return True
+    except ValueError:
+        return False
+    return False
 
 
 def load_settings(**overrides: Any) -> Settings:
     """Build the settings from ``overrides`` (flags; ``None`` values are ignored) over the env.
 
     Raises:
-        ConfigError: a value is invalid.
+        ConfigError: a value is invalid (named by its field, or its ``RLMQ_*`` variable).
     """
-    import os
-
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
-
-    values = {k: v for k, v in overrides.items() if v is not None}
-    if "redis_url" not in values and "RLMQ_REDIS_URL" not in os.environ and os.environ.get("REDIS_URL"):
-        values["redis_url"] = os.environ["REDIS_URL"]
-    try:
-        return Settings(**values)
-    except ValidationError as exc:  # a bad flag value
-        raise ConfigError(invalid_settings(exc)) from exc
-    except SettingsError as exc:  # an RLMQ_* variable that is not JSON
-        raise ConfigError(str(exc)) from exc
+    return build_settings({k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,12 @@
+"""``rlmq.producer``: the repository's top-level folder ``producer/``, a subpackage of ``rlmq``.
+
+It has one import name. Imported as ``producer`` (the checkout's root on ``sys.path``, e.g. under
+pytest's default import mode) it would be a second copy of every module, with classes of its
+own (which ``isinstance`` and ``except`` of the real ones do not match), so that import stops here.
+"""
+
+if __name__ != "rlmq.producer":
+    raise ImportError(
+        f"the folder producer/ is the package rlmq.producer: import rlmq.producer, not {__name__!r} "
+        "(a second copy of it would have classes of its own)"
+    )

@@ -10,6 +10,10 @@ and reading is by entry id, not a destructive pop, so the re-sent read returns t
 results again. A duplicate result for a slot (the re-sent read, or a job re-run after its
 worker was presumed dead) is dropped here as well as at the worker.
 
+A batch's jobs are sub-LLM calls (:class:`~rlmq.common.schemas.SubLLMRequest`), or, for an
+``rlm_batch`` below the tree's depth limit, child rollouts (a :class:`JobBuilder`): both share the reply
+stream, the per-slot deadlines, the parallelism and the ``no_worker`` and gone handling.
+
 When no live worker serves the queue (``rlmq:serving:<queue>``, refreshed by every worker's
 heartbeat) for ``no_worker_grace`` seconds, the batch's open slots end with
 ``error_kind="no_worker"`` at once instead of at their deadline, and the log says so.
@@ -22,8 +26,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from string import Template
-from typing import Any
+from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -31,56 +34,45 @@ from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
 from rlmq.common.errors import PayloadError
-from rlmq.common.rqjobs import F_META, JOB_FIELDS, SUB_LLM_FUNC, encode_job_data, job_hash, utcnow_str
+from rlmq.common.jobs_lua import ENQUEUE_LUA
+from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
+from rlmq.common.rqjobs import SUB_LLM_FUNC, utcnow_str
 from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult, load_result
-from rlmq.common.scripts import run_pipeline, sha1
+from rlmq.common.scripts import run_pipeline
+from rlmq.producer.inflight import RolloutInFlight
 
 log = logging.getLogger("rlmq.dispatch")
 
-# Contract: enqueue jobs at most once per call, also when the call is sent twice (a client
-# retry after a lost reply re-sends it with the same created_at).
-# KEYS[1] queue list, then per job i: KEYS[1+i] job hash.
-# ARGV[1] job hash ttl (s), ARGV[2] created_at (RQ timestamp text), ARGV[3] c = number of
-# common field/value pairs, ARGV[4 .. 3+2c] the fields and values every job hash shares, then
-# per job i (o = 3+2c+4(i-1)): ARGV[o+1] job id, ARGV[o+2] data, ARGV[o+3] description,
-# ARGV[o+4] rlmq_meta.
-# A job whose hash already carries this created_at was written by an earlier run of this very
-# call: it is neither written nor pushed again. All or nothing: the only key that could fail a
-# write halfway, the queue, is checked first (a job key of another type is replaced).
-# Returns the number of jobs pushed.
-ENQUEUE_LUA = Template("""
-if type(redis.pcall('LLEN', KEYS[1])) == 'table' then
-  return redis.error_reply('WRONGTYPE the queue key is not a list; nothing enqueued')
-end
-local c = tonumber(ARGV[3])
-local common = {}
-for k = 4, 3 + 2 * c do common[#common + 1] = ARGV[k] end
-local base = 3 + 2 * c
-local ids = {}
-for i = 1, #KEYS - 1 do
-  local jkey = KEYS[1 + i]
-  local o = base + 4 * (i - 1)
-  local seen = redis.pcall('HGET', jkey, 'created_at')
-  if seen ~= ARGV[2] then
-    if type(seen) == 'table' and seen.err then redis.call('DEL', jkey) end  -- not a hash: replaced
-    redis.call('HSET', jkey, 'data', ARGV[o + 2], 'description', ARGV[o + 3], '$F_META', ARGV[o + 4],
-               unpack(common))
-    redis.call('EXPIRE', jkey, ARGV[1])
-    ids[#ids + 1] = ARGV[o + 1]
-  end
-end
-for i = 1, #ids, 500 do
-  redis.call('RPUSH', KEYS[1], unpack(ids, i, math.min(i + 499, #ids)))
-end
-return #ids
-""").substitute(JOB_FIELDS)
-_ENQUEUE_SHA = sha1(ENQUEUE_LUA)
-_PER_JOB_FIELDS = ("data", "description", F_META)
 _REPLY_FIELD = K.REPLY_FIELD.encode()
 
 NO_WORKER_GRACE = 5.0
 """Seconds a batch waits, with no live worker on its queue, before its open slots end with
 ``error_kind="no_worker"`` (a worker that is starting gets this long to register)."""
+
+
+class JobBuilder(Protocol):
+    """Makes a batch's jobs when they are not sub-LLM calls (the child rollouts of an
+    ``rlm_batch``: :class:`rlmq.producer.rlm_batch.ChildJobs`). Their answers come as
+    :class:`~rlmq.common.schemas.SubLLMResult` on the batch's reply stream, like a sub-call's."""
+
+    @property
+    def func(self) -> str:
+        """The RQ job function (an import path)."""
+        ...
+
+    @property
+    def what(self) -> str:
+        """What one job is, in messages (``child rollout``)."""
+        ...
+
+    @property
+    def start_hint(self) -> str:
+        """The command that starts a worker of the batch's queue (named when none serves it)."""
+        ...
+
+    def jobs(self, spec: BatchSpec, prompts: list[str], indices: list[int], now: float) -> list[NewJob]:
+        """The jobs of slots ``indices`` (ids :func:`job_id_for`), enqueued at ``now`` (Unix s)."""
+        ...
 
 
 @dataclass
@@ -96,6 +88,10 @@ class BatchSpec:
         call: how the sub-LLM is called (model, system prompt, tools, turns, token cap, ...);
             every request of the batch carries these fields.
         result_ttl / reply_ttl: seconds RQ keeps a finished job / a failed job and the reply list.
+        ledger_id: the budget ledger the batch's calls charge (every job carries it); ``None``:
+            the rollout's own (a job without one charges the ledger named by its rollout id).
+        nodes: the rollout's tree chain (top .. the rollout itself) for a child rollout's calls;
+            empty for a top rollout's (see :attr:`SubLLMRequest.nodes <rlmq.common.schemas.SubLLMRequest.nodes>`).
     """
 
     rollout_id: str
@@ -106,6 +102,17 @@ class BatchSpec:
     call: SubCallOptions
     result_ttl: int = 600
     reply_ttl: int = 3600
+    ledger_id: str | None = None
+    nodes: tuple[str, ...] = ()
+    kind: JobBuilder | None = None
+    """Set when the batch's jobs are not sub-LLM calls (``call`` then only names the model)."""
+    inflight: RolloutInFlight | None = None
+    """The rollout's count over all its batches: ``parallelism`` then bounds them together."""
+
+    @property
+    def what(self) -> str:
+        """What one slot's job is, for messages: ``sub-LLM call`` or the kind's own word."""
+        return "sub-LLM call" if self.kind is None else self.kind.what
 
 
 WAKE_HINT_MAX_JOBS = 32
@@ -132,18 +139,38 @@ def deadline_result(spec: BatchSpec, index: int) -> SubLLMResult:
     """The error result of a slot that got no answer before its deadline."""
     return SubLLMResult.failure(
         spec.rollout_id, spec.batch_id, index, job_id=job_id_for(spec, index), kind="deadline",
-        content=f"[error] sub-LLM call got no result within its deadline ({spec.sub_call_timeout:g} s)",
+        content=f"[error] {spec.what} got no result within its deadline ({spec.sub_call_timeout:g} s)",
         error="deadline exceeded",
+    )  # fmt: skip
+
+
+GONE_CHECK_SECONDS = 2.0
+"""Seconds between checks that a batch's open jobs still exist in Redis; a job missing at two
+checks in a row (a delivered result is read in between) ends its slot at once."""
+
+
+def gone_result(spec: BatchSpec, index: int, restarted: float | None) -> SubLLMResult:
+    """The error result of a slot whose job vanished from Redis (``restarted``: seconds since
+    Redis restarted, when it restarted during the batch)."""
+    why = (
+        f"Redis restarted {restarted:.0f} s ago without persistence and lost it"
+        if restarted is not None
+        else "Redis lost it (evicted or deleted)"
+    )
+    return SubLLMResult.failure(
+        spec.rollout_id, spec.batch_id, index, job_id=job_id_for(spec, index), kind="redis_lost",
+        content=f"[error] {spec.what} lost: its job is gone from Redis ({why})", error=f"job gone: {why}",
     )  # fmt: skip
 
 
 def no_worker_result(spec: BatchSpec, index: int, grace: float) -> SubLLMResult:
     """The error result of a slot whose queue no live worker served for ``grace`` seconds."""
+    start = f"rlmq worker --model {spec.call.model}" if spec.kind is None else spec.kind.start_hint
     return SubLLMResult.failure(
         spec.rollout_id, spec.batch_id, index, job_id=job_id_for(spec, index), kind="no_worker",
         content=(
-            f"[error] sub-LLM call not run: no live worker serves queue {spec.queue} "
-            f"(none for {grace:g} s); start `rlmq worker --model {spec.call.model}`"
+            f"[error] {spec.what} not run: no live worker serves queue {spec.queue} "
+            f"(none for {grace:g} s); start `{start}`"
         ),
         error=f"no live worker serves queue {spec.queue}",
     )  # fmt: skip
@@ -174,6 +201,14 @@ class Dispatcher:
         self._queues_registered: dict[str, float] = {}
         self._script_loaded = False
         self._drops: set[asyncio.Task[None]] = set()  # reply streams being deleted
+        self._stores: dict[str, JobStore] = {}
+
+    def _store(self, queue: str) -> JobStore:
+        """The job store of ``queue`` (enqueue and withdraw go through it)."""
+        store = self._stores.get(queue)
+        if store is None:
+            store = self._stores[queue] = JobStore(self.redis, queue)
+        return store
 
     async def enqueue(self, spec: BatchSpec, prompts: list[str], indices: list[int]) -> float:
         """Enqueue slots ``indices`` of ``prompts`` in one round trip; returns the enqueue time
@@ -191,11 +226,36 @@ class Dispatcher:
         stamp = utcnow_str()
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
         ttl = max(1, int(spec.sub_call_timeout) + 1)
-        lane_jobs: list[LaneJob] | None = [] if len(indices) <= LANE_MAX_JOBS else None
-        call = spec.call.model_dump()
         ids: list[str] = []
-        per_job: list[Any] = []
-        common: dict[str, Any] = {}
+        new_jobs: list[NewJob] = []
+        lane_jobs: list[LaneJob] | None = None
+        if spec.kind is not None:  # no lane: its entries are sub-LLM requests
+            new_jobs = spec.kind.jobs(spec, prompts, indices, now)
+            ids = [j.job_id for j in new_jobs]
+        else:
+            lane_jobs = [] if len(indices) <= LANE_MAX_JOBS else None
+            self._sub_jobs(spec, prompts, indices, now, ids, new_jobs, lane_jobs)
+        shared = EnqueueShared(
+            func=SUB_LLM_FUNC if spec.kind is None else spec.kind.func,
+            reply_key=reply,
+            timeout=ttl,
+            result_ttl=spec.result_ttl,
+            failure_ttl=spec.reply_ttl,
+            reply_ttl=spec.reply_ttl,
+        )
+        return await self._send(spec, now, stamp, ids, new_jobs, shared, lane_jobs)
+
+    @staticmethod
+    def _sub_jobs(
+        spec: BatchSpec, prompts: list[str], indices: list[int], now: float,
+        ids: list[str], new_jobs: list[NewJob], lane_jobs: list[LaneJob] | None,
+    ) -> None:  # fmt: skip
+        """Append the sub-LLM jobs of slots ``indices`` to ``ids`` and ``new_jobs`` (and their
+        lane entries to ``lane_jobs``, when the batch is announced on the lane)."""
+        call = spec.call.model_dump()
+        # The job names its ledger; the rollout's own (a depth-1 rollout) is named by leaving the
+        # field out (the worker reads it as the rollout id), so its payload stays as short as before.
+        ledger_id = spec.ledger_id if spec.ledger_id != spec.rollout_id else None
         for i in indices:
             req = SubLLMRequest(
                 rollout_id=spec.rollout_id,
@@ -205,41 +265,38 @@ class Dispatcher:
                 enqueued_at=now,
                 deadline=now + spec.sub_call_timeout,
                 session_id=spec.rollout_id,
+                ledger_id=ledger_id,
+                nodes=list(spec.nodes),
                 **call,
             )
             jid = job_id_for(spec, i)
             ids.append(jid)
             if lane_jobs is not None:
                 lane_jobs.append(LaneJob(job_id=jid, request=req if len(req.prompt) <= LANE_MAX_PROMPT else None))
-            fields = job_hash(
-                queue=spec.queue,
-                data=encode_job_data(SUB_LLM_FUNC, args_json=f"[{req.model_dump_json(exclude_defaults=True)}]"),
-                description=(
-                    f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.call.model}"
-                ),
-                timeout=ttl,
-                result_ttl=spec.result_ttl,
-                failure_ttl=spec.reply_ttl,
-                ttl=ttl,
-                reply_key=reply,
-                meta={"rollout_id": spec.rollout_id, "batch_id": spec.batch_id, "index": i},
-                now=stamp,
+            new_jobs.append(
+                NewJob(
+                    job_id=jid,
+                    args_json=f"[{req.model_dump_json(exclude_defaults=True)}]",
+                    description=(
+                        f"sub-LLM rollout={spec.rollout_id} batch={spec.batch_id} index={i} model={spec.call.model}"
+                    ),
+                    meta={"rollout_id": spec.rollout_id, "batch_id": spec.batch_id, "index": i},
+                )
             )
-            if not common:
-                common = {k: v for k, v in fields.items() if k not in _PER_JOB_FIELDS}
-            per_job += [jid, *(fields[k] for k in _PER_JOB_FIELDS)]
-        keys = [K.rq_queue(spec.queue), *(K.rq_job(j) for j in ids)]
-        argv: list[Any] = [ttl, stamp, len(common)]
-        for k, v in common.items():
-            argv += [k, v]
-        argv += per_job
+
+    async def _send(
+        self, spec: BatchSpec, now: float, stamp: str, ids: list[str], new_jobs: list[NewJob],
+        shared: EnqueueShared, lane_jobs: list[LaneJob] | None,
+    ) -> tuple[float, int]:  # fmt: skip
+        """Enqueue ``new_jobs`` with the hints in one pipeline; returns (``now``, live workers)."""
+        store = self._store(spec.queue)
         # The reply stream gets its TTL from the worker's FINISH script with every result (an
         # EXPIRE here would hit a key that does not exist yet), and the queue's entry in
         # RQ's queue set is re-asserted every QUEUE_SET_REFRESH seconds, not per batch.
         announce = now - self._queues_registered.get(spec.queue, 0.0) > QUEUE_SET_REFRESH
 
         def build(pipe: Pipeline) -> None:
-            pipe.evalsha(_ENQUEUE_SHA, len(keys), *keys, *argv)
+            store.add_enqueue(pipe, new_jobs, shared, stamp)
             if announce:
                 pipe.sadd(K.RQ_QUEUES, K.rq_queue(spec.queue))
             if lane_jobs is not None:
@@ -282,14 +339,8 @@ class Dispatcher:
         rollout that has moved on. Off the normal path; a failure leaves them to their TTL."""
         if not indices:
             return
-        queue = K.rq_queue(spec.queue)
         with contextlib.suppress(RedisError, OSError):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for i in indices:
-                    jid = job_id_for(spec, i)
-                    pipe.lrem(queue, 0, jid)
-                    pipe.delete(K.rq_job(jid))
-                await pipe.execute()
+            await self._store(spec.queue).withdraw([job_id_for(spec, i) for i in indices])
 
     def _drop_later(self, reply: str) -> None:
         """Delete a finished batch's reply stream without making the batch wait for it (a
@@ -308,6 +359,36 @@ class Dispatcher:
         """How many workers of ``queue`` heartbeated recently (``rlmq:serving:<queue>``)."""
         return int(await self.redis.zcount(K.serving(queue), time.time() - K.SERVING_CLOCK_SKEW, "+inf"))
 
+    async def _gone(
+        self, spec: BatchSpec, open_slots: list[int], missing: set[int], started: float
+    ) -> tuple[set[int], dict[int, SubLLMResult]]:
+        """Which open slots' jobs are gone from Redis: ``(missing now, {slot: error result})``
+        for the slots missing now and at the previous check too (``missing``). A Redis error
+        checks nothing (the deadlines still hold)."""
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in open_slots:
+                    pipe.exists(K.rq_job(job_id_for(spec, i)))
+                found = await pipe.execute()
+            now_missing = {i for i, f in zip(open_slots, found, strict=True) if not f}
+            twice = sorted(now_missing & missing)
+            if not twice:
+                return now_missing, {}
+            info = await self.redis.info("server")
+        except (RedisError, OSError):
+            return set(), {}
+        uptime, elapsed = float(info.get("uptime_in_seconds", 0)), time.time() - started
+        restarted = uptime if uptime <= elapsed + 1 else None  # uptime is whole seconds
+        log.warning(
+            "batch %s of rollout %s: %d open sub-call jobs are gone from Redis (%s); "
+            "their slots end now with error_kind=redis_lost",
+            spec.batch_id, spec.rollout_id, len(twice),
+            f"Redis restarted {uptime:.0f} s ago, without persistence"
+            if restarted is not None
+            else f"evicted? Redis up {uptime:.0f} s, batch {elapsed:.0f} s",
+        )  # fmt: skip
+        return now_missing - set(twice), {i: gone_result(spec, i, restarted) for i in twice}
+
     async def run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:
         """Run every prompt as one sub-call; return one result per prompt, in order.
 
@@ -315,14 +396,23 @@ class Dispatcher:
         the next ones are enqueued as results arrive. Each slot's deadline is ``spec.sub_call_timeout``
         seconds after its enqueue. Never raises for a sub-call's failure: the slot gets an
         error result instead (``deadline``; ``no_worker`` when no live worker served the
-        queue for ``no_worker_grace`` seconds).
+        queue for ``no_worker_grace`` seconds; ``redis_lost`` within seconds when its job is
+        gone from Redis, which a restart without persistence does).
 
         Redis errors (a lost connection, an error reply) are retried until the slots'
         deadlines; slots Redis never let the batch enqueue end as ``deadline`` errors too.
         """
-        n = len(prompts)
-        if n == 0:
+        if not prompts:
             return []
+        try:
+            return await self._run_batch(spec, prompts)
+        finally:
+            if spec.inflight is not None:
+                spec.inflight.hold(spec.batch_id, 0)
+
+    async def _run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:
+        n = len(prompts)
+        shared = spec.inflight
         results: list[SubLLMResult | None] = [None] * n
         deadlines: dict[int, float] = {}
         reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
@@ -333,6 +423,8 @@ class Dispatcher:
         enqueue_failing_since: float | None = None
         last_id: bytes | str = b"0-0"
         pending = n
+        next_check = started + GONE_CHECK_SECONDS
+        missing: set[int] = set()
         while pending:
             now = time.time()
             # Slots past their deadline get an error result now.
@@ -361,8 +453,14 @@ class Dispatcher:
                 break
             raws: list[bytes] = []
             try:
-                if next_index < n and len(deadlines) < spec.parallelism:
-                    take = list(range(next_index, min(n, next_index + spec.parallelism - len(deadlines))))
+                room = spec.parallelism - len(deadlines)
+                if shared is not None:  # the rollout's other batches count too
+                    shared.hold(spec.batch_id, len(deadlines))
+                    room = min(room, shared.room(spec.batch_id) - len(deadlines))
+                if next_index < n and room > 0:
+                    take = list(range(next_index, min(n, next_index + room)))
+                    if shared is not None:  # taken before the enqueue yields to the other batches
+                        shared.hold(spec.batch_id, len(deadlines) + len(take))
                     t, live = await self._enqueue(spec, prompts, take)
                     enqueue_failing_since = None
                     for i in take:
@@ -371,6 +469,8 @@ class Dispatcher:
                     if not live and unserved_since is None:
                         unserved_since = t
                 if not deadlines:
+                    if shared is not None:  # the rollout's other batches hold every slot
+                        await shared.wait_for_room(2.0)
                     continue
                 wait = max(0.01, min(deadlines.values()) - time.time())
                 if unserved_since is not None:
@@ -412,5 +512,12 @@ class Dispatcher:
                 results[i] = res
                 deadlines.pop(i, None)
                 pending -= 1
+            if deadlines and time.time() >= next_check:
+                next_check = time.time() + GONE_CHECK_SECONDS
+                missing, gone = await self._gone(spec, sorted(deadlines), missing, started)
+                for i, res in gone.items():
+                    results[i] = res
+                    deadlines.pop(i, None)
+                    pending -= 1
         self._drop_later(reply)
         return [r if r is not None else deadline_result(spec, i) for i, r in enumerate(results)]

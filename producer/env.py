@@ -7,12 +7,16 @@ with an OS-assigned port). What differs: sub-LLM calls leave the trainer process
 jobs served by ``rlmq worker`` processes, and the sub-LLM budget is a hard guarantee
 enforced in Redis (:mod:`rlmq.common.ledger`), not a counter that parallel calls overshoot.
 
-One rollout: the root model gets the scaffold and the row's question, and calls
+``RLMEnv`` owns the process's resources (the Redis connection, the root model client, the
+interception server, the root tools, metrics, the live-rollout key refresh) and runs each
+rollout with the rollout engine (:func:`rlmq.producer.engine.run_rollout`), which reads only
+the rollout options. One rollout: the root model gets the scaffold and the row's question, and calls
 ``call_python_repl(code)``; each call runs in the rollout's persistent REPL
 (:mod:`rlmq.producer.repl`), where ``llm_batch`` posts to the interception server
 (:mod:`rlmq.producer.interception`), which dispatches the batch (:mod:`rlmq.producer.dispatch`).
 The rollout stops on ``answer["ready"]``, after ``max_turns`` root turns, on a root reply
-without a tool call, or on an error; the stop reason is recorded.
+without a tool call, on a prompt too long for the root model, on a timed-out cell (with
+``abort_on_code_timeout``), or on an error; the stop reason is recorded.
 """
 
 from __future__ import annotations
@@ -22,31 +26,27 @@ import contextlib
 import enum
 import inspect
 import logging
-import time
-import uuid
-from collections.abc import Iterable
+import re
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, Final
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
-from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.connection import async_client
-from rlmq.common.errors import ConfigError, RlmqError
-from rlmq.common.ledger import BudgetLedger, default_cap
+from rlmq.common.errors import ConfigError
+from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
-from rlmq.common.schemas import DatasetRow, ResultRow, StopReason
-from rlmq.common.settings import Settings, Verbosity, load_settings
-from rlmq.producer.dispatch import Dispatcher
+from rlmq.common.schemas import DatasetRow, ResultRow
+from rlmq.common.settings import RolloutOptions, Settings, SystemPromptMode, Verbosity, build_settings
+from rlmq.common.settings_schema import arguments_doc
+from rlmq.producer.engine import RolloutHost, raise_if_cancelled, run_rollout
 from rlmq.producer.interception import InterceptionServer
-from rlmq.producer.llm_batch import LlmBatchService
-from rlmq.producer.repl import Repl
-from rlmq.producer.rollout import Rollout, RolloutResult, normalize_answer, root_loop
+from rlmq.producer.rollout import RolloutResult, normalize_answer
 from rlmq.producer.root import RootModel
-from rlmq.producer.scaffold import root_system_prompt
+from rlmq.producer.root_tools import RootToolbox, ToolLike, import_path, shared_tool_paths
 
-__all__ = ["FROM_SETTINGS", "RLMEnv", "RolloutResult", "normalize_answer"]
+__all__ = ["FROM_SETTINGS", "RLMEnv", "RolloutResult", "normalize_answer", "raise_if_cancelled"]
 
 
 log = logging.getLogger("rlmq.env")
@@ -64,37 +64,30 @@ FROM_SETTINGS: Final = _FromSettings.FROM_SETTINGS
 class RLMEnv:
     """An RLM environment whose sub-LLM calls run on the rlmq worker fleet.
 
-    Every setting argument is a field of :class:`~rlmq.common.settings.Settings` of the same
-    name: left out, it comes from ``settings``; given, it overrides ``settings`` for this
-    environment. The result is validated once, as a whole, and kept as ``env.settings``,
-    which is all the rollout reads. The defaults (those of ``Settings``) are the verifiers
-    ``RLMEnv``'s where it has the argument.
+    Every setting argument is a field of :class:`~rlmq.common.settings.RolloutOptions` of the
+    same name (the one declaration of its type, default and unit): left out, it comes from
+    ``settings``; given, it overrides ``settings`` for this environment (``None`` included:
+    ``sub_llm_max_completion_tokens=None`` switches a budget off). The result is validated
+    once, as a whole, and kept as ``env.settings``, which is all the rollout reads. The
+    defaults are the verifiers ``RLMEnv``'s where it has the argument.
 
-    Args (keyword only; an unknown one raises :class:`~rlmq.common.errors.ConfigError`):
-        max_turns: root-model turns per rollout (default 50, as in verifiers).
-        sub_llm_max_turns: turns of one sub-LLM's own tool loop (default 5).
-        sub_llm_max_completion_tokens: the rollout's sub-LLM budget in completion tokens,
-            a hard limit across all workers (default ``None``: no budget).
-        sub_llm_per_call_max_tokens: cap on one sub-LLM model call's completion tokens.
-        root_max_completion_tokens: the root model's own completion tokens per rollout;
-            each root call gets ``max_tokens`` = what is left (``None``: no limit).
-        max_sub_llm_parallelism: sub-calls of one rollout queued or running at once (default 64).
-        sub_model: the sub-LLM model (default: the root model).
-        sub_tools: dotted import paths of tools the sub-LLMs may call (the workers must
-            allow-list them).
-        max_output_length: characters of a cell's output shown to the root model (default 8192).
-        code_execution_timeout: seconds a cell may run before the REPL is restarted (default 120).
-        max_startup_wait_seconds: seconds the REPL may take to start (package installs included).
-        pip_install_packages: packages installed into each rollout's REPL.
-        root_prompt_verbosity / sub_prompt_verbosity: light | medium | heavy (default light).
-        include_sub_llm_in_trajectory: keep every sub-LLM's conversation in the trajectory.
-        settings: the base settings (Redis URL, queue, sub-call deadline, limits); default
+    Args (keyword only; one that is no ``RolloutOptions`` field raises
+    :class:`~rlmq.common.errors.ConfigError`):
+        tools: tools for the root REPL and the sub-LLMs alike, as the reference's ``tools``:
+            callables or dotted import paths (``pkg.mod:func``). In the REPL each is a global of
+            its own name that runs here, in the producer (:mod:`rlmq.producer.root_tools`); the
+            sub-LLMs get it by its import path, so it must have one (a module-level function)
+            and the workers must allow-list it. Default: ``settings.tools``.
+        root_tools: tools for the root REPL only (callables or dotted paths; a lambda will
+            do). Default: ``settings.root_tools``.
+        settings: the base settings (Redis URL, queue, model server); default
             :func:`~rlmq.common.settings.load_settings` (the ``RLMQ_*`` and ``REDIS_URL`` variables).
         root: the root model client (a seam for tests); built from ``settings`` if ``None``.
         metrics: :class:`~rlmq.common.metrics.Metrics` to update with batches and refused calls.
-
+    {setting_arguments}
     Raises:
-        ConfigError: an unknown argument, or a value ``Settings`` refuses.
+        ConfigError: an unknown argument, or a value ``Settings`` refuses (named as the argument,
+            or as the ``RLMQ_*`` variable it came from).
 
     Use as ``async with RLMEnv(...) as env: result = await env.rollout(row, model=...)``.
     """
@@ -108,40 +101,76 @@ class RLMEnv:
         sub_llm_per_call_max_tokens: int | None | _FromSettings = FROM_SETTINGS,
         root_max_completion_tokens: int | None | _FromSettings = FROM_SETTINGS,
         max_sub_llm_parallelism: int | _FromSettings = FROM_SETTINGS,
+        max_depth: int | _FromSettings = FROM_SETTINGS,
+        child_root_min_grant_tokens: int | _FromSettings = FROM_SETTINGS,
         sub_model: str | None | _FromSettings = FROM_SETTINGS,
         sub_tools: list[str] | _FromSettings = FROM_SETTINGS,
         max_output_length: int | _FromSettings = FROM_SETTINGS,
         code_execution_timeout: float | _FromSettings = FROM_SETTINGS,
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
+        abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,
+        root_context_tokens: int | None | _FromSettings = FROM_SETTINGS,
+        context_warning_threshold: float | _FromSettings = FROM_SETTINGS,
         pip_install_packages: list[str] | _FromSettings = FROM_SETTINGS,
         root_prompt_verbosity: Verbosity | _FromSettings = FROM_SETTINGS,
         sub_prompt_verbosity: Verbosity | _FromSettings = FROM_SETTINGS,
         include_sub_llm_in_trajectory: bool | _FromSettings = FROM_SETTINGS,
+        sub_llm_budget_grant_tokens: int | _FromSettings = FROM_SETTINGS,
+        rollout_timeout: float | _FromSettings = FROM_SETTINGS,
+        sub_call_timeout: float | _FromSettings = FROM_SETTINGS,
+        rollout_key_ttl: int | _FromSettings = FROM_SETTINGS,
+        max_batch_prompts: int | _FromSettings = FROM_SETTINGS,
+        max_batch_bytes: int | _FromSettings = FROM_SETTINGS,
+        root_tool_timeout: float | _FromSettings = FROM_SETTINGS,
+        root_tool_max_args_bytes: int | _FromSettings = FROM_SETTINGS,
+        root_tool_max_result_bytes: int | _FromSettings = FROM_SETTINGS,
+        system_prompt: str | None | _FromSettings = FROM_SETTINGS,
+        system_prompt_mode: SystemPromptMode | _FromSettings = FROM_SETTINGS,
+        sub_llm_final_answer_turn: bool | _FromSettings = FROM_SETTINGS,
+        tools: Sequence[ToolLike] | None = None,
+        root_tools: Sequence[ToolLike] | None = None,
+        sampling_args: dict[str, Any] | _FromSettings = FROM_SETTINGS,
+        sub_sampling_args: dict[str, Any] | _FromSettings = FROM_SETTINGS,
         settings: Settings | None = None,
         root: RootModel | None = None,
         metrics: Metrics | None = None,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            known = ", ".join((*_OVERRIDABLE, "settings", "root", "metrics"))
-            raise ConfigError(f"unknown RLMEnv argument(s): {', '.join(sorted(unknown))}; known: {known}")
+        strangers = sorted(set(unknown) - set(RolloutOptions.model_fields))
+        if strangers:
+            known = ", ".join((*RolloutOptions.model_fields, "settings", "root", "metrics"))
+            raise ConfigError(f"unknown RLMEnv argument(s): {', '.join(strangers)}; known: {known}")
         given = locals()
-        overrides = {name: given[name] for name in _OVERRIDABLE if given[name] is not FROM_SETTINGS}
+        # A RolloutOptions field not (yet) written out in the signature is taken all the same.
+        overrides = {name: given[name] for name in _OVERRIDABLE if given[name] is not FROM_SETTINGS} | unknown
         if settings is not None and not isinstance(settings, Settings):
             raise ConfigError(f"settings must be a rlmq Settings, not {type(settings).__name__}")
-        self.settings: Settings = (settings or load_settings()).with_overrides(**overrides)
+        base = settings if settings is not None else build_settings(overrides, label=_argument)
+        shared = list(base.tools if tools is None else tools)
+        root_only = list(base.root_tools if root_tools is None else root_tools)
+        paths = {
+            "tools": shared_tool_paths(shared),
+            "root_tools": [t if isinstance(t, str) else import_path(t) or repr(t) for t in root_only],  # as recorded
+        }
+        # The arguments over the given settings, or over the RLMQ_* variables (validated with them).
+        self.settings: Settings = base.with_values({**overrides, **paths} if settings is not None else paths, _argument)
+        s = self.settings
+        self.toolbox = RootToolbox(
+            [*shared, *root_only], timeout=s.root_tool_timeout, max_result_bytes=s.root_tool_max_result_bytes
+        )
+        """The root (REPL) tools: refused here when a name collides or does not resolve."""
         self._root = root
         self.metrics = metrics
+        self._options = s.rollout_options()
         self._redis: Redis | None = None
         self._server: InterceptionServer | None = None
-        self._batches: LlmBatchService | None = None
-        self._live: set[str] = set()
+        self._host: RolloutHost | None = None
         self._refresher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> RLMEnv:
-        """Connect to Redis and start the interception server.
+        """Connect to Redis and start the interception server and the live-rollout refresh.
 
         Raises:
             ConfigError: no Redis URL (or no root model URL when no ``root`` was given).
@@ -155,12 +184,22 @@ class RLMEnv:
             self._root = RootModel(s.base_url, s.api_key.get_secret_value(), retries=s.model_retries)
         self._redis = async_client(s.redis_url)
         await self._redis.ping()
-        self.ledger = BudgetLedger(self._redis, ttl=s.rollout_key_ttl)
-        self.dispatcher = Dispatcher(self._redis)
-        self._batches = LlmBatchService(self.ledger, self.dispatcher, self.metrics)
-        self._server = InterceptionServer(max_batch_prompts=s.max_batch_prompts, max_batch_bytes=s.max_batch_bytes)
+        try:
+            await check_eviction_policy(self._redis, allow=s.allow_evicting_redis)
+        except BaseException:
+            await self._redis.aclose()
+            self._redis = None
+            raise
+        self._server = InterceptionServer(
+            max_batch_prompts=s.max_batch_prompts,
+            max_batch_bytes=s.max_batch_bytes,
+            max_tool_bytes=s.root_tool_max_args_bytes,
+        )
         await self._server.start()
-        self._refresher = asyncio.create_task(self._refresh_keys())
+        self._host = RolloutHost.build(
+            self._redis, self._root, self._server, metrics=self.metrics, result_ttl=s.result_ttl, toolbox=self.toolbox
+        )
+        self._refresher = asyncio.create_task(self._host.live.refresh_forever(s.rollout_key_ttl / 3))
         return self
 
     async def close(self) -> None:
@@ -168,6 +207,7 @@ class RLMEnv:
         if self._refresher:
             await cancel_and_wait([self._refresher])
             self._refresher = None
+        self._host = None
         if self._server:
             await self._server.stop()
             self._server = None
@@ -177,6 +217,7 @@ class RLMEnv:
         if self._root is not None:
             with contextlib.suppress(Exception):
                 await self._root.close()
+        self.toolbox.close()
 
     async def __aenter__(self) -> RLMEnv:
         return await self.start()
@@ -184,138 +225,31 @@ class RLMEnv:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _refresh_keys(self) -> None:
-        """Keep live rollouts' keys from expiring (TTL refreshed every third of it)."""
-        ttl = self.settings.rollout_key_ttl
-        while True:
-            await asyncio.sleep(ttl / 3)  # periodic timer
-            if not self._live or self._redis is None:
-                continue
-            with contextlib.suppress(Exception):
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for rid in self._live:
-                        for key in K.RolloutKeys(rid).all_static():
-                            pipe.expire(key, ttl)
-                        pipe.zadd(K.LIVE_ROLLOUTS, {rid: time.time() + ttl})
-                    await pipe.execute()
-
     # ------------------------------------------------------------------ one rollout
 
-    async def rollout(self, row: DatasetRow, *, model: str, rollout_id: str | None = None) -> RolloutResult:
-        """Run one rollout of ``row`` with root model ``model``.
+    async def rollout(
+        self, row: DatasetRow, *, model: str, rollout_id: str | None = None, rollout_index: int | None = None
+    ) -> RolloutResult:
+        """Run one rollout of ``row`` with root model ``model`` (:func:`~rlmq.producer.engine.run_rollout`
+        with this environment's rollout options and connections); ``rollout_index`` (which of the
+        row's rollouts, from 0; ``None``: the row has one) goes into the result row's ``rollout``.
 
         Never raises for a failure inside the rollout: it ends with ``stop_reason="error"``
         and the message in ``row.error``.
 
         Raises:
             RuntimeError: the environment was not started.
+            asyncio.CancelledError: the rollout was cancelled before it finished (a stop
+                signal, a caller's timeout), also when the cancellation surfaced as another
+                exception inside it: a rollout cut short never becomes a row.
         """
-        if self._redis is None or self._server is None or self._root is None or self._batches is None:
+        if self._host is None:
             raise RuntimeError("RLMEnv.start() first (or use `async with`)")
         s = self.settings
-        sub_model = s.sub_model or model
-        ro = Rollout(
-            id=rollout_id or uuid.uuid4().hex,
-            row=row,
-            model=model,
-            sub_model=sub_model,
-            queue=s.producer_queue(sub_model),
-            settings=s,
+        queue = s.producer_queue(s.sub_model or model)
+        return await run_rollout(
+            self._host, row, self._options, model=model, queue=queue, rollout_id=rollout_id, rollout_index=rollout_index
         )
-        rid, budget, keys = ro.id, ro.budget, K.RolloutKeys(ro.id)
-        self._live.add(rid)
-        await self._redis.hset(
-            keys.info,
-            mapping={"model": model, "sub_model": sub_model, "queue": ro.queue, "started": time.time(), "row": row.id},
-        )
-        await self._redis.expire(keys.info, s.rollout_key_ttl)
-        await self._redis.zadd(K.LIVE_ROLLOUTS, {rid: time.time() + s.rollout_key_ttl})
-        if budget is not None:
-            cap = s.sub_llm_per_call_max_tokens or default_cap(budget, s.sub_llm_budget_grant_tokens)
-            await self.ledger.open(rid, budget, cap)
-        sem = asyncio.Semaphore(1)
-        batches = self._batches
-
-        async def handle_batch(prompts: list[str]) -> tuple[list[str], str]:
-            # The REPL's own account of what it serves pauses its cell timeout (never the child's word);
-            # one batch of a rollout at a time, its parallelism is per rollout.
-            async with repl.serving(), sem:
-                return await batches.run(ro, prompts)
-
-        token = self._server.register(handle_batch)
-        ro.messages += [
-            {
-                "role": "system",
-                "content": root_system_prompt(
-                    row.context,
-                    verbosity=s.root_prompt_verbosity,
-                    budget=budget,
-                    max_turns=s.max_turns,
-                    sub_llm_max_turns=s.sub_llm_max_turns,
-                    max_output_length=s.max_output_length,
-                    parallelism=s.max_sub_llm_parallelism,
-                ),
-            },
-            {"role": "user", "content": row.question},
-        ]
-        stop: StopReason = "max_turns"
-        final: str | None = None
-        error: str | None = None
-        repl = Repl(
-            context=row.context,
-            endpoint_url=self._server.url,
-            unix_socket=self._server.unix_path,
-            token=token,
-            max_output_length=s.max_output_length,
-            code_execution_timeout=s.code_execution_timeout,
-            max_startup_wait_seconds=s.max_startup_wait_seconds,
-            pip_install_packages=s.pip_install_packages,
-            max_batch_bytes=s.max_batch_bytes,
-            max_batch_prompts=s.max_batch_prompts,
-        )
-        deadline = asyncio.timeout(s.rollout_timeout)  # a wall-clock deadline of its own
-        try:
-            async with deadline:
-                await repl.start()
-                stop, final = await root_loop(self._root, ro, repl)
-        except TimeoutError as exc:
-            stop, error = "error", f"{type(exc).__name__}: {exc}"
-            if deadline.expired():
-                error = f"RolloutTimeout: the rollout ran past its deadline of {s.rollout_timeout:g} s"
-        except RlmqError as exc:
-            stop, error = "error", f"{type(exc).__name__}: {exc}"
-        except Exception as exc:  # a rollout never takes the evaluation down with it
-            stop, error = "error", f"{type(exc).__name__}: {exc}"
-        finally:
-            self._server.unregister(token)
-            await repl.close()
-            self._live.discard(rid)
-            # Also when cancelled (a stop signal): `rlmq status` must not list it as live.
-            with contextlib.suppress(RedisError, OSError):
-                await self._redis.zrem(K.LIVE_ROLLOUTS, rid)
-        metrics = ro.stats.metrics()
-        if budget is not None:
-            snap = await self.ledger.snapshot(rid)
-            if snap is not None:
-                metrics.update(
-                    sub_llm_budget_limit=snap.limit,
-                    sub_llm_budget_charged=snap.charged,
-                    sub_llm_budget_used=snap.used,
-                    sub_llm_grants=snap.grants,
-                    sub_llm_budget_rejections=snap.rejections,
-                    sub_llm_released_tokens=snap.released,
-                )
-        correct = None if row.answer is None else normalize_answer(final) == normalize_answer(row.answer)
-        result_row = ResultRow(
-            id=row.id,
-            final_answer=final,
-            answer=row.answer,
-            correct=correct,
-            stop_reason=stop,
-            metrics=metrics,
-            error=error,
-        )
-        return RolloutResult(row=result_row, trajectory=ro.trajectory, messages=ro.messages)
 
     # ------------------------------------------------------------------ many rollouts
 
@@ -326,39 +260,53 @@ class RLMEnv:
         model: str,
         concurrency: int = 4,
         on_done: Any = None,
+        rollouts_per_example: int = 1,
+        skip: Container[tuple[str, int]] = (),
     ) -> list[RolloutResult]:
-        """Run a rollout per row, ``concurrency`` at a time; results in the rows' order.
+        """Run ``rollouts_per_example`` rollouts per row, ``concurrency`` at a time; results in
+        the rows' order (a row's rollouts in index order).
 
         Args:
             on_done: optional callable ``(RolloutResult) -> None`` called as each finishes
                 (progress bars, incremental writes).
+            rollouts_per_example: rollouts of each row (result rows ``rollout`` 0, 1, ...).
+            skip: ``(row id, rollout index)`` pairs not to run (a resumed run's finished ones).
         """
-        rows = list(rows)
-        sem = asyncio.Semaphore(max(1, concurrency))
-        out: list[RolloutResult | None] = [None] * len(rows)
+        # A pool of ``concurrency`` runners takes the rollouts one after another: no task (nor
+        # list entry) per rollout waiting its turn, so -r 100000000 starts at once.
+        todo = ((row, k) for row in rows for k in range(rollouts_per_example) if (row.id, k) not in skip)
+        out: dict[int, RolloutResult] = {}
 
-        async def one(i: int, row: DatasetRow) -> None:
-            async with sem:
-                try:
-                    res = await self.rollout(row, model=model)
-                except Exception as exc:  # one rollout's failure (even past rollout's own guard) never ends the others
-                    log.exception("rollout of row %s failed", row.id)
-                    res = RolloutResult(
-                        row=ResultRow(
-                            id=row.id,
-                            final_answer=None,
-                            answer=row.answer,
-                            correct=None,
-                            stop_reason="error",
-                            metrics={},
-                            error=f"{type(exc).__name__}: {exc}",
-                        )
+        async def one(row: DatasetRow, k: int) -> RolloutResult:
+            index = k if rollouts_per_example > 1 else None
+            try:
+                return await self.rollout(row, model=model, rollout_index=index)
+            except Exception as exc:  # one rollout's failure (even past rollout's own guard) never ends the others
+                raise_if_cancelled(f"rollout of row {row.id}")
+                log.exception("rollout of row %s failed", row.id)
+                return RolloutResult(
+                    row=ResultRow(
+                        id=row.id,
+                        final_answer=None,
+                        answer=row.answer,
+                        correct=None,
+                        stop_reason="error",
+                        metrics={},
+                        error=f"{type(exc).__name__}: {exc}",
+                        rollout=index,
                     )
-            out[i] = res
-            if on_done is not None:
-                on_done(res)
+                )
 
-        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(rows)]
+        shared = enumerate(todo)  # one iterator for all the runners: each rollout is taken once
+
+        async def runner() -> None:
+            for i, (row, k) in shared:
+                res = await one(row, k)
+                out[i] = res
+                if on_done is not None:
+                    on_done(res)
+
+        tasks = [asyncio.ensure_future(runner()) for _ in range(max(1, concurrency))]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -366,10 +314,21 @@ class RLMEnv:
             # REPLs. Wait for every one, so none outlives the environment (a REPL left running).
             await cancel_and_wait(tasks)
             raise
-        return [r for r in out if r is not None]
+        return [out[i] for i in sorted(out)]
 
 
 _OVERRIDABLE: Final = tuple(
     name for name, p in inspect.signature(RLMEnv.__init__).parameters.items() if p.default is FROM_SETTINGS
 )
-"""The setting arguments of :class:`RLMEnv` (each a :class:`~rlmq.common.settings.Settings` field)."""
+"""The setting arguments of :class:`RLMEnv`: every :class:`~rlmq.common.settings.RolloutOptions`
+field (``tests/unit/test_settings_paths.py`` holds the two equal, types included)."""
+
+
+def _argument(name: str) -> str:
+    """How an error names a setting given to :class:`RLMEnv`: as the argument."""
+    return f"RLMEnv argument {name}"
+
+
+RLMEnv.__doc__ = re.sub(
+    r"^[ \t]*\{setting_arguments\}", lambda _: arguments_doc(_OVERRIDABLE, indent=8), RLMEnv.__doc__ or "", flags=re.M
+)

@@ -14,7 +14,6 @@ import time
 
 from redis.exceptions import RedisError
 
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
@@ -26,63 +25,54 @@ TRAJECTORY_PROMPTS = 64
 
 
 class LlmBatchService:
-    """Runs the ``llm_batch`` calls of every rollout of one environment.
+    """Runs the ``llm_batch`` calls of the rollouts of one host.
 
     Args:
-        ledger: the budget ledger (Redis) of the environment.
         dispatcher: enqueues jobs and collects results.
         metrics: updated with each batch and with the calls refused here, if given.
+        result_ttl: seconds RQ keeps a finished sub-call job (``rq info``, rq-dashboard).
     """
 
-    def __init__(self, ledger: BudgetLedger, dispatcher: Dispatcher, metrics: Metrics | None = None) -> None:
-        self.ledger = ledger
+    def __init__(self, dispatcher: Dispatcher, metrics: Metrics | None = None, *, result_ttl: int = 600) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.result_ttl = result_ttl
 
     def spec(self, rollout: Rollout, batch_id: str) -> BatchSpec:
         """What every sub-call of the rollout's batch ``batch_id`` shares."""
-        s = rollout.settings
+        o = rollout.options
         return BatchSpec(
             rollout_id=rollout.id,
             batch_id=batch_id,
             queue=rollout.queue,
-            sub_call_timeout=s.sub_call_timeout,
-            parallelism=s.max_sub_llm_parallelism,
+            ledger_id=rollout.ledger_id,
+            nodes=rollout.nodes,
+            sub_call_timeout=o.sub_call_timeout,
+            parallelism=o.max_sub_llm_parallelism,
+            inflight=rollout.inflight,
             call=SubCallOptions(
                 model=rollout.sub_model,
-                system_prompt=sub_system_prompt(s.sub_prompt_verbosity),
-                sub_tools=list(s.sub_tools),
-                max_turns=s.sub_llm_max_turns,
-                max_completion_tokens=s.sub_llm_per_call_max_tokens,
+                system_prompt=sub_system_prompt(o.sub_prompt_verbosity),
+                # shared tools go by their import path (pkg.mod:func and pkg.mod.func are one tool)
+                sub_tools=list(dict.fromkeys(t.strip().replace(":", ".") for t in [*o.sub_tools, *o.tools])),
+                final_answer_turn=o.sub_llm_final_answer_turn,
+                max_turns=o.sub_llm_max_turns,
+                max_completion_tokens=o.sub_llm_per_call_max_tokens,
                 budgeted=rollout.budget is not None,
-                include_messages=s.include_sub_llm_in_trajectory,
+                sampling=dict(o.sub_sampling_args),
+                include_messages=o.include_sub_llm_in_trajectory,
             ),
-            result_ttl=s.result_ttl,
-            reply_ttl=s.rollout_key_ttl,
+            result_ttl=self.result_ttl,
+            reply_ttl=o.rollout_key_ttl,
         )
 
-    async def refusal(self, rollout: Rollout) -> tuple[str, bool] | None:
-        """Why the batch is refused up front, else ``None``: ``(message, spent)``, ``spent`` being
-        true for a spent budget (the ledger counts those refusals) and false for a lost ledger.
-
-        Refused up front only when spent: nothing free and nothing held by open reservations
-        (calls that find the rest reserved wait for a release on the worker instead).
-        """
-        budget = rollout.budget
-        if budget is None:
+    @staticmethod
+    async def refusal(rollout: Rollout) -> tuple[str, bool] | None:
+        """Why the batch is refused up front, else ``None`` (see :meth:`RolloutBudget.refusal
+        <rlmq.producer.budget.RolloutBudget.refusal>`); never for a rollout without a budget."""
+        if rollout.ledger is None:
             return None
-        snap = await self.ledger.snapshot(rollout.id)
-        if snap is None:
-            # The ledger is gone (Redis restarted without persistence, or its TTL ran out).
-            # Opening a fresh one would forget what was already spent, so refuse instead.
-            return (
-                "[rejected] sub-LLM token budget ledger lost (Redis restarted?); sub-LLM calls are "
-                "refused so the budget cannot be overshot",
-                False,
-            )
-        if snap.remaining <= 0 and snap.held <= 0:
-            return f"[rejected] sub-LLM token budget spent: {snap.charged}/{budget} completion tokens used", True
-        return None
+        return await rollout.ledger.refusal()
 
     async def run(self, rollout: Rollout, prompts: list[str]) -> tuple[list[str], str]:
         """Run one ``llm_batch(prompts)`` of ``rollout``; returns (contents in prompt order, summary).
@@ -93,6 +83,29 @@ class LlmBatchService:
         Raises:
             RedisError: reading the budget ledger failed (budgeted rollouts only); the
                 interception server answers ``llm_batch`` with HTTP 503 and the message.
+        """
+        batch_id, results, seconds = await self.execute(rollout, prompts)
+        summary = await self.summary(rollout, results, seconds)
+        keep_messages = rollout.options.include_sub_llm_in_trajectory
+        rollout.trajectory.append(
+            {
+                "type": "llm_batch",
+                "batch_id": batch_id,
+                "seconds": round(seconds, 4),
+                "prompts": prompts[:TRAJECTORY_PROMPTS],
+                "results": [
+                    r.model_dump(exclude_none=True, exclude=None if keep_messages else {"messages"}) for r in results
+                ],
+            }
+        )
+        return [r.content for r in results], summary
+
+    async def execute(self, rollout: Rollout, prompts: list[str]) -> tuple[str, list[SubLLMResult], float]:
+        """Run ``prompts`` as one batch of sub-LLM calls of ``rollout`` and count them in its
+        stats, without a trajectory event; returns (batch id, results in order, seconds).
+
+        Raises:
+            RedisError: as :meth:`run`.
         """
         t0 = time.perf_counter()
         batch_id = rollout.start_batch(len(prompts))
@@ -105,9 +118,9 @@ class LlmBatchService:
                 )
                 for i in range(len(prompts))
             ]
-            if spent:
+            if spent and rollout.ledger is not None:
                 with contextlib.suppress(RedisError, OSError):
-                    await self.ledger.count_rejections(rollout.id, len(results))  # the ledger counts every refusal
+                    await rollout.ledger.count_rejections(len(results))  # the ledger counts every refusal
             if self.metrics:  # workers count what they run; calls refused here are counted here
                 for r in results:
                     self.metrics.observe_result(r)
@@ -130,20 +143,7 @@ class LlmBatchService:
         seconds = time.perf_counter() - t0
         if self.metrics:
             self.metrics.observe_batch(len(prompts), seconds)
-        summary = await self.summary(rollout, results, seconds)
-        keep_messages = rollout.settings.include_sub_llm_in_trajectory
-        rollout.trajectory.append(
-            {
-                "type": "llm_batch",
-                "batch_id": batch_id,
-                "seconds": round(seconds, 4),
-                "prompts": prompts[:TRAJECTORY_PROMPTS],
-                "results": [
-                    r.model_dump(exclude_none=True, exclude=None if keep_messages else {"messages"}) for r in results
-                ],
-            }
-        )
-        return [r.content for r in results], summary
+        return batch_id, results, seconds
 
     async def summary(self, rollout: Rollout, results: list[SubLLMResult], seconds: float) -> str:
         """The text ``llm_batch`` prints: a header, the budget line when set, one line per prompt."""
@@ -152,14 +152,15 @@ class LlmBatchService:
             f"llm_batch: {len(results)} prompt(s) in {seconds:.2f} s: "
             + ", ".join(f"{v} {k}" for k, v in counts.items())
         ]
-        if rollout.budget is not None:
+        if rollout.ledger is not None:
             # Right under the header, so a long batch's truncated output still shows it.
-            snap = await self.ledger.snapshot(rollout.id)
-            lines.append(f"[{snap.charged if snap else 0}/{rollout.budget} sub-LLM completion tokens used]")
+            snap = await rollout.ledger.snapshot()
+            lines.append(f"[{snap.charged if snap else 0}/{rollout.ledger.limit} sub-LLM completion tokens used]")
         for r in results:
             lines.append(
                 f"  [{r.index}] {r.status:<8} {r.completion_tokens:>6} tokens  {r.turns} turn(s)  {r.seconds:6.2f} s"
                 + (f"  {r.error_kind}" if r.status == "error" and r.error_kind else "")
                 + ("  truncated (cut at its token grant)" if r.truncated else "")
+                + ("  final-answer turn skipped (budget spent)" if r.final_turn == "skipped" else "")
             )
         return "\n".join(lines)

@@ -24,14 +24,25 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "run_as": "auto" | int | null,
         "unix_socket": str | null, "isolate_network": bool, "namespaces": bool,
         "max_answer_length": int (characters), "max_batch_bytes": int,
-        "max_batch_prompts": int}
+        "max_batch_prompts": int, "refuse_shared_memory": bool,
+        "tools": [{"name": str, "doc": str}, ...],
+        "tool_timeout": float (s), "max_tool_bytes": int}
+
+   ``llm_batch`` posts ``{"prompts"}`` to ``url``; ``rlm_batch`` posts ``{"tasks": [{"prompt",
+   "context"}, ...]}`` to ``<url's folder>/rlm_batch`` (child rollouts, issue 22), both with
+   the same limits (``max_batch_prompts`` items, ``max_batch_bytes`` bytes of JSON).
+
+   Each of ``tools`` becomes a REPL global of its name (a root tool), which posts
+   ``{"name", "args", "kwargs"}`` to ``<url's folder>/root_tool`` and returns the result
+   or raises ``RuntimeError`` with the producer's message.
 
    The child contains itself (:func:`_contain`: namespaces, private scratch space),
    drops to a uid of its own when it runs as root (``run_as``), applies the resource
    limits, loads ``context`` from the JSON file and answers
    ``{"type": "ready", "pid": int, "uid": int | null, "net_isolated": bool,
    "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int,
-   "no_user_namespaces": bool}``.
+   "no_user_namespaces": bool, "shared_memory_refused": bool}``. Before anything else it
+   closes every descriptor but fd 0-2 and its two pipes.
 2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
@@ -181,41 +192,75 @@ def _mount(libc: Any, source: str | None, target: str, fstype: str | None, flags
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
-_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, clone, unshare, clone3)
-    "x86_64": (0xC000003E, 56, 272, 435),
-    "aarch64": (0xC00000B7, 220, 97, 435),
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH_*, clone, unshare, clone3, (memfd_create, memfd_secret, shmget))
+    "x86_64": (0xC000003E, 56, 272, 435, (319, 447, 29)),
+    "aarch64": (0xC00000B7, 220, 97, 435, (279, 447, 194)),
 }
+_IO_URING = (425, 426, 427)
+"""``io_uring_setup``, ``io_uring_enter``, ``io_uring_register`` (the same numbers on both):
+always refused (EPERM), as Docker's default profile does: io_uring's operations bypass seccomp's
+view of system calls, kernel attack surface a cell does not need."""
 
 
-def _forbid_user_namespaces() -> bool:
+def _seccomp_program(arch: tuple[Any, ...], refuse_shared_memory: bool) -> list[tuple[int, int, int, int]]:
+    """The classic BPF program of :func:`_forbid_user_namespaces` (instructions as
+    ``(code, jt, jf, k)``), jumps resolved from labels."""
+    audit, nr_clone, nr_unshare, nr_clone3, shared_memory = arch
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+    allow, errno_ret = 0x7FFF0000, 0x00050000
+    # (code, label if true, label if false, k); a label None: the next instruction
+    code: list[tuple[int, str | None, str | None, int] | str] = [
+        (ld, None, None, 4),  # arch
+        (jeq, None, "enosys", audit),  # another ABI (i386 through int 0x80): nothing at all
+        (ld, None, None, 0),  # syscall number
+        (jge, "enosys", None, 0x40000000),  # the x32 ABI: nothing at all
+        (jeq, "enosys", None, nr_clone3),
+        (jeq, "flags", None, nr_unshare),
+        (jeq, "flags", None, nr_clone),
+        *[(jeq, "eperm", None, nr) for nr in (*_IO_URING, *(shared_memory if refuse_shared_memory else ()))],
+        (ret, None, None, allow),
+        "flags",
+        (ld, None, None, 16),  # args[0], low 32 bits (the flags)
+        (jset, "eperm", None, CLONE_NEWUSER),
+        (ret, None, None, allow),
+        "eperm",
+        (ret, None, None, errno_ret | 1),
+        "enosys",
+        (ret, None, None, errno_ret | 38),
+    ]
+    labels: dict[str, int] = {}
+    for item in code:
+        if isinstance(item, str):
+            labels[item] = sum(1 for x in code[: code.index(item)] if not isinstance(x, str))
+    program: list[tuple[int, int, int, int]] = []
+    for item in code:
+        if isinstance(item, str):
+            continue
+        op, on_true, on_false, k = item
+        here = len(program)
+        jt = 0 if on_true is None else labels[on_true] - here - 1
+        jf = 0 if on_false is None else labels[on_false] - here - 1
+        program.append((op, jt, jf, k))
+    return program
+
+
+def _forbid_user_namespaces(refuse_shared_memory: bool = False) -> bool:
     """Install a seccomp filter on this process (inherited by all it starts) that refuses
     ``unshare`` and ``clone`` with ``CLONE_NEWUSER`` (EPERM) and ``clone3`` (ENOSYS, so libc
     falls back to ``clone``): the cell cannot become root of a user namespace of its own,
     where it could mount file systems the REPL's limits do not count (a tmpfs is memory).
-    Sets ``no_new_privs`` first (required). Returns whether the filter is in place."""
+    With ``refuse_shared_memory`` (no memory cgroup counts the REPL's pages), also
+    ``memfd_create``, ``memfd_secret`` and ``shmget`` (EPERM): memory no process's
+    ``RLIMIT_AS`` counts. ``io_uring_*`` are always refused (EPERM). Other ABIs (i386, x32)
+    get ENOSYS for every call. Sets
+    ``no_new_privs`` first (required). Returns whether the filter is in place."""
     import ctypes
     import platform
 
     arch = _SECCOMP_ARCH.get(platform.machine())
     if arch is None:
         return False
-    audit, nr_clone, nr_unshare, nr_clone3 = arch
-    allow, errno_ret = 0x7FFF0000, 0x00050000
-    ld, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JSET|K, BPF_RET|K
-    program = [
-        (ld, 0, 0, 4),  # 0: arch
-        (jeq, 0, 4, audit),  # 1: another ABI: allow (6)
-        (ld, 0, 0, 0),  # 2: syscall number
-        (jeq, 7, 0, nr_clone3),  # 3: -> 11
-        (jeq, 2, 0, nr_unshare),  # 4: -> 7
-        (jeq, 1, 0, nr_clone),  # 5: -> 7
-        (ret, 0, 0, allow),  # 6
-        (ld, 0, 0, 16),  # 7: args[0], low 32 bits (the flags)
-        (jset, 1, 0, CLONE_NEWUSER),  # 8: -> 10
-        (ret, 0, 0, allow),  # 9
-        (ret, 0, 0, errno_ret | 1),  # 10: EPERM
-        (ret, 0, 0, errno_ret | 38),  # 11: ENOSYS
-    ]
+    program = _seccomp_program(arch, refuse_shared_memory)
 
     class SockFilter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
@@ -518,6 +563,42 @@ def _apply_limits(
         lower(resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 1)
 
 
+def _post(
+    opener: urllib.request.OpenerDirector,
+    url: str,
+    body: bytes,
+    token: str,
+    timeout: float,
+    *,
+    refused: str,
+    unreachable: str,
+) -> bytes:
+    """POST the JSON ``body`` to ``url`` (the rollout's own endpoint) with its bearer ``token``,
+    waiting at most ``timeout`` seconds; returns the response body.
+
+    Raises:
+        RuntimeError: ``<refused> (HTTP <code>): <the server's message>`` for an HTTP error,
+            ``<unreachable>: <reason>`` when the endpoint cannot be reached (no chained traceback).
+    """
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+    )
+    error: str | None = None
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            raw: bytes = response.read()
+            return raw
+    except urllib.error.HTTPError as exc:
+        error = f"{refused} (HTTP {exc.code}): {_server_message(exc)}"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        error = f"{unreachable}: {reason}"
+    raise RuntimeError(error)
+
+
 def _server_message(err: urllib.error.HTTPError) -> str:
     try:
         raw = err.read()
@@ -560,6 +641,26 @@ class _UnixHandler(urllib.request.HTTPHandler):
         return self.do_open(lambda host, timeout=60.0, **kw: _UnixHTTPConnection(path, timeout), req)
 
 
+def _batch_results(raw: bytes, n: int, name: str, service: str) -> list[str]:
+    """The ``n`` string results of an ``llm_batch``/``rlm_batch`` response ``raw``, after printing
+    its summary; ``name`` and ``service`` word the error.
+
+    Raises:
+        RuntimeError: the response is not JSON with ``n`` string ``results``.
+    """
+    try:
+        payload = json.loads(raw)
+        results = payload["results"]
+        summary = payload.get("summary", "")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise RuntimeError(f"{name} got a malformed response from {service}") from None
+    if not isinstance(results, list) or len(results) != n or not all(isinstance(r, str) for r in results):
+        raise RuntimeError(f"{name} got a malformed response: expected {n} string results")
+    if summary:
+        print(summary if isinstance(summary, str) else str(summary))
+    return list(results)
+
+
 def _make_llm_batch(
     url: str,
     token: str,
@@ -572,6 +673,9 @@ def _make_llm_batch(
     if unix_socket:
         handlers.append(_UnixHandler(unix_socket))
     opener = urllib.request.build_opener(*handlers)
+    # The producer serves one batch of a rollout at a time and keeps a bounded number of its
+    # connections open (closing extras at once): threads of a cell wait here, not there.
+    in_flight = threading.BoundedSemaphore(8)
 
     def llm_batch(prompts: list[str]) -> list[str]:
         """Send a batch of prompts to sub-LLMs and return their answers, in order.
@@ -586,7 +690,8 @@ def _make_llm_batch(
 
         Raises:
             TypeError: ``prompts`` is not a list of str.
-            ValueError: the batch is over the limits (prompts, bytes); send smaller batches.
+            ValueError: the batch is over the limits (prompts, bytes), or a prompt is not valid
+                Unicode text (a lone surrogate); send smaller batches of text.
             RuntimeError: the batch was refused (for example the budget is spent)
                 or the sub-LLM service could not be reached.
         """
@@ -599,6 +704,13 @@ def _make_llm_batch(
                 )
         if not prompts:
             return []
+        for i, prompt in enumerate(prompts):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"llm_batch: prompts[{i}] is not valid Unicode text (a lone surrogate at character {exc.start})"
+                ) from None
         if len(prompts) > max_batch_prompts:
             raise ValueError(
                 f"llm_batch got {len(prompts)} prompts; at most {max_batch_prompts} per call: split the batch"
@@ -609,41 +721,139 @@ def _make_llm_batch(
                 f"llm_batch prompts take {len(body)} bytes; at most {max_batch_bytes} per call: "
                 "send shorter prompts or split the batch"
             )
-        request = urllib.request.Request(
-            url,
-            data=body,
-            method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
-        )
-        error: str | None = None
-        raw = b""
-        try:
-            with opener.open(request, timeout=timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            error = f"llm_batch failed (HTTP {exc.code}): {_server_message(exc)}"
-        except (urllib.error.URLError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-            error = f"llm_batch could not reach the sub-LLM service: {reason}"
-        if error is not None:
-            raise RuntimeError(error)
-        try:
-            payload = json.loads(raw)
-            results = payload["results"]
-            summary = payload.get("summary", "")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise RuntimeError("llm_batch got a malformed response from the sub-LLM service") from None
-        if (
-            not isinstance(results, list)
-            or len(results) != len(prompts)
-            or not all(isinstance(r, str) for r in results)
-        ):
-            raise RuntimeError(f"llm_batch got a malformed response: expected {len(prompts)} string results")
-        if summary:
-            print(summary if isinstance(summary, str) else str(summary))
-        return list(results)
+        with in_flight:
+            raw = _post(
+                opener, url, body, token, timeout,
+                refused="llm_batch failed", unreachable="llm_batch could not reach the sub-LLM service",
+            )  # fmt: skip
+        return _batch_results(raw, len(prompts), "llm_batch", "the sub-LLM service")
 
     return llm_batch
+
+
+def _make_rlm_batch(
+    url: str,
+    token: str,
+    timeout: float,
+    unix_socket: str | None = None,
+    max_batch_bytes: int = 64 * 1024 * 1024,
+    max_batch_prompts: int = 10_000,
+) -> Callable[[list[Any]], list[str]]:
+    """The REPL global ``rlm_batch``: posts its tasks to ``<url's folder>/rlm_batch``."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if unix_socket:
+        handlers.append(_UnixHandler(unix_socket))
+    opener = urllib.request.build_opener(*handlers)
+    rlm_url = url.rsplit("/", 1)[0] + "/rlm_batch"
+    in_flight = threading.BoundedSemaphore(8)
+
+    def rlm_batch(tasks: list[Any]) -> list[str]:
+        """Run each task as a child RLM (its own REPL and model) and return their answers, in order.
+
+        Args:
+            tasks: a list; each task is a prompt (str) or ``{"prompt": str, "context": JSON}``,
+                ``context`` (a str, list or dict) being the child's ``context`` variable.
+
+        Returns:
+            One answer string per task, in order (``[error] ...`` / ``[rejected] ...`` for a task
+            that failed or was refused). A summary of the batch is printed.
+
+        Raises:
+            TypeError: ``tasks`` is not a list of str or {"prompt": str, "context": JSON} dicts.
+            ValueError: the batch is over the limits (tasks, bytes), or a prompt or context is not
+                valid Unicode text; send smaller batches of text.
+            RuntimeError: the batch was refused or the service could not be reached.
+        """
+        if not isinstance(tasks, list):
+            raise TypeError(f"rlm_batch(tasks) expects a list, got {type(tasks).__name__}")
+        body_tasks: list[dict[str, Any]] = []
+        for i, task in enumerate(tasks):
+            if isinstance(task, str):
+                body_tasks.append({"prompt": task})
+                continue
+            if not isinstance(task, dict):
+                raise TypeError(
+                    f"rlm_batch(tasks): tasks[{i}] is {type(task).__name__}; "
+                    'give a str or {"prompt": str, "context": ...}'
+                )
+            strangers = sorted(str(k) for k in task if k not in ("prompt", "context"))
+            if strangers:
+                raise TypeError(f"rlm_batch(tasks): tasks[{i}] has unknown key(s) {', '.join(strangers)}")
+            if not isinstance(task.get("prompt"), str):
+                raise TypeError(f'rlm_batch(tasks): tasks[{i}]["prompt"] must be a str')
+            context = task.get("context")
+            if context is not None and not isinstance(context, (str, list, dict)):
+                raise TypeError(
+                    f'rlm_batch(tasks): tasks[{i}]["context"] must be a str, list or dict, not {type(context).__name__}'
+                )
+            body_tasks.append({"prompt": task["prompt"], "context": context})
+        if not body_tasks:
+            return []
+        if len(body_tasks) > max_batch_prompts:
+            raise ValueError(
+                f"rlm_batch got {len(body_tasks)} tasks; at most {max_batch_prompts} per call: split the batch"
+            )
+        try:
+            text = json.dumps({"tasks": body_tasks}, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise TypeError(f"rlm_batch(tasks): a context is not a JSON value: {exc}") from None
+        try:
+            body = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"rlm_batch: a prompt or context is not valid Unicode text (a lone surrogate at character {exc.start})"
+            ) from None
+        if len(body) > max_batch_bytes:
+            raise ValueError(
+                f"rlm_batch tasks take {len(body)} bytes; at most {max_batch_bytes} per call: "
+                "send shorter prompts and contexts or split the batch"
+            )
+        with in_flight:
+            raw = _post(
+                opener, rlm_url, body, token, timeout,
+                refused="rlm_batch failed", unreachable="rlm_batch could not reach the producer",
+            )  # fmt: skip
+        return _batch_results(raw, len(body_tasks), "rlm_batch", "the producer")
+
+    return rlm_batch
+
+
+def _make_root_tool(
+    spec: dict[str, Any], url: str, token: str, timeout: float, unix_socket: str | None, max_bytes: int
+) -> Callable[..., Any]:
+    """The REPL global of one root tool: posts its JSON arguments to ``<endpoint>/root_tool``."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if unix_socket:
+        handlers.append(_UnixHandler(unix_socket))
+    opener = urllib.request.build_opener(*handlers)
+    name = str(spec["name"])
+    tool_url = url.rsplit("/", 1)[0] + "/root_tool"
+
+    def tool(*args: Any, **kwargs: Any) -> Any:
+        try:
+            body = json.dumps({"name": name, "args": list(args), "kwargs": kwargs}).encode("utf-8", "surrogatepass")
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name}() takes JSON values (str, int, float, bool, None, list, dict): {exc}") from None
+        if len(body) > max_bytes:
+            raise ValueError(f"{name}() arguments take {len(body)} bytes of JSON; at most {max_bytes}")
+        raw = _post(
+            opener, tool_url, body, token, timeout,
+            refused=f"{name}() was refused", unreachable=f"{name}() could not reach the producer",
+        )  # fmt: skip
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            raise RuntimeError(f"{name}() got a malformed response from the producer") from None
+        if isinstance(payload, dict) and "result" in payload:
+            return payload["result"]
+        if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+            raise RuntimeError(payload["error"])
+        raise RuntimeError(f"{name}() got a malformed response from the producer")
+
+    tool.__name__ = tool.__qualname__ = name
+    tool.__doc__ = str(spec.get("doc") or "") or None
+    tool.__module__ = "__main__"
+    return tool
 
 
 def _strip_internal_frames(exc: traceback.TracebackException) -> None:
@@ -797,8 +1007,32 @@ def _stdio(fd: int) -> io.TextIOWrapper:
     )
 
 
+def _close_other_descriptors(keep: tuple[int, ...]) -> None:
+    """Close every descriptor from 3 up but ``keep``: the child starts with exactly the ones it
+    is given (fd 0-2 and its two pipes), whatever the parent's event loop left inheritable (uvloop
+    keeps a launcher's inheritable descriptors open across the spawn: a log file, a socket to a
+    Redis). ``os.closerange`` is ``close_range(2)`` where the kernel has it."""
+    low = 3
+    for fd in sorted(set(keep)):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, 1 << 20)
+    try:  # descriptors above the probe (a soft limit raised past 2**20): close them one by one
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own descriptor, already closed
+
+
 def main(argv: list[str]) -> int:
     cmd_fd, reply_fd = int(argv[1]), int(argv[2])
+    _close_other_descriptors((cmd_fd, reply_fd))  # first: before anything else runs here
     for fd in (cmd_fd, reply_fd):
         os.set_inheritable(fd, False)  # not leaked to processes the cell starts
     commands = open(cmd_fd, "rb")  # noqa: SIM115
@@ -810,6 +1044,11 @@ def main(argv: list[str]) -> int:
     init = json.loads(line)
     uid = _own_uid(init.get("run_as"))
     _share_read_only(uid, init["workdir"])  # context and packages: readable, never writable
+    if init.get("unix_socket"):  # the rollout's own socket: no other REPL's uid may connect to it
+        try:
+            _share_read_only(uid, os.path.dirname(init["unix_socket"]))
+        except OSError:
+            pass  # no such folder: llm_batch will say it cannot reach the service
     contained = _contain(init)
     paths = contained.pop("paths")
     if contained["fs_private"]:
@@ -817,7 +1056,9 @@ def main(argv: list[str]) -> int:
     else:
         _host_home(init["workdir"], uid)
     _drop_privileges(uid)
-    contained["no_user_namespaces"] = _forbid_user_namespaces()
+    refuse_shared_memory = bool(init.get("refuse_shared_memory"))
+    contained["no_user_namespaces"] = _forbid_user_namespaces(refuse_shared_memory)
+    contained["shared_memory_refused"] = refuse_shared_memory and contained["no_user_namespaces"]
     _die_with_the_producer(cmd_fd, uid is not None)
     _apply_limits(
         init.get("cpu_seconds"),
@@ -854,9 +1095,27 @@ def main(argv: list[str]) -> int:
                 int(init.get("max_batch_bytes") or 64 * 1024 * 1024),
                 int(init.get("max_batch_prompts") or 10_000),
             ),
+            "rlm_batch": _make_rlm_batch(
+                init["url"],
+                init["token"],
+                float(init["llm_batch_timeout"]),
+                paths["unix_socket"],
+                int(init.get("max_batch_bytes") or 64 * 1024 * 1024),
+                int(init.get("max_batch_prompts") or 10_000),
+            ),
             "answer": {"content": "", "ready": False},
         }
     )
+    for spec in init.get("tools") or []:  # root tools: run in the producer, reached like llm_batch
+        main_module.__dict__[str(spec["name"])] = _make_root_tool(
+            spec,
+            init["url"],
+            init["token"],
+            # the producer times the tool (and the wait for the rollout's call before it); a backstop
+            2 * float(init.get("tool_timeout") or 60.0) + 30.0,
+            paths["unix_socket"],
+            int(init.get("max_tool_bytes") or 1024 * 1024),
+        )
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
     del init, context

@@ -1,25 +1,24 @@
-"""One rollout's state and the root model's loop.
+"""One rollout's state.
 
 A :class:`Rollout` is everything one rollout carries from its first root turn to its result
-row: its ids, the sub-model and queue its ``llm_batch`` calls go to, its running figures
-(:class:`RolloutStats`), its trajectory and its messages. :func:`root_loop` is the RLM loop of
-the paper and of the verifiers ``RLMEnv``: the root model answers, each ``call_python_repl``
-tool call runs in the rollout's REPL, until ``answer["ready"]``, ``max_turns`` root turns,
-or a root reply without a tool call.
+row: its ids, the sub-model and queue its ``llm_batch`` calls go to, its options (no secrets),
+its budget ledger, its running figures (:class:`RolloutStats`), its trajectory and its
+messages. The root loop that fills it is :mod:`rlmq.producer.root_loop`; the engine that runs
+one rollout is :mod:`rlmq.producer.engine`.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlmq.common.schemas import DatasetRow, ResultRow, StopReason, SubLLMResult
-from rlmq.common.settings import Settings
-from rlmq.producer.repl import Repl
-from rlmq.producer.root import RootModel
-from rlmq.producer.scaffold import REPL_TOOL
+from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMResult
+from rlmq.common.settings import RolloutOptions
+from rlmq.producer.child_trajectory import KeptChildren
+from rlmq.producer.inflight import RolloutInFlight
+
+if TYPE_CHECKING:
+    from rlmq.producer.budget import RolloutBudget
 
 
 def normalize_answer(text: str | None) -> str:
@@ -36,7 +35,12 @@ class RolloutResult:
 
     ``trajectory`` is a list of events: ``{"type": "root", ...}`` per root turn,
     ``{"type": "cell", "code", "output", "seconds", ...}`` per REPL cell and
-    ``{"type": "llm_batch", "prompts", "results": [...]}`` per batch.
+    ``{"type": "llm_batch", "prompts", "results": [...]}`` per batch,
+    ``{"type": "rlm_batch", "batch_id", "seconds", "tasks", "results": [...]}`` per ``rlm_batch``
+    call (a result a child rollout answered carries ``child``: its depth, stop reason, metrics and
+    own trajectory, nested the same way; see :mod:`rlmq.producer.tree_metrics`) and
+    ``{"type": "root_tool", "name", "arguments", "ok", "result" | "error", "seconds"}`` per
+    root-tool call (arguments and result cut to a preview).
     """
 
     row: ResultRow
@@ -56,6 +60,13 @@ class RolloutStats:
     root_completion_tokens: int = 0
     repl_times: list[float] = field(default_factory=list)
     """Seconds of each REPL cell."""
+    root_tool_calls: dict[str, int] = field(default_factory=dict)
+    """Calls of each root (REPL) tool, by name (every tool of the environment, 0 when uncalled)."""
+    root_tool_seconds: float = 0.0
+    root_tool_errors: int = 0
+    rlm_batches: int = 0
+    """``rlm_batch`` calls that started child rollouts (their batch ids ``r1``, ``r2``, ...; the
+    tree's figures come from their trajectory events, :mod:`rlmq.producer.tree_metrics`)."""
 
     def metrics(self) -> dict[str, float | int]:
         """The result row's metrics (names of verifiers' ``RLMEnv`` plus rlmq's own)."""
@@ -83,7 +94,12 @@ class RolloutStats:
             "sub_llm_budget_waits": sum(r.budget_waits for r in sub),
             "sub_llm_budget_wait_seconds": round(sum(r.budget_wait_seconds for r in sub), 4),
             "sub_llm_truncated_count": sum(1 for r in sub if r.truncated),
+            "sub_llm_overrun_tokens": sum(r.overrun_tokens for r in sub),
             "sub_llm_queue_wait_seconds_mean": round(sum(waits) / len(waits), 5) if waits else 0.0,
+            "root_tool_call_count": sum(self.root_tool_calls.values()),
+            "root_tool_total_time_seconds": round(self.root_tool_seconds, 4),
+            "root_tool_error_count": self.root_tool_errors,
+            **{f"{name}_root_calls": n for name, n in self.root_tool_calls.items()},
         }
 
 
@@ -96,7 +112,8 @@ class Rollout:
         row: the dataset row.
         model / sub_model: root and sub-LLM model names.
         queue: the tenant queue its sub-calls are enqueued on.
-        settings: the environment's settings (every limit of this rollout).
+        options: every limit and knob of this rollout (no connection, no secret).
+        ledger: the rollout's sub-LLM budget in Redis (``None``: no budget).
     """
 
     id: str
@@ -104,15 +121,30 @@ class Rollout:
     model: str
     sub_model: str
     queue: str
-    settings: Settings
+    options: RolloutOptions
+    ledger: RolloutBudget | None = None
     stats: RolloutStats = field(default_factory=RolloutStats)
     trajectory: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    ledger_id: str = ""
+    """The budget ledger its calls charge (``""``: its own, id = the rollout id; a child rollout
+    of a tree carries its top rollout's)."""
+    nodes: tuple[str, ...] = ()
+    """Its tree chain, top .. itself, carried by its calls (empty for a top rollout: its calls
+    carry none; see :class:`~rlmq.common.tree.TreePosition`)."""
+    kept_children: KeptChildren = field(default_factory=KeptChildren)
+    """What is left of its allowance of child trajectories (issue 22, :mod:`rlmq.producer.child_trajectory`)."""
+    inflight: RolloutInFlight = field(init=False)
+    """Its sub-calls queued or running at once over all its batches (``max_sub_llm_parallelism``)."""
+
+    def __post_init__(self) -> None:
+        self.ledger_id = self.ledger_id or self.id
+        self.inflight = RolloutInFlight(self.options.max_sub_llm_parallelism)
 
     @property
     def budget(self) -> int | None:
         """The sub-LLM completion-token budget (``None``: no budget)."""
-        return self.settings.sub_llm_max_completion_tokens
+        return self.options.sub_llm_max_completion_tokens
 
     def start_batch(self, size: int) -> str:
         """Record a batch of ``size`` prompts; returns its id, ``b1``, ``b2``, ... (batch ids hold
@@ -120,97 +152,7 @@ class Rollout:
         self.stats.batches.append(size)
         return f"b{len(self.stats.batches)}"
 
-
-def _repl_code(arguments: str | None) -> str | None:
-    """The ``code`` string of a ``call_python_repl`` call's JSON arguments, or ``None``."""
-    try:
-        code = json.loads(arguments or "{}")["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) else None
-
-
-async def root_loop(root: RootModel, rollout: Rollout, repl: Repl) -> tuple[StopReason, str | None]:
-    """Run the root model's turns of ``rollout`` until it stops; returns (stop reason, final answer).
-
-    Each root call gets ``max_tokens`` = what is left of ``root_max_completion_tokens``
-    (tokens) when that is set. Tool calls other than ``call_python_repl(code)`` and
-    malformed arguments get an ``[error]`` tool message, not an exception.
-
-    Raises:
-        RlmqError: the root model failed past its retries (see :class:`RootModel`), or the
-            REPL could not run a cell.
-    """
-    s = rollout.settings
-    stats, trajectory, messages = rollout.stats, rollout.trajectory, rollout.messages
-    last_answer: str | None = None
-    for _turn in range(s.max_turns):
-        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [REPL_TOOL]}
-        if s.root_max_completion_tokens is not None:
-            left = s.root_max_completion_tokens - stats.root_completion_tokens
-            if left <= 0:
-                trajectory.append({"type": "note", "text": "root completion-token limit reached"})
-                return "max_turns", last_answer
-            kwargs["max_tokens"] = left
-        t0 = time.perf_counter()
-        resp = await root.chat(**kwargs)
-        stats.root_turns += 1
-        usage = getattr(resp, "usage", None)
-        if usage is not None:
-            stats.root_prompt_tokens += int(usage.prompt_tokens or 0)
-            stats.root_completion_tokens += int(usage.completion_tokens or 0)
-        msg = resp.choices[0].message
-        tool_calls = list(msg.tool_calls or [])
-        assistant: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
-        if tool_calls:
-            assistant["tool_calls"] = [
-                {
-                    "id": tc.id,
-                    "type": "function",
-                    "function": {"name": tc.function.name, "arguments": tc.function.arguments},
-                }
-                for tc in tool_calls
-            ]
-        messages.append(assistant)
-        trajectory.append(
-            {
-                "type": "root",
-                "content": msg.content or "",
-                "tool_calls": assistant.get("tool_calls", []),
-                "seconds": round(time.perf_counter() - t0, 4),
-                "usage": {
-                    "prompt": getattr(usage, "prompt_tokens", 0),
-                    "completion": getattr(usage, "completion_tokens", 0),
-                },
-            }
-        )
-        if not tool_calls:
-            return "no_tool_call", last_answer if last_answer else (msg.content or None)
-        for tc in tool_calls:
-            if tc.function.name != "call_python_repl":
-                out = f"[error] unknown tool {tc.function.name!r}; the only tool is call_python_repl(code)"
-                messages.append({"role": "tool", "tool_call_id": tc.id, "content": out})
-                continue
-            code = _repl_code(tc.function.arguments)
-            if code is None:
-                out = '[error] call_python_repl takes one string argument: {"code": "..."}'
-                messages.append({"role": "tool", "tool_call_id": tc.id, "content": out})
-                continue
-            cell = await repl.execute(code)
-            stats.repl_times.append(cell.seconds)
-            trajectory.append(
-                {
-                    "type": "cell",
-                    "code": code,
-                    "output": cell.output,
-                    "seconds": round(cell.seconds, 4),
-                    "timed_out": cell.timed_out,
-                    "restarted": cell.restarted,
-                }
-            )
-            messages.append({"role": "tool", "tool_call_id": tc.id, "content": cell.output})
-            if cell.answer_content:
-                last_answer = cell.answer_content
-            if cell.answer_ready:
-                return "answer_ready", cell.answer_content
-    return "max_turns", last_answer
+    def start_rlm_batch(self) -> str:
+        """Record an ``rlm_batch`` that starts child rollouts; returns its id, ``r1``, ``r2``, ..."""
+        self.stats.rlm_batches += 1
+        return f"r{self.stats.rlm_batches}"

@@ -7,6 +7,7 @@ the long input is never in the prompt, only described; the model reads it from c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlmq.common.settings import Verbosity
@@ -48,6 +49,9 @@ def root_system_prompt(
     sub_llm_max_turns: int = 5,
     max_output_length: int = 8192,
     parallelism: int = 64,
+    tools: Sequence[str] = (),
+    depth: int = 1,
+    max_depth: int = 1,
 ) -> str:
     """The root model's system message.
 
@@ -55,9 +59,12 @@ def root_system_prompt(
         context: the row's context (only its type and size are described).
         verbosity: light | medium | heavy.
         budget: the sub-LLM completion-token budget (tokens), or ``None`` for none.
-        max_turns: the root's turn limit; stated with medium and heavy verbosity, as are
+        max_turns: the root's turn limit (0 or less: none); stated with medium and heavy verbosity, as are
         sub_llm_max_turns (turns of one sub-LLM), max_output_length (characters of a cell's
             output) and parallelism (sub-LLM calls at once).
+        tools: one line per root tool (``RootTool.summary``): its signature and first doc line.
+        depth / max_depth: the rollout's depth in its rollout tree and the tree's limit (issue 22);
+            with ``max_depth`` 1 nothing is said of ``rlm_batch`` (the text is as before it).
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
@@ -71,6 +78,14 @@ def root_system_prompt(
         'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
         "cell; that ends the task.",
     ]
+    if max_depth > 1:
+        parts.append(rlm_batch_text(depth, max_depth))
+    if tools:
+        parts.append(
+            "These tools are also functions in the REPL; call them from your code (arguments and results "
+            "are JSON values; a failure raises RuntimeError with its message):\n"
+            + "\n".join(f"- {line}" for line in tools)
+        )
     if budget is not None:
         parts.append(
             f"Sub-LLM calls share a budget of {budget:,} completion tokens for this task. Each `llm_batch` "
@@ -78,9 +93,10 @@ def root_system_prompt(
             "finish with what you have."
         )
     if verbosity in ("medium", "heavy"):
+        turns = f"You have at most {max_turns} turns." if max_turns > 0 else "You have no turn limit, but a time limit."
         parts.append(
             f"Output of a cell is cut to {max_output_length:,} characters, so print summaries, not the whole "
-            f"context. You have at most {max_turns} turns. Up to {parallelism} sub-LLM calls run at once; "
+            f"context. {turns} Up to {parallelism} sub-LLM calls run at once; "
             f"each may take up to {sub_llm_max_turns} turns of its own."
         )
     if verbosity == "heavy":
@@ -93,6 +109,50 @@ def root_system_prompt(
     return "\n\n".join(parts)
 
 
+def rlm_batch_text(depth: int, max_depth: int) -> str:
+    """What the root scaffold says of ``rlm_batch`` at ``depth`` of a tree of ``max_depth`` (> 1).
+
+    Its first line is ``rlm_batch: recursive (depth D of M)`` below the limit, else
+    ``rlm_batch: plain sub-LLM calls (depth D of M)``: the line the scripted model reads
+    (:func:`rlmq.scripted.recursion.recursion_of`)."""
+    call = (
+        '`rlm_batch(tasks: list) -> list[str]` takes tasks, each a prompt str or `{"prompt": str, '
+        '"context": ...}` (a str, list or dict), and returns one answer per task, in order.'
+    )
+    if depth < max_depth:
+        return (
+            f"rlm_batch: recursive (depth {depth} of {max_depth})\n{call} Each task is solved by a child RLM like "
+            "you: its own REPL, with the task's `context` as its `context` variable and the prompt as its "
+            f"question. Your children can go {max_depth - depth - 1} level(s) deeper with `rlm_batch` of their "
+            "own. Use it for sub-problems that need code over a large input; use `llm_batch` for simple "
+            "questions (it is much cheaper)."
+        )
+    return (
+        f"rlm_batch: plain sub-LLM calls (depth {depth} of {max_depth})\n{call} You are at the deepest level: "
+        "your rlm_batch runs plain sub-LLM calls, each seeing its prompt with the task's context appended, "
+        "like `llm_batch`."
+    )
+
+
+def compose_system_prompt(scaffold: str, author: str | None, mode: str = "prepend") -> str:
+    """The root model's system message from the scaffold's text and the author's ``system_prompt``.
+
+    ``mode``: ``prepend`` (the author's text, a blank line, the scaffold's), ``append`` (the
+    scaffold's first) or ``replace`` (the author's alone). No author text (or only blanks, but
+    with ``replace``): the scaffold's.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in ("prepend", "append", "replace"):
+        raise ValueError(f"system_prompt_mode must be prepend, append or replace, not {mode!r}")
+    if author is None or (not author.strip() and mode != "replace"):
+        return scaffold
+    if mode == "replace":
+        return author
+    return f"{author}\n\n{scaffold}" if mode == "prepend" else f"{scaffold}\n\n{author}"
+
+
 def sub_system_prompt(verbosity: Verbosity = "light") -> str | None:
     """The sub-LLMs' system message (``None`` for light: the prompt alone)."""
     if verbosity == "light":
@@ -101,3 +161,18 @@ def sub_system_prompt(verbosity: Verbosity = "light") -> str | None:
     if verbosity == "heavy":
         text += " If the text does not contain the answer, reply exactly NOT FOUND."
     return text
+
+
+def context_warning(prompt_tokens: int, context_tokens: int) -> str:
+    """The warning the root model reads (appended to its next tool message) once a reply's prompt
+    reached ``context_warning_threshold`` of its context window.
+
+    Args:
+        prompt_tokens: the prompt tokens the server reported for the root's last reply.
+        context_tokens: the root model's context window (tokens).
+    """
+    share = prompt_tokens / context_tokens
+    return (
+        f"[context warning] This conversation uses {prompt_tokens:,} of your {context_tokens:,}-token context "
+        f'({share:.0%}). Finish now: set answer["content"] and answer["ready"] = True in your next cell.'
+    )

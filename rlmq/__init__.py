@@ -25,7 +25,41 @@ from __future__ import annotations
 
 import importlib
 from importlib.util import find_spec
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+
+def _check_layout() -> None:
+    """Stop with one clear line when ``rlmq/common`` (``producer``, ``workers``) is a file: a
+    checkout made without symlinks, where the links are text files and every
+    ``import rlmq.common...`` would fail far from the cause (a wheel holds real folders; an
+    editable install of that checkout maps the folders itself and passes).
+
+    Raises:
+        ImportError: a link of the checkout is not a folder.
+    """
+    here = Path(__file__).parent
+    for side in ("common", "producer", "workers"):
+        if (here / side).is_file() and not _mapped_here(side, here.parent / side):
+            raise ImportError(
+                f"{here / side} is a file, not a link to ../{side}: this checkout was made without symlinks. "
+                "Run `git config core.symlinks true && git checkout -f -- rlmq` in it, "
+                "or install a wheel (pip install .)"
+            )
+
+
+def _mapped_here(side: str, folder: Path) -> bool:
+    """Whether an import hook maps ``rlmq.<side>`` to this checkout's own ``folder`` (an
+    editable install, ``pip install -e .``, does: it needs no link)."""
+    try:
+        spec = find_spec(f"rlmq.{side}")
+    except (ImportError, ValueError):
+        return False
+    origin = spec.origin if spec is not None else None
+    return origin is not None and Path(origin).resolve().parent == folder.resolve()
+
+
+_check_layout()
 
 if TYPE_CHECKING:
     from rlmq.common.errors import ConfigError, RlmqError

@@ -10,6 +10,7 @@ When none can be had the tests fail loudly; they never skip.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -44,3 +45,17 @@ def real_redis(redis_url: str) -> Iterator[redis.Redis]:
     finally:
         client.flushdb()
         client.close()
+
+
+@pytest.fixture
+def sigint_delivered() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` during the test, as in a command typed at a terminal,
+    whatever the suite inherited: a script's ``cmd &``, ``nohup`` and some CI launchers start it
+    with SIGINT ignored, and a test that waits for its own Ctrl-C then waits forever. The
+    inherited disposition comes back after the test."""
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)

@@ -12,7 +12,12 @@
   them all, and the entry carries the requests, so a job's first budget reservation and,
   when unbudgeted, its model call start while its ``START`` is on the way (``START`` still
   decides who runs the job; a lost race cancels the early call). This is the light-load
-  path (see ``bench/README.md``).
+  path (see ``bench/README.md``). Only an entry that reached a worker waiting in ``BLPOP``
+  starts calls early: one that was already in the lane (nobody was popping when it came,
+  ``LPOP`` found it) may name jobs a worker has taken from the queue since, and is served
+  through ``START`` alone; nor does a worker start an early call for a job it took from its
+  queue itself. (An early call the model answered for a job another worker took is a
+  second answer to that sub-call: a wasted call, dropped by the producer.)
 
 Redis errors (a lost connection, or an error reply such as ``READONLY`` during a failover)
 are logged and retried with backoff; anything else escapes to the worker's supervisor.
@@ -24,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,8 +38,9 @@ import redis
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.errors import PayloadError
-from rlmq.common.schemas import LaneEntry, load_lane_entry
-from rlmq.workers.records import StartedJob
+from rlmq.common.jobstore import StartedJob
+from rlmq.common.schemas import LaneEntry, SubLLMRequest, load_lane_entry
+from rlmq.workers.capacity import MODEL_CALLS, fetch_shares
 
 if TYPE_CHECKING:
     from rlmq.workers.worker import SubLLMWorker
@@ -44,6 +51,15 @@ T = TypeVar("T")
 LANE_EARLY_MAX_AGE = 1.0
 """Seconds: a lane entry older than this (producer's clock against the worker's) starts no
 call before ``START``; its jobs have most likely been taken from the queue already."""
+
+IDLE_WAIT_SECONDS = 1.0
+"""Longest wait of a fetch round that found no job it could take (then it peeks again)."""
+
+TAKEN_MEMORY_SECONDS = 10.0
+"""Seconds a worker remembers the jobs it took from its queues (not from a lane entry): a lane
+entry naming one of them in that time starts no early call for it (the job ran, or runs, here
+already; an early call would have the model answer it twice). Longer than
+:data:`LANE_EARLY_MAX_AGE` plus any clock difference worth serving with."""
 
 
 async def _gather(aws: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -63,6 +79,16 @@ def _cancel_early(pair: tuple[asyncio.Task[None], asyncio.Future[StartedJob]]) -
     claim.cancel()
 
 
+def _carries(w: SubLLMWorker, job: StartedJob, request: SubLLMRequest | None) -> bool:
+    """True when the lane entry's copy of a request is the job's own (the lane is a shared
+    hint any producer may write; the job hash, confined to its tenant, is the record)."""
+    try:
+        _, payload = w.kinds.decode(job.data)
+    except PayloadError:
+        return False
+    return request is not None and payload == request
+
+
 class Fetcher:
     """Takes jobs for one worker: round-robin over its queues, wake-ups and the lane.
 
@@ -72,12 +98,34 @@ class Fetcher:
 
     def __init__(self, worker: SubLLMWorker) -> None:
         self.w = worker
-        self.queues: list[str] = [worker.queue]
-        """The queues served, in round-robin order (the worker's own and its tenants)."""
+        self.queues: list[str] = [worker.queue, *worker.child_queues()]
+        """The queues served, in round-robin order (the worker's own and its tenants; a REPL
+        host's child queues, one per depth, and their tenants)."""
         self._wake = asyncio.Event()
         self._hints: dict[str, list[str]] = {}  # queue -> job ids named by wake-ups (idle fast path)
-        self._lane_pop: asyncio.Task[LaneEntry | None] | None = None
+        self._lane_pop: asyncio.Task[tuple[LaneEntry, bool] | None] | None = None  # (entry, fresh)
         self._bad_queues: set[str] = set()  # queues whose last peek failed (logged once)
+        self._taken: dict[str, float] = {}  # job id -> when this worker took it from a queue
+        self._taken_order: deque[tuple[float, str]] = deque()  # the same, oldest first (for pruning)
+
+    # ------------------------------------------------------------------ jobs taken from the queues
+
+    def remember_taken(self, job_id: str, now: float | None = None) -> None:
+        """Note that this worker took ``job_id`` from a queue (``now``: monotonic seconds);
+        forgets what it took more than :data:`TAKEN_MEMORY_SECONDS` ago."""
+        now = time.monotonic() if now is None else now
+        self._taken[job_id] = now
+        self._taken_order.append((now, job_id))
+        horizon = now - TAKEN_MEMORY_SECONDS
+        while self._taken_order and self._taken_order[0][0] < horizon:
+            when, old = self._taken_order.popleft()
+            if self._taken.get(old) == when:
+                del self._taken[old]
+
+    def took(self, job_id: str) -> bool:
+        """Whether this worker took ``job_id`` from a queue in the last :data:`TAKEN_MEMORY_SECONDS`."""
+        when = self._taken.get(job_id)
+        return when is not None and time.monotonic() - when <= TAKEN_MEMORY_SECONDS
 
     # ------------------------------------------------------------------ queues
 
@@ -85,16 +133,17 @@ class Fetcher:
         """Find the tenant queues of this worker's queue (``rq:queues`` holds every queue key)."""
         w = self.w
         members: set[bytes] = await w.redis.smembers(K.RQ_QUEUES)  # type: ignore[assignment]
-        found = sorted(q for q in map(K.queue_of_key, members) if K.serves(w.queue, q))
-        if w.queue not in found:
-            found.insert(0, w.queue)
+        found = sorted(q for q in map(K.queue_of_key, members) if w.pool_of_queue(q) is not None)
+        for own in reversed([w.queue, *w.child_queues()]):
+            if own not in found:
+                found.insert(0, own)
         # keep the round-robin position of known queues; new ones join at the end
         self.queues = [q for q in self.queues if q in found] + [q for q in found if q not in self.queues]
 
     def adopt(self, queue: str) -> bool:
-        """Whether this worker serves ``queue`` (its own or one of its tenants); a tenant it
-        did not know yet joins the round-robin from the next round on."""
-        if not K.serves(self.w.queue, queue):
+        """Whether this worker serves ``queue`` (its own or one of its tenants, or a child queue
+        it hosts); a tenant it did not know yet joins the round-robin from the next round on."""
+        if self.w.pool_of_queue(queue) is None:
             return False
         if queue not in self.queues:
             self.queues.append(queue)
@@ -109,7 +158,7 @@ class Fetcher:
         while True:
             pubsub = self.w.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(K.wake_channel(self.w.queue))
+                await pubsub.subscribe(*{K.wake_channel(q) for q in [self.w.queue, *self.w.child_queues()]})
                 backoff = 0.1
                 async for msg in pubsub.listen():
                     data = msg.get("data")
@@ -140,8 +189,10 @@ class Fetcher:
         after_lane = False  # the last round served a lane entry: peek again only when woken
         try:
             while not w.stopping.is_set():
-                free = w.concurrency - len(jobs) + min(w.ledger.parked, w.max_parked)
-                entry = self._popped_lane_entry()
+                free = w.capacity.free(MODEL_CALLS)  # the pool of the sub-LLM jobs (and of the lane)
+                frees = {pool: w.capacity.free(pool) for pool in w.capacity.pools}
+                popped = self._popped_lane_entry()
+                entry, fresh = popped if popped is not None else (None, False)
                 announced = self._wake.is_set() or bool(self._hints)  # other work announced meanwhile
                 if entry is not None and (free <= 0 or not (idle or after_lane) or announced):
                     # Popped by a pop left waiting from an idle spell, but this worker has found
@@ -152,7 +203,7 @@ class Fetcher:
                     with contextlib.suppress(redis.RedisError, OSError):
                         await self._pass_on(entry)
                     entry = None
-                if free <= 0:
+                if all(f <= 0 for f in frees.values()):
                     jobs.slot_free.clear()
                     slot = asyncio.create_task(jobs.slot_free.wait())
                     await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
@@ -164,34 +215,31 @@ class Fetcher:
                         await self.discover_queues()
                         last_discovery = time.monotonic()
                     if entry is not None:
-                        await self._take_lane_entry(entry, free)
+                        await self._take_lane_entry(entry, free, fresh=fresh)
                         idle, after_lane, backoff = False, True, 0.1
                         continue
                     woken = self._wake.is_set()
                     self._wake.clear()
                     hints, self._hints = self._hints, {}
                     queues = list(self.queues)
+                    # each queue's equal share of its own pool's free slots (0: its pool is full)
+                    shares = fetch_shares(frees, [(q, w.pool_of_queue(q) or MODEL_CALLS) for q in queues])
                     peeked: list[list[bytes]]
                     if idle and hints:
                         # Idle worker, woken by a batch that named its jobs: take them without
                         # peeking (one round trip saved). Jobs another worker took first are
                         # skipped by START; under load the round-robin peek below decides instead.
-                        peeked = [[j.encode() for j in hints.get(q, [])][:free] for q in queues]
+                        peeked = [[j.encode() for j in hints.get(q, [])][: shares[q]] for q in queues]
                     elif after_lane and not woken and not hints:
                         peeked = []  # nothing announced since the lane entry: wait for the next one
                     else:
-                        share = max(1, -(-free // len(queues)))  # ceil: an equal share of the free slots each
-                        async with w.redis.pipeline(transaction=False) as pipe:
-                            for q in queues:
-                                pipe.lrange(K.rq_queue(q), 0, min(share, 500) - 1)
-                            outcomes = await pipe.execute(raise_on_error=False)
-                        peeked = self._usable(queues, outcomes)
+                        peeked = await self._peek(queues, shares)
                     idle = after_lane = False
                     if not any(peeked):
                         idle = True
                         if burst and not len(jobs):
                             return
-                        await self._wait_for_work(burst)
+                        await self._wait_for_work(burst, pool_full=any(f <= 0 for f in frees.values()))
                         if time.monotonic() - last_discovery > 0.5:
                             last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
                         continue
@@ -213,10 +261,28 @@ class Fetcher:
                     continue
                 for (q, _), started in zip(taken, started_by_queue, strict=True):
                     for job in started:
+                        self.remember_taken(job.job_id)
                         w.spawn(job, q)
                 w.update_gauge()
         finally:
             await self._stop_lane_pop()
+
+    async def _peek(self, queues: list[str], shares: dict[str, int]) -> list[list[bytes]]:
+        """The first ``shares[q]`` job ids of each queue ``q`` (one round trip; a queue of share 0
+        is not read).
+
+        Raises:
+            redis.RedisError: the round trip failed.
+        """
+        read = [q for q in queues if shares[q] > 0]
+        if not read:
+            return [[] for _ in queues]
+        async with self.w.redis.pipeline(transaction=False) as pipe:
+            for q in read:
+                pipe.lrange(K.rq_queue(q), 0, shares[q] - 1)
+            outcomes = await pipe.execute(raise_on_error=False)
+        got = dict(zip(read, self._usable(read, outcomes), strict=True))
+        return [got.get(q, []) for q in queues]
 
     def _usable(self, queues: list[str], outcomes: list[Any]) -> list[list[bytes]]:
         """The peeked job ids per queue; a queue whose peek failed counts as empty this round.
@@ -237,17 +303,22 @@ class Fetcher:
                 peeked.append(o)
         return peeked
 
-    async def _wait_for_work(self, burst: bool) -> None:
-        """Wait (at most a second) for a wake-up, a lane entry, a stop, or in burst mode a free slot."""
+    async def _wait_for_work(self, burst: bool, *, pool_full: bool = False) -> None:
+        """Wait (at most :data:`IDLE_WAIT_SECONDS`) for a wake-up, a lane entry, a stop, or a free
+        slot: in burst mode, or when ``pool_full`` (a pool had no free slot this round, so jobs of
+        its queues may be waiting that no wake-up will announce again: the round that freed the
+        slot must peek at once, not after the timeout)."""
         w = self.w
         waiter = asyncio.create_task(self._wake.wait())
         stop = asyncio.create_task(w.stopping.wait())
-        slot = asyncio.create_task(w.jobs.slot_free.wait()) if burst else None
+        slot = asyncio.create_task(w.jobs.slot_free.wait()) if burst or pool_full else None
         pending = {waiter, stop} | ({slot} if slot else set())
         if not burst and self._lane_pop is None:
             self._lane_pop = asyncio.create_task(self._pop_lane(), name="lane")
         await asyncio.wait(
-            pending | ({self._lane_pop} if self._lane_pop else set()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+            pending | ({self._lane_pop} if self._lane_pop else set()),
+            timeout=IDLE_WAIT_SECONDS,
+            return_when=asyncio.FIRST_COMPLETED,
         )
         for t in pending:
             t.cancel()  # the lane pop stays pending across rounds: cancelling it could drop an entry
@@ -255,23 +326,34 @@ class Fetcher:
 
     # ------------------------------------------------------------------ the lane
 
-    async def _pop_lane(self) -> LaneEntry | None:
-        """Wait up to a second for one entry of this queue's lane (``None``: none came)."""
+    async def _pop_lane(self) -> tuple[LaneEntry, bool] | None:
+        """One entry of this queue's lane and whether it is *fresh*, waiting up to a second
+        (``None``: none came).
+
+        An entry already in the lane (``LPOP`` finds it) is not fresh: nobody was popping when
+        it came, so its jobs may have been taken from the queue since (by this worker too). A
+        fresh one came while this worker waited in ``BLPOP``: only a peek in the moment between
+        the enqueue and this worker's ``START`` can have taken its jobs.
+        """
+        lane = K.lane(self.w.queue)
         try:
-            got = await self.w.redis.blpop([K.lane(self.w.queue)], timeout=1)
+            lingering: bytes | None = await self.w.redis.lpop(lane)  # type: ignore[assignment]
+            got = None if lingering is not None else await self.w.redis.blpop([lane], timeout=1)
         except (redis.RedisError, OSError):
             await asyncio.sleep(0.1)  # reconnect backoff; the fetch loop reports the outage
             return None
-        if got is None:
+        raw = lingering if lingering is not None else got[1] if got is not None else None
+        if raw is None:
             return None
         try:
-            return load_lane_entry(got[1])
+            return load_lane_entry(raw), lingering is None
         except PayloadError as exc:
             log.warning("worker %s: dropped an invalid lane entry (%s)", self.w.name, exc)
             return None
 
-    def _popped_lane_entry(self) -> LaneEntry | None:
-        """The entry the lane pop brought, once it is done (then a new pop may start)."""
+    def _popped_lane_entry(self) -> tuple[LaneEntry, bool] | None:
+        """The entry the lane pop brought and whether it is fresh, once it is done (then a new
+        pop may start)."""
         t = self._lane_pop
         if t is None or not t.done():
             return None
@@ -285,11 +367,11 @@ class Fetcher:
         t = self._lane_pop
         if t is not None and not t.done():
             await cancel_and_wait([t])
-        entry = self._popped_lane_entry()
+        popped = self._popped_lane_entry()
         self._lane_pop = None
-        if entry is not None:
+        if popped is not None:
             with contextlib.suppress(redis.RedisError, OSError):
-                await self._pass_on(entry)
+                await self._pass_on(popped[0])
 
     async def _pass_on(self, entry: LaneEntry) -> None:
         """Wake the other workers for a lane entry this worker does not take. The wake-up
@@ -297,7 +379,7 @@ class Fetcher:
         in queue order, behind any older ones."""
         await self.w.redis.publish(K.wake_channel(entry.queue), K.wake_message(entry.queue))
 
-    async def _take_lane_entry(self, entry: LaneEntry, free: int) -> None:
+    async def _take_lane_entry(self, entry: LaneEntry, free: int, *, fresh: bool = True) -> None:
         """Take the jobs of a lane entry with ``START``, starting each fresh one while ``START`` is on the way.
 
         A job whose request the entry carries starts *before* ``START`` answers (the
@@ -311,7 +393,9 @@ class Fetcher:
         ``START``), the early call is cancelled and counted as ``lost``. An entry older than
         ``LANE_EARLY_MAX_AGE`` (by the two hosts' clocks) starts nothing early: its jobs are
         likely gone, or re-queued as a later attempt (then the early reservation, never
-        spent, would stay charged in full: a waste of budget, never an overshoot).
+        spent, would stay charged in full: a waste of budget, never an overshoot). Nor does an
+        entry that is not ``fresh`` (see :meth:`_pop_lane`), nor a job this worker took from
+        the queue itself (:meth:`took`): an early call would be the model's second answer to it.
         """
         w = self.w
         queue = entry.queue
@@ -322,12 +406,12 @@ class Fetcher:
         if len(jobs) < len(entry.jobs):
             await self._pass_on(LaneEntry(queue=queue, enqueued_at=entry.enqueued_at, jobs=entry.jobs[free:]))
         early: dict[str, tuple[asyncio.Task[None], asyncio.Future[StartedJob]]] = {}
-        if abs(time.time() - entry.enqueued_at) <= LANE_EARLY_MAX_AGE:
+        if fresh and w.settings.lane_early_calls and abs(time.time() - entry.enqueued_at) <= LANE_EARLY_MAX_AGE:
             loop = asyncio.get_running_loop()
             for j in jobs:
-                if j.request is not None:
+                if j.request is not None and not self.took(j.job_id):
                     claim: asyncio.Future[StartedJob] = loop.create_future()
-                    task = w.jobs.add_task(w.call(j.request, j.job_id, 1, claim))
+                    task = w.jobs.add_task(w.sub_llm.call(j.request, j.job_id, 1, claim))
                     early[j.job_id] = (task, claim)
             if early:
                 await asyncio.sleep(0)  # yield once: the early calls go out before START does
@@ -337,14 +421,15 @@ class Fetcher:
             for early_call in early.values():
                 _cancel_early(early_call)
             raise
+        carried = {j.job_id: j.request for j in jobs}
         for job in started:
             pair = early.pop(job.job_id, None)
-            if pair is not None and job.attempt == 1:
+            if pair is not None and job.attempt == 1 and _carries(w, job, carried[job.job_id]):
                 w.jobs.track(job, queue)
                 pair[1].set_result(job)
                 w.metrics.lane_job("early")
             else:
-                if pair is not None:  # a re-queued job (attempt > 1): run it from its own record
+                if pair is not None:  # re-queued (attempt > 1), or the lane lied: run it from its own record
                     _cancel_early(pair)
                 w.spawn(job, queue)
                 w.metrics.lane_job("after_start")

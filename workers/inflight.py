@@ -11,7 +11,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from rlmq.workers.records import FinishedJob, StartedJob
+from rlmq.common.jobstore import FinishedJob, StartedJob
+from rlmq.workers.capacity import MODEL_CALLS, Capacity
 
 
 class InFlight:
@@ -19,12 +20,15 @@ class InFlight:
 
     Args:
         default_queue: the worker's own queue (where a job of unknown origin is counted).
+        capacity: the worker's pools; a held job holds a slot of its pool (see :meth:`track`).
     """
 
-    def __init__(self, default_queue: str) -> None:
+    def __init__(self, default_queue: str, capacity: Capacity) -> None:
         self.default_queue = default_queue
+        self.capacity = capacity
         self._jobs: dict[str, StartedJob] = {}  # member ``job:exec`` -> job
         self._queue_of: dict[str, str] = {}  # member -> the queue it came from
+        self._pool_of: dict[str, str] = {}  # member -> the capacity pool it holds a slot of
         self._running: set[str] = set()  # members whose call has not produced a result yet
         self.tasks: set[asyncio.Task[None]] = set()
         """Tasks of sub-calls (including early lane calls that may still be cancelled)."""
@@ -55,8 +59,15 @@ class InFlight:
         any producer can see the last result)."""
         return len(self._running)
 
-    def track(self, job: StartedJob, queue: str) -> None:
-        """Hold ``job`` (taken from ``queue``)."""
+    def track(self, job: StartedJob, queue: str, pool: str = MODEL_CALLS) -> None:
+        """Hold ``job`` (taken from ``queue``) with a slot of ``pool``.
+
+        Raises:
+            KeyError: no such pool.
+        """
+        if job.member not in self._jobs:
+            self.capacity.hold(pool)
+            self._pool_of[job.member] = pool
         self._jobs[job.member] = job
         self._queue_of[job.member] = queue
         self._running.add(job.member)
@@ -92,7 +103,8 @@ class InFlight:
     def release(self, members: list[str]) -> None:
         """Forget jobs (recorded, handed back, or left to the reaper); frees their slots."""
         for m in members:
-            self._jobs.pop(m, None)
+            if self._jobs.pop(m, None) is not None:
+                self.capacity.let_go(self._pool_of.pop(m))
             self._queue_of.pop(m, None)
             self._running.discard(m)
         self.slots_changed()

@@ -24,8 +24,9 @@ from redis.asyncio import Redis
 from rq import get_current_job
 
 from rlmq.common import keys as K
+from rlmq.common.jobstore import DEFAULT_REPLY_TTL
 from rlmq.common.ledger import BudgetLedger
-from rlmq.common.rqjobs import F_REPLY
+from rlmq.common.rqjobs import F_REPLY, F_REPLY_TTL
 from rlmq.common.schemas import load_request
 from rlmq.common.settings import load_settings
 from rlmq.workers.model import ChatClient
@@ -51,8 +52,9 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
     job = get_current_job()
     if job is None:
         raise RuntimeError("run_sub_llm must run as an RQ job")
-    reply_raw = job.connection.hget(K.rq_job(job.id), F_REPLY)
+    reply_raw, reply_ttl_raw = job.connection.hmget(K.rq_job(job.id), [F_REPLY, F_REPLY_TTL])
     reply_key = reply_raw.decode() if isinstance(reply_raw, bytes) else str(reply_raw)
+    reply_ttl = int(reply_ttl_raw) if reply_ttl_raw else DEFAULT_REPLY_TTL  # the producer's, never ours
     settings = load_settings()
     started = time.time()
 
@@ -63,14 +65,14 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
         try:
             ctx = SubLLMContext(
                 client=client,
-                ledger=BudgetLedger(redis, ttl=settings.rollout_key_ttl),
+                ledger=BudgetLedger(redis),
                 tools=ToolRegistry.from_paths(settings.allowed_sub_tools),
                 worker_name=f"rq:{job.worker_name or ''}",
             )
             result = await _run(request, ctx, job_id=job.id, started_at=started)
             async with redis.pipeline(transaction=False) as pipe:
                 pipe.xadd(reply_key, {K.REPLY_FIELD: result.model_dump_json()})
-                pipe.expire(reply_key, settings.rollout_key_ttl)
+                pipe.expire(reply_key, reply_ttl)
                 await pipe.execute()
             return {"status": result.status, "completion_tokens": result.completion_tokens, "turns": result.turns}
         finally:

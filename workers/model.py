@@ -49,6 +49,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.stop import stop_base
 from tenacity.wait import wait_base, wait_random_exponential
 
+from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError, ModelError
 from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
@@ -97,18 +98,19 @@ def _valid_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
-def clamp_usage(response: ChatResponse, max_tokens: int | None) -> ChatResponse:
-    """Cap a reported completion-token count at the ``max_tokens`` the call sent.
+def note_overrun(response: ChatResponse, max_tokens: int | None) -> ChatResponse:
+    """Log a reported completion-token count above the ``max_tokens`` the call sent.
 
-    A server that honours ``max_tokens`` never reports more; one that does (a lie, or an
-    overrun) is charged at the cap, which for a budgeted call is its grant, and logged.
+    A server that honours ``max_tokens`` never reports more; one that does (it ignores
+    ``max_tokens``) is counted as it reported: charged to the budget in full, the excess
+    recorded as an overrun (the ledger's ``overrun``, the result's ``overrun_tokens``).
     """
     if max_tokens is not None and response.completion_tokens > max_tokens:
         log.warning(
-            "model server reported %d completion tokens for max_tokens=%d: an overrun; counted as %d",
-            response.completion_tokens, max_tokens, max_tokens,
+            "model server reported %d completion tokens for max_tokens=%d: it ignores max_tokens; "
+            "charged in full, %d recorded as an overrun",
+            response.completion_tokens, max_tokens, response.completion_tokens - max_tokens,
         )  # fmt: skip
-        response.completion_tokens = max_tokens
     return response
 
 
@@ -260,6 +262,47 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResp
     )
 
 
+FAILURE_LOG_SECONDS = 30.0
+"""At most one log line per this many seconds about a failing model server (per client)."""
+
+
+class FailureLog:
+    """Says in the log that a model server is failing: the first failed call at once, then at
+    most one line every ``interval`` seconds with how many calls failed since the last line.
+
+    Args:
+        base_url: the server, named in the line.
+        interval: seconds between two lines.
+        clock: monotonic seconds (a seam for tests).
+    """
+
+    def __init__(self, base_url: str, interval: float = FAILURE_LOG_SECONDS, clock: Any = time.monotonic) -> None:
+        self.base_url = base_url
+        self.interval = interval
+        self.clock = clock
+        self.failed = 0
+        self.succeeded = 0
+        self._last: float | None = None
+
+    def ok(self) -> None:
+        """Count a call that the server answered."""
+        self.succeeded += 1
+
+    def failure(self, error: ModelError) -> None:
+        """Count a call that failed past its retries; log when the last line is old enough."""
+        self.failed += 1
+        now = self.clock()
+        if self._last is not None and now - self._last < self.interval:
+            return
+        since = "" if self._last is None else f" in the last {now - self._last:.0f} s"
+        log.warning(
+            "model server %s is failing: %d sub-LLM model call(s) failed%s, %d answered (last: %s)",
+            mask_url(self.base_url), self.failed, since, self.succeeded, error,
+        )  # fmt: skip
+        self._last = now
+        self.failed = self.succeeded = 0
+
+
 class ChatClient:
     """OpenAI-compatible chat-completions client with retries, over a :class:`Transport`.
 
@@ -308,6 +351,8 @@ class ChatClient:
         self.transport: Transport = transport if transport is not None else AiohttpTransport(max_connections)
         self.attempts = 0
         """HTTP attempts made by this client (for metrics and tests)."""
+        self.failures = FailureLog(self.base_url)
+        """Logs, rate-limited, that the server is failing."""
 
     async def chat(
         self,
@@ -317,6 +362,7 @@ class ChatClient:
         max_tokens: int | None = None,
         tools: list[dict[str, Any]] | None = None,
         temperature: float | None = None,
+        sampling: dict[str, Any] | None = None,
         user: str | None = None,
         deadline: float | None = None,
         session_id: str | None = None,
@@ -329,6 +375,8 @@ class ChatClient:
             max_tokens: completion-token cap sent as ``max_tokens`` (omitted when ``None``).
             tools: OpenAI tool schemas (omitted when empty).
             temperature: sampling temperature (omitted when ``None``).
+            sampling: more request fields (``top_p``, a server's own keys), sent as they are;
+                the fields above win over any of the same name.
             user: the OpenAI ``user`` field (rlmq sends the rollout id).
             deadline: Unix time (seconds) after which no attempt starts and no retry waits.
             session_id: sent as the ``X-Session-ID`` header (omitted when ``None``).
@@ -340,7 +388,7 @@ class ChatClient:
             ModelError: the server failed and the retry layer gave up (``status`` is the last
                 HTTP status, ``None`` when no response came back), or the deadline passed.
         """
-        payload: dict[str, Any] = {"model": model, "messages": messages}
+        payload: dict[str, Any] = {**(sampling or {}), "model": model, "messages": messages}
         if max_tokens is not None:
             payload["max_tokens"] = max_tokens
         if tools:
@@ -356,11 +404,14 @@ class ChatClient:
         # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
         # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
         try:
-            return clamp_usage(await self._attempt(data, messages, deadline, send), max_tokens)
+            response = note_overrun(await self._attempt(data, messages, deadline, send), max_tokens)
         except _Failure as exc:
             if not exc.retryable or self.retries == 0:
                 raise self._give_up(exc, 1, False) from None
             first: _Failure | None = exc
+        else:
+            self.failures.ok()
+            return response
         attempts = 0
 
         async def attempt() -> ChatResponse:
@@ -383,12 +434,13 @@ class ChatClient:
             reraise=True,
         )
         try:
-            return clamp_usage(await retrying(attempt), max_tokens)
+            response = note_overrun(await retrying(attempt), max_tokens)
         except _Failure as exc:
             raise self._give_up(exc, attempts, at_deadline is not None and at_deadline.hit) from None
+        self.failures.ok()
+        return response
 
-    @staticmethod
-    def _give_up(exc: _Failure, attempts: int, deadline_hit: bool) -> ModelError:
+    def _give_up(self, exc: _Failure, attempts: int, deadline_hit: bool) -> ModelError:
         message = exc.message
         if exc.retryable:
             message += f" after {attempts} attempt{'s' if attempts != 1 else ''}"
@@ -396,7 +448,9 @@ class ChatClient:
                 message += " (gave up: the next retry would pass the call's deadline)"
         if exc.detail:
             message += f": {exc.detail}"
-        return ModelError(message, exc.status)
+        error = ModelError(message, exc.status)
+        self.failures.failure(error)
+        return error
 
     async def _attempt(
         self, data: bytes, messages: list[dict[str, Any]], deadline: float | None, send: dict[str, str]

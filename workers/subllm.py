@@ -6,8 +6,11 @@ rlmq's hard budget: before **every** model call the worker reserves a grant (at 
 ledger's per-call cap) in the rollout's Redis ledger, waiting for a release when running
 calls hold the rest (:meth:`~rlmq.common.ledger.BudgetLedger.acquire`), and calls the model
 with ``max_tokens`` = that grant, then settles the reservation with what the server
-reported. There is no unbudgeted forced final-answer call: when the budget runs out
-mid-loop, the loop ends with the best answer it already has. Whether a call is budgeted is
+reported. When the loop reaches ``max_turns`` with tool calls, the reference's forced
+final-answer turn follows (``final_answer_turn``, on by default): the tools' results, then one
+more model call without tools, asked for the final answer; it reserves like any other turn
+and is skipped (``final_turn="skipped"``) when the budget has nothing left for it, so it never
+overshoots. When the budget runs out mid-loop, the loop ends with the best answer it has. Whether a call is budgeted is
 the ledger's to say: a job claiming ``budgeted: false`` for a rollout that has a ledger is
 budgeted all the same. A result reports its waits (``budget_waits``,
 ``budget_wait_seconds``) and whether its last turn was cut (``truncated``,
@@ -46,12 +49,12 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
 from rlmq.common.errors import ModelError, PayloadError
-from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, WAITED_OUT, BudgetLedger, Grant
+from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
@@ -81,6 +84,12 @@ class SubLLMContext:
     worker_name: str
     include_messages: bool = False
     tool_timeout: float = 30.0
+
+
+FINAL_ANSWER_PROMPT = (
+    "You have used all your tool-calling turns. Give your final answer now, from what you have; no more tool calls."
+)
+"""The user message of the forced final-answer turn (as the reference's, tools no longer offered)."""
 
 
 class _Stop(Exception):
@@ -118,9 +127,11 @@ class _Run:
         self.grants = 0
         self.granted_tokens = 0
         self.released_tokens = 0
+        self.overrun_tokens = 0
         self.waits = 0
         self.wait_seconds = 0.0
         self.truncated = False
+        self.final_turn: Literal["answered", "skipped"] | None = None
         self.seen_ledger = False
         self.messages: list[dict[str, Any]] = []
 
@@ -132,20 +143,24 @@ class _Run:
             offered = {t["function"]["name"] for t in tools}
         else:
             tools, offered = [], set()
-        if request.budgeted and ctx.ledger is None:
+        if request.must_be_budgeted and ctx.ledger is None:
             raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
         # Whether the call is budgeted, and its limit, is the ledger's to say, not the job's: a job
         # claiming `budgeted: false` is checked against Redis unless its rollout is known to have
         # no ledger (the producer opens a ledger before it enqueues any job of its rollout).
         ledger = ctx.ledger
-        check = ledger is not None and (request.budgeted or not ledger.known_unbudgeted(request.rollout_id))
+        check = ledger is not None and (request.must_be_budgeted or not ledger.known_unbudgeted(request.charged_ledger))
+        if check and request.charged_ledger != request.rollout_id:
+            await self._check_membership()
         if check and self.attempt > 1:
             await self._retire_earlier_attempts()
         if request.system_prompt:
             self.messages.append({"role": "system", "content": request.system_prompt})
         self.messages.append({"role": "user", "content": request.prompt})
         last_text: str | None = None
-        for turn in range(1, request.max_turns + 1):
+        last_turn = request.max_turns + (1 if request.final_answer_turn else 0)
+        for turn in range(1, last_turn + 1):
+            forced = turn > request.max_turns  # the final-answer turn, without tools
             if time.time() >= request.deadline:
                 raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
             grant: Grant | None = None
@@ -155,12 +170,22 @@ class _Run:
                 grant = await self._reserve(reservation)
                 if grant is None:
                     check = False  # no ledger, and the job said it has none: unbudgeted
+                elif grant.code == UNLIMITED:
+                    grant = None  # a tree without a budget, alive: this turn runs ungranted
+                elif grant.tree_refused:  # its tree ended (or the caller's branch did): nobody waits for it
+                    return "rejected", f"[rejected] sub-LLM call refused: {grant.refusal_message}"
                 elif not grant.granted:
                     spent = f"{grant.charged}/{grant.limit} completion tokens used"
                     if grant.code == WAITED_OUT:
                         spent = (
                             f"waited {self.wait_seconds:.1f} s for tokens held by running calls until this "
                             f"call's deadline; {spent}"
+                        )
+                    if forced:
+                        self.final_turn = "skipped"
+                        return "ok", last_text or (
+                            f"[sub-LLM used all {request.max_turns} turn(s) calling tools; its final-answer turn "
+                            f"was skipped: the sub-LLM token budget is spent ({spent})]"
                         )
                     if turn == 1:
                         return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
@@ -173,14 +198,19 @@ class _Run:
                 if grant is not None:
                     await self.gate  # the worker's START has not confirmed this job yet
                 self.gate = None
-            response = await self._call(turn, reservation, grant, max_tokens, tools)
+            if forced:
+                self.final_turn = "answered"
+                self.messages.append({"role": "user", "content": FINAL_ANSWER_PROMPT})
+            response = await self._call(turn, reservation, grant, max_tokens, [] if forced else tools)
+            if max_tokens is not None and response.completion_tokens > max_tokens:
+                self.overrun_tokens += response.completion_tokens - max_tokens  # charged, and recorded
             if grant is not None:
                 used = response.completion_tokens if response.usage_reported else grant.tokens
-                final = not response.tool_calls or turn == request.max_turns
+                final = not response.tool_calls or turn == last_turn
                 if final and self.settle_out is not None:
                     # The last settlement rides with the worker's FINISH round trip; until then
                     # the grant stays charged in full (a few ms of over-charge, never under).
-                    self.settle_out.append((request.rollout_id, reservation, used))
+                    self.settle_out.append((request.charged_ledger, reservation, used))
                     self.released_tokens += max(0, grant.tokens - used)
                 else:
                     await self._settle(reservation, used)
@@ -193,7 +223,7 @@ class _Run:
             self.messages.append(assistant)
             if not response.tool_calls:
                 return "ok", response.content or ""
-            if turn == request.max_turns:
+            if turn == last_turn:
                 if last_text:
                     return "ok", last_text
                 return "ok", f"[sub-LLM used all {request.max_turns} turn(s) calling tools and gave no final answer]"
@@ -208,14 +238,19 @@ class _Run:
         margin = min(0.5, max(0.0, (request.deadline - request.enqueued_at) * 0.05))
         try:
             grant, waits, seconds = await ledger.acquire(
-                request.rollout_id, reservation, request.max_completion_tokens, request.deadline, margin=margin
+                request.charged_ledger,
+                reservation,
+                request.max_completion_tokens,
+                request.deadline,
+                margin=margin,
+                nodes=request.nodes,
             )
         except RedisError as exc:
             raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
         self.waits += waits
         self.wait_seconds += seconds
         if grant.code == NO_LEDGER:
-            if not request.budgeted and not self.seen_ledger and not waits:  # a wait came from a ledger
+            if not request.must_be_budgeted and not self.seen_ledger and not waits:  # a wait came from a ledger
                 return None
             raise _Stop("budget_lost", "[error] sub-LLM budget ledger of this rollout is gone (expired or lost)")
         if grant.code == ALREADY_SETTLED:
@@ -229,14 +264,31 @@ class _Run:
             self.granted_tokens += grant.tokens
         return grant
 
+    async def _check_membership(self) -> None:
+        """A job naming a ledger other than its rollout's must be a call of a rollout of that ledger's
+        tree: its ``nodes`` end with its own rollout id, and every reservation checks (atomically,
+        in the ledger script) that this node is alive in that ledger. Else it would move the
+        rollout's spending off its own budget (onto another tree's): such a job is an invalid
+        payload (no reservation, no call). A rollout with a ledger of its own is no node of another
+        tree (its node key is not in that ledger), so its forged jobs are refused too."""
+        ledger, request = self.ctx.ledger, self.request
+        assert ledger is not None
+        if not request.nodes or request.nodes[-1] != request.rollout_id:
+            raise _Stop(
+                "payload",
+                f"[error] invalid sub-LLM job: it names ledger {request.charged_ledger!r} but is no call of a "
+                f"rollout of that tree (its node chain must end with its rollout {request.rollout_id!r})",
+            )
+
     async def _retire_earlier_attempts(self) -> None:
         """This job runs again because its earlier attempt's worker was declared dead: that attempt's
         reservations stay charged, but calls of the rollout stop waiting for them."""
         ledger = self.ctx.ledger
         assert ledger is not None
-        ids = [f"{self.job_id}:{a}:{t}" for a in range(1, self.attempt) for t in range(1, self.request.max_turns + 1)]
+        turns = self.request.max_turns + 1  # the final-answer turn's reservation too
+        ids = [f"{self.job_id}:{a}:{t}" for a in range(1, self.attempt) for t in range(1, turns + 1)]
         try:
-            await ledger.retire(self.request.rollout_id, ids)
+            await ledger.retire(self.request.charged_ledger, ids)
         except RedisError as exc:  # waiters then wait for the old reservations' deadline: slower, still safe
             log.warning("could not retire the earlier attempts of %s (%s)", self.job_id, exc)
 
@@ -244,7 +296,7 @@ class _Run:
         ledger = self.ctx.ledger
         assert ledger is not None
         try:
-            settlement = await ledger.settle(self.request.rollout_id, reservation, used)
+            settlement = await ledger.settle(self.request.charged_ledger, reservation, used)
         except RedisError as exc:
             # The reservation stays open, i.e. charged in full: safe for the budget.
             log.warning("could not settle reservation %s (%s); it stays charged in full", reservation, exc)
@@ -269,6 +321,7 @@ class _Run:
                 max_tokens=max_tokens,
                 tools=tools or None,
                 temperature=request.temperature,
+                sampling=request.sampling,
                 user=request.rollout_id,
                 deadline=request.deadline,
                 session_id=request.session_id,
@@ -329,7 +382,7 @@ async def run_sub_llm(
         started_at: Unix time (seconds) the worker took the job; ``queue_wait_seconds`` is
             measured from ``request.enqueued_at`` to it (default: now).
         settle_out: when given, the final model call's settlement is not sent but appended
-            here as ``(rollout_id, reservation_id, completion tokens used)``, for the caller to
+            here as ``(ledger_id, reservation_id, completion tokens used)``, for the caller to
             send with its own round trip (the worker's ``FINISH``); the grant stays charged in
             full until then. ``None``: every settlement is sent at once.
         gate: awaited once, after the first budget reservation and before the first model
@@ -386,9 +439,11 @@ async def run_sub_llm(
         grants=run.grants,
         granted_tokens=run.granted_tokens,
         released_tokens=run.released_tokens,
+        overrun_tokens=run.overrun_tokens,
         budget_waits=run.waits,
         budget_wait_seconds=round(run.wait_seconds, 4),
         truncated=run.truncated,
+        final_turn=run.final_turn,
         queue_wait_seconds=max(0.0, taken - request.enqueued_at),
         seconds=time.perf_counter() - t0,
         worker=ctx.worker_name,

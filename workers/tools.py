@@ -8,9 +8,10 @@ worker's allow-list fails with a payload error before the model is called.
 The model sees each tool under the function's own name (``count_words``), with a JSON
 schema built by pydantic from the signature and the docstring (first paragraph: the
 description; a Google-style ``Args:`` section: the parameter descriptions). Arguments the
-model sends are validated with the same pydantic model. Sync tools run in a thread
-(``asyncio.to_thread``), async tools are awaited; both under a timeout. A failing tool
-never raises: the model gets a ``"[tool error] ..."`` string and can try again.
+model sends are validated with the same pydantic model. Sync tools run in a daemon thread
+of their own (one past its timeout neither queues later calls nor holds the worker's exit),
+async tools are awaited; both under a timeout. A failing tool never raises (nor does its
+``SystemExit``): the model gets a ``"[tool error] ..."`` string and can try again.
 
 Two small example tools live here, for the README and the tests (not offered unless
 allow-listed): :func:`count_words` and :func:`grep`, i.e.
@@ -31,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from rlmq.common.aio import start_in_daemon_thread
 from rlmq.common.errors import ConfigError, PayloadError
 
 __all__ = ["ToolRegistry", "count_words", "grep"]
@@ -192,6 +194,39 @@ def _build(path: str, func: Callable[..., Any]) -> _Tool:
     )
 
 
+class _ToolExit(Exception):
+    """A tool raised ``SystemExit``/``KeyboardInterrupt`` (argparse given flags it refuses calls
+    ``sys.exit``): carried as an ordinary exception, since out of a task it would end the
+    worker's event loop, every job it runs with it."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(str(raised))
+        self.raised = raised
+
+
+async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """The tool's result (a sync tool in a thread); its ``SystemExit``/``KeyboardInterrupt`` as
+    :class:`_ToolExit` (caught here, inside the task ``wait_for`` runs it in)."""
+    try:
+        if tool.is_async:
+            return await tool.func(*args, **kwargs)
+        return await _in_daemon_thread(tool.func, args, kwargs)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise _ToolExit(exc) from None
+
+
+async def _in_daemon_thread(func: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` in a daemon thread of its own: a tool past its timeout runs on
+    until it returns (a thread cannot be stopped) but holds neither a pool's thread (later calls
+    do not queue behind it) nor the worker's exit (the executor's threads are joined at exit).
+
+    Raises:
+        RuntimeError: no thread could be started; else what ``func`` raised.
+    """
+    name = f"rlmq-sub-tool-{getattr(func, '__name__', 'tool')}"
+    return await start_in_daemon_thread(lambda: func(*args, **kwargs), name=name)
+
+
 def _to_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -326,12 +361,16 @@ class ToolRegistry:
             else:
                 kwargs[pname] = value
         try:
-            if tool.is_async:
-                result = await asyncio.wait_for(tool.func(*args, **kwargs), timeout)
-            else:
-                result = await asyncio.wait_for(asyncio.to_thread(tool.func, *args, **kwargs), timeout)
+            result = await asyncio.wait_for(_run(tool, args, kwargs), timeout)
         except TimeoutError:
             return f"[tool error] {tool.name} timed out after {timeout:g} s"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the job was cancelled: not the tool's doing
+                raise
+            return f"[tool error] {tool.name}: CancelledError"
+        except _ToolExit as exc:
+            return f"[tool error] {tool.name}: {type(exc.raised).__name__}: {exc.raised}"
         except Exception as exc:
             return f"[tool error] {tool.name}: {type(exc).__name__}: {exc}"
         text = _to_text(result)

@@ -8,7 +8,9 @@
   all in-flight jobs, the worker's own key and its serving entry;
 * the reaper (every ``max(0.5, job_heartbeat_ttl / 4)`` seconds, jittered) re-queues, or
   fails when out of attempts, jobs of workers that stopped heartbeating, so a ``kill -9``
-  loses no job.
+  loses no job (and ends the tree node of a child rollout's dead attempt: its subtree stops
+  at its next model call); and prunes expired registry members and dead workers' entries, as RQ's own
+  ``clean_registries`` would, so Redis memory stays flat over weeks.
 
 Redis errors (connection or error replies) are logged and retried on the next tick; anything
 else escapes to the worker's supervisor (:mod:`rlmq.common.supervise`).
@@ -20,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from typing import TYPE_CHECKING
 
 import redis
@@ -30,6 +31,7 @@ from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
 from rlmq.common.connection import sync_client
+from rlmq.common.fleet_checks import redis_time
 
 if TYPE_CHECKING:
     from rlmq.workers.worker import SubLLMWorker
@@ -53,12 +55,17 @@ class Upkeep:
         """Register with RQ (blocking client; call once before the loop serves)."""
         w = self.w
         sync = sync_client(str(w.settings.redis_url))
-        q = Queue(w.queue, connection=sync, serializer=JSONSerializer)
-        rq_worker = RQWorker([q], name=w.name, connection=sync, serializer=JSONSerializer)
+        own = [w.queue, *w.child_queues()]  # a REPL host also serves one child queue per depth
+        qs = [Queue(name, connection=sync, serializer=JSONSerializer) for name in own]
+        rq_worker = RQWorker(qs, name=w.name, connection=sync, serializer=JSONSerializer)
         rq_worker.register_birth()  # type: ignore[no-untyped-call]
         sync.hset(rq_worker.key, mapping={"state": "idle", "rlmq_concurrency": w.concurrency})
-        sync.sadd(K.RQ_QUEUES, q.key)
-        sync.zadd(K.serving(w.queue), {w.name: time.time() + w.settings.job_heartbeat_ttl})
+        if w.repl_slots:
+            sync.hset(rq_worker.key, "rlmq_repl_slots", w.repl_slots)
+        sync.sadd(K.RQ_QUEUES, *(q.key for q in qs))
+        sec, usec = sync.time()  # Redis's clock, as the heartbeat's
+        for name in own:
+            sync.zadd(K.serving(name), {w.name: sec + usec / 1e6 + w.settings.job_heartbeat_ttl})
         return rq_worker
 
     async def register_again(self) -> None:
@@ -75,8 +82,9 @@ class Upkeep:
 
     def register_death(self, rq_worker: RQWorker) -> None:
         """Unregister from RQ and from the serving set (best effort: the worker is leaving)."""
-        with contextlib.suppress(Exception):
-            rq_worker.connection.zrem(K.serving(self.w.queue), self.w.name)
+        for name in [self.w.queue, *self.w.child_queues()]:
+            with contextlib.suppress(Exception):
+                rq_worker.connection.zrem(K.serving(name), self.w.name)
         with contextlib.suppress(Exception):
             rq_worker.register_death()  # type: ignore[no-untyped-call]
             rq_worker.connection.close()
@@ -90,7 +98,10 @@ class Upkeep:
             redis.RedisError: Redis away or refusing writes.
         """
         w = self.w
-        by_queue = w.jobs.members_by_queue() or {w.queue: []}
+        by_queue = w.jobs.members_by_queue()
+        for own in [w.queue, *w.child_queues()]:  # the serving entries of every queue it serves
+            if not any(K.serving(q) == K.serving(own) for q in by_queue):
+                by_queue[own] = []
         state = "busy" if len(w.jobs) else "idle"
         if not await w.redis.exists(K.rq_worker(w.name)):
             await self.register_again()  # Redis restarted (or flushed): it forgot this worker
@@ -120,7 +131,10 @@ class Upkeep:
             expired = [m for m in await rec.expired_members() if m not in w.jobs]
             if not expired:
                 continue
-            requeued, failed = await rec.reap(expired)
+            taken: list[tuple[str, int]] = []
+            requeued, failed = await rec.reap(expired, taken=taken)
+            if K.parse_child_queue(queue) is not None:  # a dead child attempt's subtree stops now
+                await w.children.end_dead_attempts(taken)
             total += requeued + failed
             if requeued or failed:
                 log.warning(
@@ -129,6 +143,41 @@ class Upkeep:
                 )  # fmt: skip
         return total
 
+    async def prune_once(self) -> int:
+        """Prune what RQ's own maintenance (``clean_registries``) would, for every queue this
+        worker serves (tenant queues included), by Redis's clock: finished and failed registry
+        members past their expiry (their job hashes are gone), ``rq:workers`` and the queue's
+        worker set entries whose worker hash expired (killed with ``kill -9``), and live-rollout
+        entries past their expiry. Started registries are the reaper's. Returns members removed.
+
+        Raises:
+            redis.RedisError: Redis away.
+        """
+        w = self.w
+        now = await redis_time(w.redis)
+        sets = [K.RQ_WORKERS, K.rq_workers_of_queue(w.queue)]
+        async with w.redis.pipeline(transaction=False) as pipe:
+            for queue in list(w.fetcher.queues):
+                pipe.zremrangebyscore(K.rq_finished(queue), "-inf", now)
+                pipe.zremrangebyscore(K.rq_failed(queue), "-inf", now)
+            pipe.zremrangebyscore(K.LIVE_ROLLOUTS, "-inf", now)
+            for key in sets:
+                pipe.smembers(key)
+            out = await pipe.execute()
+        removed = sum(int(n) for n in out[: -len(sets)])
+        for key, members in zip(sets, out[-len(sets) :], strict=True):
+            names = sorted(members)
+            if not names:
+                continue
+            async with w.redis.pipeline(transaction=False) as pipe:
+                for m in names:
+                    pipe.exists(m)
+                alive = await pipe.execute()
+            gone = [m for m, a in zip(names, alive, strict=True) if not a]
+            if gone:
+                removed += int(await w.redis.srem(key, *gone))
+        return removed
+
     async def reaper_loop(self) -> None:
         """:meth:`reap_once` every ``max(0.5, job_heartbeat_ttl / 4)`` seconds (jittered), for ever."""
         interval = max(0.5, self.w.settings.job_heartbeat_ttl / 4)
@@ -136,5 +185,6 @@ class Upkeep:
             await asyncio.sleep(interval * (0.5 + random.random()))  # jittered timer across the fleet
             try:
                 await self.reap_once()
+                await self.prune_once()
             except (redis.RedisError, OSError) as exc:
                 log.warning("worker %s: reaper failed (%s)", self.w.name, exc)

@@ -4,7 +4,11 @@ A stock RQ worker runs one job at a time, which wastes a process on every in-fli
 LLM call. This worker runs on one asyncio loop, in three parts:
 
 * :class:`SubLLMWorker` (here): the lifecycle (start, serve, drain, stop) and the running
-  of jobs: each job runs :func:`rlmq.workers.subllm.run_sub_llm` as its own task, and the
+  of jobs: each job runs its kind's run as its own task (:mod:`rlmq.workers.kinds`; the sub-LLM
+  kind, :mod:`rlmq.workers.subllm_kind`, runs :func:`rlmq.workers.subllm.run_sub_llm`), holding a
+  slot of its queue's capacity pool (:mod:`rlmq.workers.capacity`; a worker started with
+  ``--repl-slots`` also runs child rollouts, :mod:`rlmq.workers.child_kind`, on the rollout host
+  of :mod:`rlmq.workers.child_host`, from one child queue per depth), and the
   *flush* task records finished jobs and adds their results to their reply streams in one
   ``FINISH`` script call per flush (whatever finished meanwhile: natural batching under
   load, immediate at light load);
@@ -23,7 +27,7 @@ supervisor starts a fresh one. A worker is never alive doing nothing.
 
 RQ's records stay truthful: ``rq info`` and rq-dashboard list the worker (registered with
 RQ's own ``Worker.register_birth``), the queue depth, and each job as queued, started,
-finished or failed (see :mod:`rlmq.workers.records`).
+finished or failed (see :mod:`rlmq.common.jobstore`).
 """
 
 from __future__ import annotations
@@ -40,24 +44,32 @@ from collections.abc import Callable
 
 import redis
 
+from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ConfigError, PayloadError, WorkerFailed
+from rlmq.common.fleet_checks import check_eviction_policy, report_clock
+from rlmq.common.jobstore import FinishedJob, JobStore, StartedJob
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
-from rlmq.common.rqjobs import SUB_LLM_FUNC, decode_job_data
-from rlmq.common.schemas import SubLLMRequest, SubLLMResult, load_request
+from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
+from rlmq.common.schemas import ChildRolloutRequest
 from rlmq.common.settings import Settings
 from rlmq.common.supervise import supervised
+from rlmq.workers.capacity import MODEL_CALLS, Capacity, PoolSpec, hosted_depths, pool_family, pool_of_queue, repl_pool
+from rlmq.workers.child_host import ChildHost
+from rlmq.workers.child_kind import ChildKind
 from rlmq.workers.fetch import Fetcher
 from rlmq.workers.inflight import InFlight
+from rlmq.workers.kinds import JobKind, KindRegistry, Outcome, check_slot
 from rlmq.workers.model import ChatClient
-from rlmq.workers.records import FinishedJob, Records, StartedJob, rq_exc_string, rq_return_value, slot_of
-from rlmq.workers.subllm import SubLLMContext, run_sub_llm
+from rlmq.workers.subllm import SubLLMContext
+from rlmq.workers.subllm_kind import SubLLMKind
 from rlmq.workers.tools import ToolRegistry
 from rlmq.workers.upkeep import Upkeep
 
 log = logging.getLogger("rlmq.worker")
+
 
 FLUSH_GIVE_UP = 30.0
 """Seconds a batch of finished jobs may keep failing to be recorded (error replies such as
@@ -110,6 +122,21 @@ class SubLLMWorker:
             else 4 * settings.worker_concurrency
         )
         """Budgeted calls parked for a release that do not count against ``concurrency``."""
+        self.capacity = Capacity({MODEL_CALLS: PoolSpec(self.concurrency, self.max_parked)})
+        """The worker's capacity pools (model-call slots: ``concurrency``)."""
+        self.kinds = KindRegistry()
+        """The job kinds this worker runs: the sub-LLM call; with ``repl_slots`` > 0 the child rollout too."""
+        self.sub_llm = SubLLMKind(self)
+        self.kinds.register(self.sub_llm.kind(max_attempts=settings.job_max_attempts))
+        self.repl_slots = settings.repl_slots
+        """Child rollouts hosted at once per depth (0: this worker hosts none)."""
+        self.child_host = ChildHost(self)
+        """The rollout host of the child rollouts (started by :meth:`run` when ``repl_slots`` > 0)."""
+        self.children = ChildKind(self)
+        if self.repl_slots > 0:
+            for depth in self.child_depths:
+                self.capacity.add_pool(repl_pool(depth), PoolSpec(self.repl_slots))
+            self.kinds.register(self.children.kind(max_attempts=settings.job_max_attempts))
         self.metrics = metrics or Metrics()
         self._client_factory = client_factory or (
             lambda: ChatClient(
@@ -120,19 +147,18 @@ class SubLLMWorker:
                 max_connections=max(100, self.concurrency),
             )
         )
-        self.jobs = InFlight(self.queue)
+        self.jobs = InFlight(self.queue, self.capacity)
         """In-flight jobs, their tasks, finished jobs waiting to be recorded."""
         self.fetcher = Fetcher(self)
         self.upkeep = Upkeep(self)
         self.stopping = asyncio.Event()
         self._hurry = asyncio.Event()  # a second stop request: hand in-flight jobs back now
         self._flush_lock = asyncio.Lock()  # one FINISH round at a time (see _flush_once)
-        self._resuming = 0  # budgeted calls held by the resume gate
         self.processed = 0
         """Sub-calls that produced a result (recorded or about to be)."""
         self.failure: tuple[str, BaseException] | None = None
         """The task that kept failing and its last error, when one stopped the worker."""
-        self._records: dict[str, Records] = {}
+        self._records: dict[str, JobStore] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -155,15 +181,18 @@ class SubLLMWorker:
         """Hold a budgeted call that was granted after parking until it fits in ``concurrency``:
         running calls (held, neither parked nor held here) stay at most ``concurrency``. The
         first held call always passes when nothing else runs, so holding never deadlocks."""
-        self._resuming += 1
+        self.capacity.enter_resume(MODEL_CALLS)
         try:
-            while (
-                not self.ledger.abandoning and len(self.jobs) - self.ledger.parked - self._resuming >= self.concurrency
-            ):
+            while not self.ledger.abandoning and self.capacity.must_wait(MODEL_CALLS):
                 self.jobs.running_changed.clear()
                 await self.jobs.running_changed.wait()
         finally:
-            self._resuming -= 1
+            self.capacity.leave_resume(MODEL_CALLS)
+
+    def _parked_changed(self) -> None:
+        """The ledger's parked calls changed: they give their model-call slots back (or take them)."""
+        self.capacity.set_parked(MODEL_CALLS, self.ledger.parked)
+        self.jobs.slots_changed()
 
     async def run(self, *, burst: bool = False, grace: float = 30.0) -> None:
         """Serve the queue until :meth:`request_stop` (or SIGTERM/SIGINT), or, with ``burst``,
@@ -179,9 +208,19 @@ class SubLLMWorker:
                 back and unregistered).
         """
         s = self.settings
-        self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64)
-        self.ledger = BudgetLedger(self.redis, ttl=s.rollout_key_ttl)
-        self.ledger.on_park = self.jobs.slots_changed  # parked budget waiters give their slots back...
+        # one blocking connection per llm_batch in flight: a hosted child rollout has one at a time
+        hosted = self.repl_slots * len(self.child_depths)
+        self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64 + hosted)
+        try:
+            await check_eviction_policy(self.redis, allow=s.allow_evicting_redis)
+            await report_clock(self.redis, f"worker {self.name}")
+            if self.repl_slots > 0:
+                await self.child_host.start()  # refuses an uncontained REPL (UncontainedReplError)
+        except BaseException:
+            await self.redis.aclose()
+            raise
+        self.ledger = BudgetLedger(self.redis)  # each ledger's TTL is stored in it: never this worker's
+        self.ledger.on_park = self._parked_changed  # parked budget waiters give their slots back...
         self.ledger.resume_gate = self._resume_gate  # ...and take one again before calling the model
         self.ctx = SubLLMContext(
             client=self._client_factory(),
@@ -209,6 +248,8 @@ class SubLLMWorker:
             keep("heartbeat", self.upkeep.heartbeat_loop),
             keep("reaper", self.upkeep.reaper_loop),
         ]
+        if self.repl_slots > 0:
+            aux.append(keep("children", self.child_host.refresh_forever))
         try:
             await supervised("fetch", lambda: self.fetcher.fetch_loop(burst), on_give_up=self._give_up)
             await self._drain(grace)
@@ -220,6 +261,7 @@ class SubLLMWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
+            await self.child_host.close()
             await self.ledger.aclose()
             self.upkeep.register_death(rq_worker)
             await self.redis.aclose()
@@ -257,20 +299,41 @@ class SubLLMWorker:
         self.jobs.clear()
         self.update_gauge()
 
-    def records_for(self, queue: str) -> Records:
+    @property
+    def child_depths(self) -> range:
+        """The depths of the child rollouts this worker hosts (empty when ``repl_slots`` is 0)."""
+        return hosted_depths(self.repl_slots)
+
+    def child_queues(self) -> list[str]:
+        """The child-rollout queues of this worker's model it serves, one per depth (tenants aside)."""
+        return [K.child_queue(self.queue, d) for d in self.child_depths]
+
+    def pool_of_queue(self, queue: str) -> str | None:
+        """The pool the jobs of ``queue`` take here (see :func:`rlmq.workers.capacity.pool_of_queue`)."""
+        return pool_of_queue(self.queue, queue, self.repl_slots)
+
+    def kind_of_queue(self, queue: str) -> JobKind:
+        """The kind the jobs of ``queue`` are (its failure and abandoned results are that kind's)."""
+        pool = self.pool_of_queue(queue)
+        if pool is not None and pool != MODEL_CALLS:
+            return self.kinds.by_func(CHILD_ROLLOUT_FUNC)
+        return self.kinds.default
+
+    def records_for(self, queue: str) -> JobStore:
         """The RQ bookkeeping of this worker on ``queue`` (one per queue served)."""
         rec = self._records.get(queue)
         if rec is None:
             st = self.settings
-            rec = self._records[queue] = Records(
+            kind = self.kind_of_queue(queue)
+            rec = self._records[queue] = JobStore(
                 self.redis,
                 queue,
                 self.name,
                 heartbeat_ttl=st.job_heartbeat_ttl,
                 result_ttl=st.result_ttl,
-                reply_ttl=st.rollout_key_ttl,
-                max_attempts=st.job_max_attempts,
+                max_attempts=kind.max_attempts,
                 ledger=self.ledger,
+                abandoned_result=self.sub_llm.abandoned if kind is self.kinds.default else self.children.abandoned,
             )
         return rec
 
@@ -281,74 +344,55 @@ class SubLLMWorker:
     # ------------------------------------------------------------------ one job
 
     def spawn(self, job: StartedJob, queue: str) -> None:
-        """Hold ``job`` (taken from ``queue``) and run it as a task of its own."""
-        self.jobs.track(job, queue)
-        self.jobs.add_task(self._run_job(job))
-
-    async def _run_job(self, job: StartedJob) -> None:
+        """Hold ``job`` (taken from ``queue``) with a slot of its queue's pool and run it as a task
+        of its own. A job of a kind its queue does not carry (a sub-call on a child queue, a
+        child of another depth) gets its queue's kind's payload error instead."""
+        served = self.pool_of_queue(queue)  # None: a queue named by no rule here (a test's)
         try:
-            request = self._decode(job)
-        except (PayloadError, RecursionError) as exc:  # RecursionError: JSON nested 100,000 deep
-            self._record(job, self._payload_error(job, str(exc) or type(exc).__name__), [])
+            kind, payload = self.kinds.decode(job.data)
+            check_slot(job.job_id, payload)
+            pool = served or kind.pool
+            if kind.pool != pool_family(pool):
+                raise PayloadError(f"a {kind.name} job on queue {queue}, which carries other jobs")
+            if isinstance(payload, ChildRolloutRequest) and repl_pool(payload.depth) != pool:
+                raise PayloadError(f"a child rollout of depth {payload.depth} on queue {queue}")
+        except PayloadError as exc:
+            kind = self.kind_of_queue(queue)
+            pool = served or kind.pool
+            self.jobs.track(job, queue, pool)
+            self.finish_job(job, kind.failure(job.job_id, None, "payload", str(exc), job.attempt))
             return
-        await self.call(request, job.job_id, job.attempt, job)
+        self.jobs.track(job, queue, pool)
+        self.jobs.add_task(self._run_job(job, kind, payload))
 
-    async def call(
-        self, request: SubLLMRequest, job_id: str, attempt: int, job: StartedJob | asyncio.Future[StartedJob]
-    ) -> None:
-        """Run one sub-call; ``job`` is a future when the call started before ``START`` answered."""
-        # The call's last budget settlement leaves run_sub_llm through this list instead of
-        # being sent at once: it rides in the same pipeline as this job's FINISH (see
-        # Records.finish), which saves a round trip per sub-call and means that when the
-        # producer sees the result, the ledger has already released what the call did not use.
-        final_settlement: list[tuple[str, str, int]] = []
-        gate = job if isinstance(job, asyncio.Future) else None  # awaited only if the call is budgeted
-        result = await run_sub_llm(
-            request,
-            self.ctx,
-            job_id=job_id,
-            attempt=attempt,
-            started_at=time.time(),
-            settle_out=final_settlement,
-            gate=gate,
-        )
-        if isinstance(job, asyncio.Future):
-            job = await job
-        self._record(job, result, final_settlement)
+    async def _run_job(self, job: StartedJob, kind: JobKind, payload: object) -> None:
+        try:
+            if kind.timeout is None:  # the hot path: the payload's own deadline bounds it
+                outcome = await kind.run(payload, job)
+            else:
+                async with asyncio.timeout(kind.timeout):
+                    outcome = await kind.run(payload, job)
+        except TimeoutError as exc:
+            if kind.timeout is None:
+                outcome = kind.failure(job.job_id, None, "host", f"TimeoutError: {exc}", job.attempt)
+            else:
+                message = f"ran past its kind's timeout of {kind.timeout:g} s on worker {self.name}"
+                outcome = kind.failure(job.job_id, None, "timeout", message, job.attempt)
+        except Exception as exc:  # a bug: the job still ends (a held job would hang its caller until its deadline)
+            log.exception("worker %s: %s job %s failed", self.name, kind.name, job.job_id)
+            outcome = kind.failure(job.job_id, None, "host", f"{type(exc).__name__}: {exc}", job.attempt)
+        self.finish_job(job, outcome)
 
-    def _record(self, job: StartedJob, result: SubLLMResult, settles: list[tuple[str, str, int]]) -> None:
-        ok = result.status != "error"
-        summary = {
-            "status": result.status,
-            "completion_tokens": result.completion_tokens,
-            "turns": result.turns,
-            "seconds": round(result.seconds, 3),
-        }
-        payload = (
-            rq_return_value(summary) if ok else rq_exc_string(f"{result.error_kind}: {result.error or result.content}")
-        )
-        self.metrics.observe_result(result)
+    def finish_job(self, job: StartedJob, outcome: Outcome) -> None:
+        """Hand a finished job to the flush (its result reaches the producer with the next ``FINISH``)."""
         self.processed += 1
         self.jobs.finished(
-            FinishedJob(job=job, ok=ok, result_json=result.model_dump_json(), rq_payload=payload, settles=settles)
-        )
-        self.update_gauge()  # before the flush: no producer sees the result while it still counts
-
-    def _decode(self, job: StartedJob) -> SubLLMRequest:
-        try:
-            func, args, kwargs = decode_job_data(job.data)
-        except ValueError as exc:
-            raise PayloadError(str(exc)) from exc
-        if func != SUB_LLM_FUNC or len(args) != 1 or kwargs:
-            raise PayloadError(f"not an rlmq sub-LLM job: {func}")
-        return load_request(args[0])
-
-    def _payload_error(self, job: StartedJob, message: str) -> SubLLMResult:
-        rollout, batch, index = slot_of(job.job_id, None)
-        return SubLLMResult.failure(
-            rollout, batch, index, job_id=job.job_id, kind="payload",
-            content=f"[error] invalid sub-LLM job: {message}", error=message, worker=self.name, attempt=job.attempt,
+            FinishedJob(
+                job=job, ok=outcome.ok, result_json=outcome.result_json, rq_payload=outcome.rq_payload,
+                settles=outcome.settles,
+            )
         )  # fmt: skip
+        self.update_gauge()  # before the flush: no producer sees the result while it still counts
 
     # ------------------------------------------------------------------ flush
 

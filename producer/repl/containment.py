@@ -32,6 +32,10 @@ class Containment:
         no_user_namespaces: a seccomp filter refuses it user namespaces of its own (where it
             could mount a tmpfs no limit of the REPL counts).
         own_uid: runs under a uid of its own (the producer runs as root).
+        memory_cgroup: the version (1 or 2) of the cgroup that bounds the REPL's memory and
+            processes together (``memory_bytes``, ``max_processes``), or ``None``: none.
+        shared_memory_refused: without a memory cgroup, ``memfd_create``, ``memfd_secret`` and
+            System V ``shmget`` are refused (seccomp), pages no ``RLIMIT_AS`` counts.
         not_contained: plain-language list of what is then NOT contained.
     """
 
@@ -42,11 +46,16 @@ class Containment:
     hidden_processes: bool
     no_user_namespaces: bool
     own_uid: bool
+    memory_cgroup: int | None = None
+    shared_memory_refused: bool = False
     not_contained: list[str] = field(default_factory=list)
 
     @classmethod
-    def from_ready(cls, message: dict[str, Any], *, isolate_network: bool) -> Containment:
-        """Build it from the child's ``ready`` message (``isolate_network``: whether it was asked)."""
+    def from_ready(
+        cls, message: dict[str, Any], *, isolate_network: bool, cgroup: int | None = None, no_cgroup_why: str = ""
+    ) -> Containment:
+        """Build it from the child's ``ready`` message (``isolate_network``: whether it was asked;
+        ``cgroup``: the version of the REPL's cgroup, ``None`` with ``no_cgroup_why``)."""
         net = message.get("net_isolated") is True
         fs = message.get("fs_private") is True
         ro = message.get("ro_root") is True
@@ -54,7 +63,20 @@ class Containment:
         uid = isinstance(message.get("uid"), int)
         procs = message.get("proc_hidden") is True
         no_userns = message.get("no_user_namespaces") is True
+        shm_refused = message.get("shared_memory_refused") is True
         missing: list[str] = []
+        if cgroup is None:
+            where = "the private tmpfs (scratch_bytes)" if fs else "the host's /dev/shm and /tmp"
+            refused = (
+                "memfd and System V shared memory are refused"
+                if shm_refused
+                else "memfd and System V shared memory are NOT refused"
+            )
+            missing.append(
+                f"memory: bounded per process (RLIMIT_AS of each of up to max_processes processes), not per REPL, "
+                f"since no cgroup could be made ({no_cgroup_why or 'not asked'}); {refused}; POSIX shared memory "
+                f"and files in memory count against {where}"
+            )
         if not net:
             why = "" if isolate_network else " (no interception Unix socket was given)"
             missing.append(
@@ -95,6 +117,8 @@ class Containment:
             hidden_processes=procs,
             no_user_namespaces=no_userns,
             own_uid=uid,
+            memory_cgroup=cgroup,
+            shared_memory_refused=shm_refused,
             not_contained=missing,
         )
 
@@ -126,7 +150,7 @@ def note_containment(containment: Containment) -> None:
         _SEEN.degraded = containment
     log.warning(
         "the REPL sandbox is not fully contained on this host (namespaces need root or unprivileged "
-        "user namespaces); NOT contained: %s",
+        "user namespaces, a memory cgroup needs root and a writable cgroup file system); NOT contained: %s",
         "; ".join(containment.not_contained),
     )
 

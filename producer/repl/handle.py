@@ -8,6 +8,7 @@ import os
 import signal
 from typing import Any
 
+from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.output import OutputBuffer
 
 __all__ = ["MIN_OWN_UID", "ChildHandle", "describe_death", "kill_uid", "killpg"]
@@ -53,6 +54,7 @@ class ChildHandle:
         self.released = False
         self.oversized = False  # the child sent a message over the reader's limit
         self.uid: int | None = None  # the child's own uid when it dropped privileges
+        self.cgroup: ReplCgroup | None = None  # the REPL's cgroup: killed with it
         loop = asyncio.get_running_loop()
         loop.add_reader(out_fd, self._on_output)
 
@@ -126,10 +128,13 @@ class ChildHandle:
         return message if isinstance(message, dict) else None
 
     def kill(self) -> None:
-        """SIGKILL the child's whole process group, and every process of its own uid (idempotent)."""
+        """SIGKILL the child's whole process group, every process of its own uid and of its
+        cgroup (idempotent)."""
         killpg(self.proc.pid)
         if self.uid is not None:
             kill_uid(self.uid)
+        if self.cgroup is not None:
+            self.cgroup.kill()
         try:
             self.proc.kill()
         except ProcessLookupError:
@@ -214,9 +219,17 @@ def killpg(pid: int) -> None:
         pass
 
 
-def describe_death(status: int | None, cpu_seconds: int | None, memory_bytes: int | None) -> str:
+def describe_death(
+    status: int | None, cpu_seconds: int | None, memory_bytes: int | None, out_of_memory: bool = False
+) -> str:
     """A sentence for the model about how the child ended (``status``: its exit status, negative
-    for a signal, ``None``: it stopped answering and was killed)."""
+    for a signal, ``None``: it stopped answering and was killed; ``out_of_memory``: the kernel
+    ended a process of the REPL's cgroup for memory)."""
+    if out_of_memory and memory_bytes is not None:
+        return (
+            f"the REPL ran out of memory (at most {memory_bytes} bytes for all its processes, shared memory "
+            "and files in memory together) and was killed"
+        )
     if status is None:
         return "the REPL process stopped answering (its control pipe was closed) and was killed"
     if status >= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlmq.common.errors import ReplStartupError
+from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, killpg
 from rlmq.producer.repl.output import OutputBuffer
 from rlmq.producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
@@ -126,6 +128,7 @@ async def spawn_child(
     max_message_bytes: int,
     max_output_length: int,
     timeout: float,
+    cgroup: ReplCgroup | None = None,
 ) -> tuple[ChildHandle, dict[str, Any]]:
     """Start a REPL child (``argv`` + its two pipe fds), send it ``init`` and wait for ``ready``.
 
@@ -137,6 +140,8 @@ async def spawn_child(
         max_message_bytes: the longest reply line the parent reads.
         max_output_length: characters of a cell's output kept.
         timeout: seconds until ``ready``.
+        cgroup: the REPL's cgroup; the child is moved into it before it reads ``init`` (before
+            any cell, before it starts a process).
 
     Returns:
         (the handle, the ``ready`` message).
@@ -167,6 +172,8 @@ async def spawn_child(
             pass_fds=(cmd_r, reply_w),
             start_new_session=True,
         )
+        if cgroup is not None:
+            cgroup.add(proc.pid)
         for fd in child_fds:
             os.close(fd)
         child_fds = []
@@ -176,9 +183,13 @@ async def spawn_child(
         try:
             transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), reply_file)
         except BaseException:
-            reply_file.close()
+            # uvloop has already closed the descriptor when the connect is cancelled: the EBADF
+            # of a second close must not replace the cancellation (it read as a failed start).
+            with contextlib.suppress(OSError):
+                reply_file.close()
             raise
         child = ChildHandle(proc, reader, transport, cmd_w, out_r, OutputBuffer(max_output_length))
+        child.cgroup = cgroup
         parent_fds = []
         ready = await asyncio.wait_for(_handshake(child, init), timeout)
     except BaseException as exc:

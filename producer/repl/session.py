@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -14,6 +15,8 @@ from typing import Any
 
 from rlmq.common.errors import ReplError
 from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
+from rlmq.producer.repl.cgroup import ReplCgroup
+from rlmq.producer.repl.cgroup import create as create_cgroup
 from rlmq.producer.repl.containment import Containment, note_containment
 from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
@@ -21,6 +24,8 @@ from rlmq.producer.repl.output import with_marker
 from rlmq.producer.repl.sweep import sweep_uid
 
 __all__ = ["Repl"]
+
+log = logging.getLogger("rlmq.repl")
 
 _CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repl_child.py")
 _MESSAGE_SLACK = 64 * 1024  # bytes of a reply line besides the answer's characters
@@ -81,8 +86,12 @@ class Repl:
             first on the child's ``sys.path`` (and on ``PYTHONPATH``).
         cpu_seconds: RLIMIT_CPU of the child (CPU seconds since its last restart); on
             reaching it the child dies of SIGXCPU and is restarted. ``None``: no limit.
-        memory_bytes: RLIMIT_AS of the child (bytes); beyond it ``MemoryError``.
-        max_processes: RLIMIT_NPROC of the child (processes and threads at once).
+        memory_bytes: the REPL's memory (bytes). With a cgroup (see ``cgroup``) every page its
+            processes allocate counts, together (anonymous memory, ``memfd``, shared memory,
+            files in its tmpfs); over it the kernel kills a process of the REPL and the REPL
+            is restarted. Also RLIMIT_AS of each process: beyond it ``MemoryError``.
+        max_processes: RLIMIT_NPROC of the child (processes and threads at once), and the
+            ``pids.max`` of its cgroup.
         scratch_bytes: size of the private tmpfs (bytes) and the child's RLIMIT_FSIZE.
         max_open_files: RLIMIT_NOFILE of each of the child's processes (``None``: inherited).
         run_as: ``"auto"``: as root the child drops to a uid of its own
@@ -96,6 +105,16 @@ class Repl:
             (bytes of JSON body, prompts); the interception server checks again.
         llm_batch_timeout: socket timeout (seconds) of an ``llm_batch`` HTTP request.
         pause_timeout_during_llm_batch: see ``code_execution_timeout``.
+        tools: root tools, ``{"name": str, "doc": str}`` each: REPL globals that post their
+            arguments to the interception server's ``/root_tool`` (see ``repl_child``).
+        tool_timeout: seconds the producer gives one root-tool call (the child waits a
+            little longer for the answer).
+        max_tool_bytes: largest JSON body of one root-tool call (bytes); the server checks again.
+        cgroup: ``True``: as root, a cgroup of its own bounds the REPL's memory and processes
+            together (v2 where the host offers it, else v1; see :mod:`.cgroup`); where none
+            can be made, ``memfd_create``, ``memfd_secret`` and ``shmget`` are refused instead
+            and :attr:`containment` says so. A path: a delegated cgroup v2 folder to make it
+            in. ``False``: no cgroup (that fallback).
 
     Raises:
         TypeError: ``context`` is not JSON-serializable.
@@ -126,6 +145,10 @@ class Repl:
         max_batch_prompts: int = 10_000,
         llm_batch_timeout: float = 3600.0,
         pause_timeout_during_llm_batch: bool = True,
+        tools: Sequence[dict[str, str]] = (),
+        tool_timeout: float = 60.0,
+        max_tool_bytes: int = 1024 * 1024,
+        cgroup: bool | str = True,
     ) -> None:
         if max_output_length < 0 or max_answer_length < 0:
             raise ValueError("max_output_length and max_answer_length must be >= 0")
@@ -170,6 +193,12 @@ class Repl:
         """After start: what the running child is contained by (see :class:`Containment`)."""
         self._llm_batch_timeout = llm_batch_timeout
         self._pause_during_llm_batch = pause_timeout_during_llm_batch
+        self._tools = [dict(t) for t in tools]
+        self._tool_timeout = tool_timeout
+        self._max_tool_bytes = max_tool_bytes
+        self._want_cgroup = cgroup
+        self._cgroup: ReplCgroup | None = None
+        self._no_cgroup_why = "not asked (cgroup=False)"
 
         self._workdir: str | None = None
         self._packages_installed = not self._pip_packages
@@ -244,9 +273,30 @@ class Repl:
             except TimeoutError:  # pragma: no cover - SIGKILL does not fail
                 pass
         await self._sweep()
+        await self._remove_cgroup()
         workdir, self._workdir = self._workdir, None
         if workdir is not None:
             rmtree(workdir)
+
+    @property
+    def cgroup(self) -> ReplCgroup | None:
+        """The REPL's cgroup (see ``cgroup``), once started; ``None``: none."""
+        return self._cgroup
+
+    async def _remove_cgroup(self) -> None:
+        """Kill what is left in the cgroup and remove it (waits up to 10 s for its processes)."""
+        cgroup, self._cgroup = self._cgroup, None
+        if cgroup is None:
+            return
+        deadline = time.monotonic() + 10.0
+        while True:
+            cgroup.kill()
+            if not cgroup.pids() and cgroup.remove():
+                return
+            if time.monotonic() > deadline:
+                log.warning("the REPL's cgroup %s could not be removed (processes left in it)", cgroup.folders)
+                return
+            await asyncio.sleep(0.05)  # dying processes leave the cgroup; polled against the deadline
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
@@ -288,6 +338,7 @@ class Repl:
         """
         async with self._lock:
             child = await self._ensure_started()
+            oom_kills = child.cgroup.oom_kills() if child.cgroup is not None else 0
             started = time.monotonic()
             try:
                 reply, timed_out = await self._run_cell(child, code)
@@ -345,7 +396,8 @@ class Repl:
                     )
                 else:
                     status = await child.reap(REAP_GRACE)
-                    death = describe_death(status, self._cpu_seconds, self._memory_bytes)
+                    oom = child.cgroup is not None and child.cgroup.oom_kills() > oom_kills
+                    death = describe_death(status, self._cpu_seconds, self._memory_bytes, oom)
                     note = f"[{death}; it was restarted and {_RESET_NOTE}]"
                 child.kill()  # whatever the cell started in the process group goes too
                 child.drain_output()
@@ -386,6 +438,12 @@ class Repl:
         if not self._packages_installed:
             await pip_install(self._pip_packages, self._site_packages(), self._workdir, self.max_startup_wait_seconds)
             self._packages_installed = True
+        if self._cgroup is None and self._want_cgroup is not False:
+            parent = self._want_cgroup if isinstance(self._want_cgroup, str) else None
+            limit = self._memory_bytes if self._memory_bytes is not None else 1 << 62
+            self._cgroup, self._no_cgroup_why = await asyncio.to_thread(
+                create_cgroup, limit, self._max_processes, parent
+            )
         child = await self._spawn()
         if self._closed:  # close() ran while the child was starting
             child.kill()
@@ -430,6 +488,10 @@ class Repl:
             "max_answer_length": self.max_answer_length,
             "max_batch_bytes": self._max_batch_bytes,
             "max_batch_prompts": self._max_batch_prompts,
+            "tools": self._tools,
+            "tool_timeout": self._tool_timeout,
+            "max_tool_bytes": self._max_tool_bytes,
+            "refuse_shared_memory": self._cgroup is None,
         }
         child, ready = await spawn_child(
             [child_interpreter(self._run_as), "-I", _CHILD],
@@ -439,10 +501,16 @@ class Repl:
             max_message_bytes=self._max_message_bytes,
             max_output_length=self.max_output_length,
             timeout=self.max_startup_wait_seconds,
+            cgroup=self._cgroup,
         )
         uid = ready.get("uid")
         child.uid = uid if isinstance(uid, int) and uid >= MIN_OWN_UID else None
-        self.containment = Containment.from_ready(ready, isolate_network=self._isolate_network)
+        self.containment = Containment.from_ready(
+            ready,
+            isolate_network=self._isolate_network,
+            cgroup=self._cgroup.version if self._cgroup is not None else None,
+            no_cgroup_why=self._no_cgroup_why,
+        )
         if child.uid is not None and not self.containment.private_fs:
             self._to_sweep.add(child.uid)  # its files in /tmp & co. are removed once it is dead
         note_containment(self.containment)

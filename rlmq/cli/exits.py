@@ -8,7 +8,14 @@ from __future__ import annotations
 import sys
 
 from rlmq.common.connection import mask_url
-from rlmq.common.errors import ConfigError, EmbeddedRedisError, PayloadError, RedisUnavailableError, RlmqError
+from rlmq.common.errors import (
+    ConfigError,
+    EmbeddedRedisError,
+    PayloadError,
+    PreflightError,
+    RedisUnavailableError,
+    RlmqError,
+)
 
 EXIT_OK = 0
 """Every rollout finished without error (or the command did its job)."""
@@ -21,6 +28,12 @@ EXIT_REDIS = 3
 """Redis unreachable, refusing the password, or no embedded Redis could be started."""
 EXIT_INTERNAL = 4
 """Anything else: a bug or an unexpected failure (``--verbose`` shows the traceback)."""
+EXIT_UNAVAILABLE = 5
+"""Before any rollout started: a model server (root, or the sub-model's of local workers) did
+not answer, or no live worker served the sub-LLM queue (:mod:`rlmq.cli.preflight`)."""
+EXIT_SUB_CALLS_FAILED = 6
+"""No rollout ended in ``error``, but more than ``--max-sub-call-error-rate`` of the sub-LLM
+calls did (all of them, when the sub-model's server is down): the answers are not the model's."""
 
 
 def explain(exc: BaseException) -> tuple[int, str]:
@@ -29,6 +42,8 @@ def explain(exc: BaseException) -> tuple[int, str]:
 
     if isinstance(exc, (RedisUnavailableError, EmbeddedRedisError)):
         return EXIT_REDIS, str(exc)
+    if isinstance(exc, PreflightError):
+        return EXIT_UNAVAILABLE, str(exc)
     if isinstance(exc, redis.RedisError):  # lost mid-run, past the client's reconnect backoff
         return EXIT_REDIS, f"Redis failed: {type(exc).__name__}: {mask_url(str(exc))}"
     if isinstance(exc, (ConfigError, PayloadError)):

@@ -38,7 +38,20 @@ COMMAND_WORKER_GRACE_SECONDS = 1.0
 """``--grace`` of the workers ``rlmq run`` / ``rlmq demo`` start: when that fleet stops, the
 rollouts that wait for the in-flight sub-calls are gone, so these are handed back at once."""
 
+LOCAL_REPL_SLOTS = 4
+"""Child rollouts per depth each local worker hosts when the run's trees are deeper than 1 and no
+``repl_slots`` is given (see :func:`local_repl_slots`)."""
+
 _PORT_LINE = re.compile(r"http://[\d.]+:(\d+)/v1")
+
+
+def local_repl_slots(max_depth: int, repl_slots: int = 0) -> int:
+    """``--repl-slots`` of the workers a local fleet starts: ``repl_slots`` when given (> 0), else
+    :data:`LOCAL_REPL_SLOTS` when the rollouts recurse (``max_depth`` > 1: their children run on
+    the workers), else 0 (plain sub-LLM workers)."""
+    if repl_slots > 0:
+        return repl_slots
+    return LOCAL_REPL_SLOTS if max_depth > 1 else 0
 
 
 def rlmq_command(*args: str) -> list[str]:
@@ -168,6 +181,8 @@ class LocalFleet:
         workers: number of ``rlmq worker`` processes.
         worker_concurrency: in-flight sub-calls per worker.
         worker_args: extra ``rlmq worker`` flags.
+        repl_slots: child rollouts each worker hosts per depth (``--repl-slots``; 0: none).
+        allow_uncontained_repl: pass ``--allow-uncontained-repl`` to REPL-hosting workers.
         worker_grace: ``rlmq worker --grace`` (seconds in-flight sub-calls get when the fleet stops).
         worker_env: extra environment of the workers (``RLMQ_API_KEY``: secrets go here, not in argv).
         log_dir: where child logs go (``None``: discarded).
@@ -183,6 +198,8 @@ class LocalFleet:
         workers: int = 2,
         worker_concurrency: int = 256,
         worker_args: list[str] | None = None,
+        repl_slots: int = 0,
+        allow_uncontained_repl: bool = False,
         mock_latency: float = 0.0,
         mock_spend_all: bool = False,
         worker_grace: float = WORKER_GRACE_SECONDS,
@@ -195,7 +212,11 @@ class LocalFleet:
         self.base_url = base_url
         self.n_workers = workers
         self.worker_concurrency = worker_concurrency
-        self.worker_args = worker_args or []
+        self.worker_args = list(worker_args or [])
+        if repl_slots > 0:
+            self.worker_args += ["--repl-slots", str(repl_slots)]
+            if allow_uncontained_repl:
+                self.worker_args.append("--allow-uncontained-repl")
         self.mock_latency = mock_latency
         self.mock_spend_all = mock_spend_all
         self.worker_grace = worker_grace

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -17,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
 from rlmq.cli.exits import EXIT_INTERNAL, explain, say
+from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, settings_from_flags
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import current_latch, signal_latch
 from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import check_redis, mask_url
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
-from rlmq.common.settings import Settings, load_settings
+from rlmq.common.settings import Settings
 
 if TYPE_CHECKING:
     from rlmq.cli.local import LocalFleet
@@ -31,96 +33,146 @@ if TYPE_CHECKING:
     from rlmq.producer.env import RolloutResult
 
 
-def _rollout_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output", help="write result rows (JSONL) here")
+def _command_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The flags of ``run`` / ``demo`` that are not settings, then the settings' own (generated)."""
+    p.add_argument("--output", metavar="FILE", help="write result rows (JSONL) here")
     p.add_argument(
         "--run-dir",
+        metavar="DIR",
         help="run folder: rows.jsonl, trajectories.jsonl, meta.json, report.html (default runs/<UTC time>-<command>)",
     )
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics exporter (default 127.0.0.1)")
-    p.add_argument("--concurrency", type=int, help="rollouts at once (default 4)")
-    p.add_argument("--max-turns", type=int, help="root-model turns per rollout (default 50)")
-    p.add_argument("--sub-llm-max-turns", type=int, help="turns of one sub-LLM's tool loop (default 5)")
-    p.add_argument("--sub-llm-max-completion-tokens", type=int, help="sub-LLM completion-token budget per rollout")
-    p.add_argument("--sub-llm-per-call-max-tokens", type=int, help="cap on one sub-LLM call's completion tokens")
-    p.add_argument("--root-max-completion-tokens", type=int, help="root model's completion-token limit per rollout")
-    p.add_argument("--max-sub-llm-parallelism", type=int, help="sub-calls of one rollout in flight (default 64)")
-    p.add_argument("--sub-call-timeout", type=float, help="deadline of one sub-call, seconds (default 300)")
-    p.add_argument("--code-execution-timeout", type=float, help="seconds a REPL cell may run (default 120)")
-    p.add_argument("--max-output-length", type=int, help="characters of cell output shown (default 8192)")
-    p.add_argument("--root-prompt-verbosity", choices=["light", "medium", "heavy"])
-    p.add_argument("--sub-prompt-verbosity", choices=["light", "medium", "heavy"])
-    p.add_argument("--workers", type=int, default=2, help="local workers started when no Redis is given (default 2)")
+    p.add_argument("--metrics-port", type=PORT, metavar="PORT", help="serve Prometheus metrics here (0: any free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="metrics address (default 127.0.0.1)")
+    p.add_argument(
+        "--workers", type=bounded(int, 1), default=2, metavar="N", help="local workers without Redis (default 2)"
+    )
+    p.add_argument(
+        "-T", "--temperature", type=float, metavar="X", help="root model's sampling temperature (over --sampling-args)"
+    )
+    p.add_argument("--top-p", type=float, metavar="X", help="root model's top_p (over --sampling-args)")
+    p.add_argument(
+        "-t",
+        "--max-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="completion tokens of one root-model call (over --sampling-args)",
+    )
+    p.add_argument(
+        "--sub-temperature", type=float, metavar="X", help="sub-LLM sampling temperature (over --sub-sampling-args)"
+    )
+    p.add_argument("--sub-top-p", type=float, metavar="X", help="sub-LLM top_p (over --sub-sampling-args)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    add_settings_flags(p, command)
+
+
+def _version() -> str:
+    """The installed distribution's version (``pyproject.toml``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlmq")
+    except PackageNotFoundError:  # pragma: no cover - run from a tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rlmq",
         description="Recursive Language Model rollouts whose sub-LLM calls run on a Redis-backed RQ worker fleet.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="everything embedded: Redis, workers, the scripted model, real text")
-    demo.add_argument("--rollouts", type=int, default=8, help="number of rollouts (default 8)")
-    demo.add_argument("--min-chars", type=int, default=100_000, help="context characters per rollout")
-    _rollout_flags(demo)
+    demo.add_argument("--rollouts", type=bounded(int, 1), default=8, metavar="N", help="number of rollouts (default 8)")
+    demo.add_argument(
+        "--min-chars",
+        type=bounded(int, 0),
+        default=100_000,
+        metavar="CHARS",
+        help="context characters per rollout (default 100000)",
+    )
+    _command_flags(demo, "demo")
 
     run = sub.add_parser("run", help="rollouts of a JSONL dataset against an OpenAI-compatible server")
     run.add_argument("dataset", help="JSONL rows: id, question, context, answer?, info?")
-    run.add_argument("--base-url", required=True, help="root model's OpenAI-compatible base URL")
-    run.add_argument("--model", required=True, help="root model name")
-    run.add_argument("--sub-model", help="sub-LLM model name (default: --model)")
-    run.add_argument("--sub-base-url", help="model server of locally started workers (default: --base-url)")
-    run.add_argument("--redis-url", help="Redis URL; none: an embedded Redis and local workers")
-    run.add_argument("--queue", help="RQ queue of the sub-LLM calls (default: named from the sub-model)")
     run.add_argument(
-        "--tenant", help="fair-share key: jobs go to <queue>@<tenant>, served round-robin (default: host name)"
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run whose folder this is: its finished rows are kept and not run again "
+        "(rows that ended in error are run again); new rows are appended there. Give the run's own flags: "
+        "another model or rollout option is refused (deadlines may change), as is a folder a live run writes",
     )
-    run.add_argument(
-        "--api-key",
-        help="API key of the model server(s), also given to local workers (default: RLMQ_API_KEY, else OPENAI_API_KEY)",
-    )
-    run.add_argument(
-        "--sub-tool",
-        action="append",
-        dest="sub_tools",
-        metavar="DOTTED.PATH",
-        help="a tool the sub-LLMs may call (repeatable; local workers allow it, remote ones need --allow-tool)",
-    )
-    _rollout_flags(run)
+    _command_flags(run, "run")
 
     worker = sub.add_parser("worker", help="one worker process serving one model")
     worker_cli.add_arguments(worker)
 
     mock = sub.add_parser("mock-llm", help="the scripted OpenAI-compatible model (a test double)")
-    mock.add_argument("--host", default="127.0.0.1")
-    mock.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    mock.add_argument("--latency", type=float, default=0.0, help="seconds per call")
+    mock.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    mock.add_argument("--port", type=PORT, default=8000, help="0 picks a free port (printed; default 8000)")
+    mock.add_argument(
+        "--latency", type=bounded(float, 0), default=0.0, metavar="SECONDS", help="seconds per call (default 0)"
+    )
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
 
     status = sub.add_parser("status", help="queues, workers and live rollouts of a fleet, from Redis")
-    status.add_argument("--redis-url", help="Redis URL (default: REDIS_URL / RLMQ_REDIS_URL)")
     status.add_argument(
-        "--watch", nargs="?", type=float, const=2.0, metavar="SECONDS", help="redraw every SECONDS (default 2)"
+        "--watch",
+        nargs="?",
+        type=bounded(float, 0, above=True),
+        const=2.0,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2)",
     )
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     status.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    add_settings_flags(status, "status")
     return parser
 
 
-def _settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
-    names = [
-        "concurrency", "max_turns", "sub_llm_max_turns", "sub_llm_max_completion_tokens",
-        "sub_llm_per_call_max_tokens", "root_max_completion_tokens", "max_sub_llm_parallelism",
-        "sub_call_timeout", "code_execution_timeout", "max_output_length", "root_prompt_verbosity",
-        "sub_prompt_verbosity", "sub_tools",
-    ]  # fmt: skip
-    values = {n: getattr(args, n, None) for n in names}
-    values.update(extra)
-    return load_settings(**values)
+def _settings(args: argparse.Namespace, command: str) -> Settings:
+    """:func:`settings_from_flags` with the single-value sampling flags (``-T``, ``--top-p``,
+    ``-t``, ``--sub-temperature``, ``--sub-top-p``) laid over ``--sampling-args`` /
+    ``--sub-sampling-args``.
+
+    Raises:
+        ConfigError: a bad value, one line naming its flag.
+    """
+    extra: dict[str, Any] = {}
+    root = _sampling(args.sampling_args, temperature=args.temperature, top_p=args.top_p,
+                     max_tokens=args.max_tokens, flag="--sampling-args")  # fmt: skip
+    sub = _sampling(args.sub_sampling_args, temperature=args.sub_temperature, top_p=args.sub_top_p,
+                    flag="--sub-sampling-args")  # fmt: skip
+    if root is not None:
+        extra["sampling_args"] = root
+    if sub is not None:
+        extra["sub_sampling_args"] = sub
+    return settings_from_flags(args, command, **extra)
+
+
+def _sampling(text: str | None, *, flag: str, **fields: Any) -> dict[str, Any] | None:
+    """A ``--sampling-args`` JSON object with the single-value flags (``--temperature``, ...) over it;
+    ``None`` when none was given (the settings' own value stands).
+
+    Raises:
+        ConfigError: the JSON is not an object.
+    """
+    import json
+
+    given = {k: v for k, v in fields.items() if v is not None}
+    if text is None and not given:
+        return None
+    try:
+        base = json.loads(text) if text is not None else {}
+    except RecursionError:
+        raise ConfigError(f"{flag}: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: not JSON ({exc}); give an object such as '{{\"temperature\": 0.7}}'") from None
+    if not isinstance(base, dict):
+        raise ConfigError(f"{flag}: give a JSON object such as '{{\"temperature\": 0.7}}'")
+    return {**base, **given}
 
 
 async def evaluate(
@@ -141,7 +193,8 @@ async def evaluate(
 
     from rlmq.producer.env import RLMEnv
 
-    bar = tqdm(total=len(rows), desc="rollouts", unit="rollout", disable=quiet, file=sys.stderr)
+    skip = {r.row.key for r in sink.results}  # a resumed run's finished rollouts
+    bar = tqdm(total=sink.total - len(skip), desc="rollouts", unit="rollout", disable=quiet, file=sys.stderr)
     correct = 0
 
     def on_done(res: RolloutResult) -> None:
@@ -156,9 +209,16 @@ async def evaluate(
     try:
         async with RLMEnv(settings=settings, metrics=metrics) as env:
             try:
-                await env.evaluate(rows, model=model, concurrency=settings.concurrency, on_done=on_done)
+                await env.evaluate(
+                    rows,
+                    model=model,
+                    concurrency=settings.concurrency,
+                    on_done=on_done,
+                    rollouts_per_example=settings.rollouts_per_example,
+                    skip=skip,
+                )
             except asyncio.CancelledError:
-                left = len(rows) - len(sink.results)
+                left = sink.total - len(sink.results)
                 say(f"rlmq: cancelled {left} unfinished rollout(s); keeping the {len(sink.results)} that finished")
                 raise
     finally:
@@ -189,29 +249,48 @@ def _evaluate(
 ) -> int:
     """Run the evaluation (on ``fleet``'s Redis when given), then :func:`finish`; on a stop
     signal, stop the fleet, keep what finished and re-raise ``KeyboardInterrupt``."""
-    sink = ResultSink(rows, args.output)
+    from rlmq.cli.report import new_run_dir, public_settings
+    from rlmq.cli.results import public_argv
+    from rlmq.cli.run_folder import LiveRunFolder
+
+    args.run_dir = str(args.run_dir or new_run_dir(args.command))
+    folder = LiveRunFolder(args.run_dir)
+    kept = getattr(args, "resumed", None) or []
+    sink = ResultSink(rows, args.output, rollouts_per_example=settings.rollouts_per_example, run_dir=folder)
+    for res in kept:
+        sink.keep(res)
     metrics = start_metrics(args)
     started = time.time()
-    meta = {"model": model, **extra}
-    try:
-        if fleet is None:
-            run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics))
-        else:
-            scripted = fleet.base_url is None
-            with fleet:
-                update = {"redis_url": fleet.redis_url}
-                if scripted:  # the fleet started the scripted model: it is the root model too
-                    update["base_url"] = str(fleet.base_url)
-                settings = settings.model_copy(update=update)
-                model_text = f"scripted model (test double) {fleet.base_url} | " if scripted else ""
-                print(f"redis {mask_url(str(fleet.redis_url))} | {model_text}{fleet.n_workers} workers", flush=True)
+    meta: dict[str, Any] = {"model": model, **extra}
+    if kept:
+        meta["resumed"] = {"kept": len(kept)}
+        print(f"resuming {args.run_dir}: {len(kept)} of {sink.total} rollouts finished before; running the rest")
+    command = ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])]
+    recorded = public_settings(settings.model_dump(mode="json", exclude={"api_key"}))  # what --resume compares
+    folder.open({"command": command, "started": started, "settings": recorded, **meta}, sink.results)
+    print(f"run folder: {args.run_dir} (rows.jsonl grows as rollouts finish)", flush=True)
+    try:  # the folder stays locked until it is written for the last time
+        try:
+            if fleet is None:
                 run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics))
-    except KeyboardInterrupt:
-        finish(args, sink, settings, started, meta, interrupted=True)
-        raise
-    latch = current_latch()
-    with latch.held() if latch is not None else contextlib.nullcontext():  # the run is done: keep all of it
-        return finish(args, sink, settings, started, meta)
+            else:
+                scripted = fleet.base_url is None
+                with fleet:
+                    update = {"redis_url": fleet.redis_url}
+                    if scripted:  # the fleet started the scripted model: it is the root model too
+                        update["base_url"] = str(fleet.base_url)
+                    settings = settings.model_copy(update=update)
+                    model_text = f"scripted model (test double) {fleet.base_url} | " if scripted else ""
+                    print(f"redis {mask_url(str(fleet.redis_url))} | {model_text}{fleet.n_workers} workers", flush=True)
+                    run_loop(evaluate(settings, rows, model=model, sink=sink, quiet=args.quiet, metrics=metrics))
+        except KeyboardInterrupt:
+            finish(args, sink, settings, started, meta, interrupted=True)
+            raise
+        latch = current_latch()
+        with latch.held() if latch is not None else contextlib.nullcontext():  # the run is done: keep all of it
+            return finish(args, sink, settings, started, meta)
+    finally:
+        folder.unlock()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -219,7 +298,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
 
     check_output(args.output, run_dir=args.run_dir)
-    settings0 = load_settings()
+    settings0 = _settings(args, "demo")
     rows = [DatasetRow.model_validate(r) for r in needle_rows(args.rollouts, min_chars=args.min_chars)]
     if not rows:
         raise ConfigError("--rollouts must be at least 1")
@@ -239,60 +318,86 @@ def cmd_demo(args: argparse.Namespace) -> int:
         log_dir=log_dir,
         say=say,
     )
-    settings = _settings_from(args, redis_url=settings0.redis_url or "redis://embedded", model="scripted")
+    embedded = settings0.redis_url or "redis://embedded"
+    settings = settings0.model_copy(update={"redis_url": embedded, "model": "scripted"})
 
     return _evaluate(args, rows, settings, {"worker_logs": log_dir}, fleet, model="scripted")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
-    from rlmq.common.errors import ConfigError
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet, local_repl_slots
 
-    if not args.model.strip():
+    settings = _settings(args, "run")
+    model = str(settings.model or "")
+    if not model.strip():
         raise ConfigError("--model is empty: name the root model")
-    for flag, url in (("--base-url", args.base_url), ("--sub-base-url", args.sub_base_url)):
+    for flag, url in (("--base-url", settings.base_url), ("--sub-base-url", settings.sub_base_url)):
         if url is not None and not url.lower().startswith(("http://", "https://")):
             raise ConfigError(f"{flag} {url}: not an http:// or https:// URL")
+    if args.resume is not None:
+        if args.run_dir is not None and os.path.abspath(args.run_dir) != os.path.abspath(args.resume):
+            raise ConfigError("--resume RUN_DIR names the run folder: leave --run-dir out, or give the same folder")
+        if not os.path.isdir(args.resume):
+            raise ConfigError(f"--resume {args.resume}: no such run folder")
+        args.run_dir = args.resume
     check_output(args.output, args.dataset, args.run_dir)
     rows = load_rows(args.dataset)
-    sub_model = args.sub_model or args.model
-    base = load_settings()
-    redis_url = args.redis_url or base.redis_url
+    if settings.num_examples is not None:
+        rows = rows[: settings.num_examples]
+    if args.resume is not None:  # checked before Redis and the model servers are tried
+        from rlmq.cli.run_folder import LiveRunFolder
+
+        args.resumed = LiveRunFolder(args.resume).load()
+        ResultSink(rows, None).check_kept(args.resumed)
+        per_row = settings.rollouts_per_example
+        if any((r.row.rollout is None) != (per_row == 1) or (r.row.rollout or 0) >= per_row for r in args.resumed):
+            raise ConfigError(f"--resume {args.resume}: that run had another --rollouts-per-example; give the same")
+    sub_model = settings.sub_model or model
+    if args.resume is not None:  # the kept rows are of the same rollouts (checked before Redis too)
+        from rlmq.cli.flags import flag_label
+        from rlmq.cli.report import public_settings
+        from rlmq.cli.run_folder import LiveRunFolder
+
+        current = settings.model_copy(update={"sub_model": sub_model}).model_dump(mode="json", exclude={"api_key"})
+        LiveRunFolder(args.resume).check_resume(public_settings(current), label=flag_label)  # as meta.json has them
+    redis_url = settings.redis_url
     if redis_url:
         check_redis(redis_url)
-    extra = dict(
-        base_url=args.base_url,
-        model=args.model,
-        sub_model=sub_model,
-        queue=args.queue,
-        api_key=args.api_key,
-        tenant=args.tenant,
-    )
-    extra = {k: v for k, v in extra.items() if v is not None}
-    settings = _settings_from(args, redis_url=redis_url or "redis://embedded", **extra)
+    settings = settings.model_copy(update={"sub_model": sub_model, "redis_url": redis_url or "redis://embedded"})
+    from rlmq.producer.root_tools import RootToolbox
+
+    # A --tool / --root-tool that does not import, or whose name is refused, is one clear line before anything starts.
+    RootToolbox([*settings.tools, *settings.root_tools], timeout=1.0, max_result_bytes=1024).close()
+    if settings.preflight:
+        from rlmq.cli.preflight import preflight
+
+        base_url = str(settings.base_url)
+        preflight(settings, redis_url, base_url, None if redis_url else settings.sub_base_url or base_url)
     fleet = None
     if not redis_url:
-        worker_args = ["--queue", args.queue] if args.queue else []
-        for tool in settings.sub_tools:
+        worker_args = ["--queue", settings.queue] if settings.queue else []
+        for tool in dict.fromkeys([*settings.sub_tools, *settings.tools]):
             worker_args += ["--allow-tool", tool]
         fleet = LocalFleet(
             model=sub_model,
-            base_url=args.sub_base_url or args.base_url,
+            base_url=settings.sub_base_url or settings.base_url,
             workers=args.workers,
             worker_args=worker_args,
+            # recursive rollouts (max_depth > 1) need workers that host their children's REPLs
+            repl_slots=local_repl_slots(int(getattr(settings, "max_depth", 1)), settings.repl_slots),
+            allow_uncontained_repl=settings.allow_uncontained_repl,
             worker_env={"RLMQ_API_KEY": settings.api_key.get_secret_value()},
             worker_grace=COMMAND_WORKER_GRACE_SECONDS,
             say=say,
         )
-    return _evaluate(args, rows, settings, {"sub_model": sub_model, "dataset": args.dataset}, fleet,
-                     model=args.model)  # fmt: skip
+    return _evaluate(args, rows, settings, {"sub_model": sub_model, "dataset": args.dataset}, fleet, model=model)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from rlmq.cli.status import run_status
     from rlmq.common.connection import sync_client
 
-    url = args.redis_url or load_settings().redis_url
+    url = settings_from_flags(args, "status").redis_url
     if not url:
         raise ConfigError("rlmq status needs --redis-url or REDIS_URL")
     check_redis(url)

@@ -22,13 +22,15 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from rlmq.cli.exits import EXIT_OK, EXIT_ROLLOUT_ERRORS, say
+from rlmq.cli.exits import EXIT_OK, EXIT_ROLLOUT_ERRORS, EXIT_SUB_CALLS_FAILED, say
 from rlmq.common.aio import current_latch
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow, read_dataset
+from rlmq.producer.tree_metrics import is_tree_metric
 
 if TYPE_CHECKING:
+    from rlmq.cli.run_folder import LiveRunFolder
     from rlmq.common.settings import Settings
     from rlmq.producer.env import RolloutResult
 
@@ -86,20 +88,49 @@ class ResultSink:
         output: the ``--output`` file, or ``None``.
     """
 
-    def __init__(self, rows: Sequence[DatasetRow], output: str | None) -> None:
+    def __init__(
+        self,
+        rows: Sequence[DatasetRow],
+        output: str | None,
+        *,
+        rollouts_per_example: int = 1,
+        run_dir: LiveRunFolder | None = None,
+    ) -> None:
         self.order = {row.id: i for i, row in enumerate(rows)}
-        self.total = len(rows)
+        self.total = len(rows) * rollouts_per_example
         self.output = output
+        self.run_dir = run_dir
         # a FIFO or a device (``--output /dev/stdout``) gets the rows streamed into it at the end,
         # and no ``.partial`` beside it
         self._stream = output is not None and os.path.exists(output) and not os.path.isfile(output)
         self.partial = f"{output}.partial" if output and not self._stream else None
-        self._done: dict[int, RolloutResult] = {}
+        self._done: dict[tuple[int, int], RolloutResult] = {}
         self._fh: IO[str] | None = None
 
+    def check_kept(self, kept: Sequence[RolloutResult]) -> None:
+        """Refuse a resumed run's rollouts that are not of this dataset.
+
+        Raises:
+            ConfigError: a row id is not in this dataset.
+        """
+        for res in kept:
+            if res.row.id not in self.order:
+                raise ConfigError(f"--resume: the run folder holds row {res.row.id!r}, which is not in this dataset")
+
+    def keep(self, res: RolloutResult) -> None:
+        """Keep a rollout that an earlier run finished (``--resume``), writing nothing.
+
+        Raises:
+            ConfigError: its row id is not in this dataset.
+        """
+        self.check_kept([res])
+        self._done[(self.order[res.row.id], res.row.key[1])] = res
+
     def add(self, res: RolloutResult) -> None:
-        """Keep a finished rollout and append its row to ``<output>.partial``."""
-        self._done[self.order.get(res.row.id, len(self.order) + len(self._done))] = res
+        """Keep a finished rollout and append its row to ``<output>.partial`` and the run folder."""
+        self._done[(self.order.get(res.row.id, len(self.order) + len(self._done)), res.row.key[1])] = res
+        if self.run_dir is not None:
+            self.run_dir.append(res)
         if self.partial is not None:
             if self._fh is None:
                 self._fh = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed in commit()
@@ -123,6 +154,8 @@ class ResultSink:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self.run_dir is not None:
+            self.run_dir.close()
         if self.output is None or not self._done:
             return False
         if self._stream:  # never renamed onto: that would replace the FIFO or device node itself
@@ -172,9 +205,18 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         refused = sum(int(r["metrics"].get("sub_llm_rejected_count", 0)) for r in rows)
         line = f"sub-LLM calls: {calls} in all, {failed} ended in error, {refused} rejected by the budget"
         lines.append(line + ("  <- see the errors in the run folder's report" if failed else ""))
+    rlm_calls = sum(int(r["metrics"].get("rlm_call_count", 0)) for r in rows)
+    if rlm_calls:
+        children = sum(int(r["metrics"].get("tree_rollout_count", 1)) - 1 for r in rows)
+        charged = sum(int(r["metrics"].get("tree_charged_completion_tokens", 0)) for r in rows)
+        lines.append(
+            f"rlm_batch: {rlm_calls} task(s) in all, {children} child rollout(s) reported, "
+            f"{charged} completion tokens charged to the trees' budgets"
+        )
     keys: list[str] = []
     for r in rows:
-        keys += [k for k in r["metrics"] if k not in keys]
+        # the tree figures (producer/tree_metrics.py) say nothing in a run that started no child
+        keys += [k for k in r["metrics"] if k not in keys and (rlm_calls or not is_tree_metric(k))]
     if keys:
         lines.append("metrics (mean over rollouts):")
         for k in keys:
@@ -207,7 +249,7 @@ def save_run(
     """Write the run folder (``--run-dir`` or ``runs/<UTC time>-<command>``) and print where it is."""
     from rlmq.cli.report import default_run_dir, write_run
 
-    folder = args.run_dir or default_run_dir(args.command)
+    folder = args.run_dir or default_run_dir(args.command)  # set before the run, when it started
     meta = {
         "command": ["rlmq", *public_argv(getattr(args, "argv", None) or [args.command])],
         "settings": settings.model_dump(mode="json", exclude={"api_key"}),
@@ -230,10 +272,12 @@ def finish(
     interrupted: bool = False,
 ) -> int:
     """Keep what finished (``--output`` in dataset order, the run folder), print the summary,
-    and return the exit code: :data:`EXIT_ROLLOUT_ERRORS` when a rollout ended in ``error``."""
+    and return the exit code (:func:`exit_code`; ``0`` when ``interrupted``: the caller exits
+    128 + signal)."""
     results = sink.results
     rows_out = [r.row.model_dump() for r in results]
     wrote = sink.commit()
+    extra = {**extra, "status": "interrupted" if interrupted else "finished"}
     if interrupted:
         latch = current_latch()
         name = signal.Signals(latch.first).name if latch is not None and latch.first else "SIGINT"
@@ -246,8 +290,29 @@ def finish(
     elif args.output:
         print(f"no rollout finished: {args.output} was left as it was")
     save_run(args, results, settings, started, extra)
-    errors = sum(1 for r in rows_out if r.get("error"))
-    if errors and not interrupted:
-        say(f"rlmq: {errors} of {len(rows_out)} rollouts ended in error (exit code {EXIT_ROLLOUT_ERRORS})")
+    if interrupted:
+        return EXIT_OK  # the caller exits 128 + signal
+    return exit_code(rows_out, settings.max_sub_call_error_rate)
+
+
+def exit_code(rows: list[dict[str, Any]], max_sub_call_error_rate: float) -> int:
+    """The exit code of a finished run from its result rows, saying why on stderr when not 0.
+
+    :data:`EXIT_ROLLOUT_ERRORS` when a rollout ended in ``error``; else
+    :data:`EXIT_SUB_CALLS_FAILED` when more than ``max_sub_call_error_rate`` (0..1) of the
+    sub-LLM calls ended in error (rejections by the budget are not errors); else ``0``.
+    """
+    errors = sum(1 for r in rows if r.get("error"))
+    if errors:
+        say(f"rlmq: {errors} of {len(rows)} rollouts ended in error (exit code {EXIT_ROLLOUT_ERRORS})")
         return EXIT_ROLLOUT_ERRORS
+    calls = sum(int(r["metrics"].get("sub_llm_call_count", 0)) for r in rows)
+    failed = sum(int(r["metrics"].get("sub_llm_error_count", 0)) for r in rows)
+    if calls and failed / calls > max_sub_call_error_rate:
+        what = "all" if failed == calls else f"{failed} of {calls} ({failed / calls:.0%})"
+        say(
+            f"rlmq: {what} sub-LLM calls ended in error, above --max-sub-call-error-rate "
+            f"{max_sub_call_error_rate:g}: the answers are not the sub-model's (exit code {EXIT_SUB_CALLS_FAILED})"
+        )
+        return EXIT_SUB_CALLS_FAILED
     return EXIT_OK

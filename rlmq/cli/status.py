@@ -4,11 +4,13 @@ Three tables:
 
 * queues (RQ's ``rq:queues`` set): depth, age of the oldest waiting job (from its job
   hash's ``enqueued_at``), started and failed registry sizes, and the workers serving it
-  (live entries of ``rlmq:serving:<queue>``, which also count for its tenant queues
-  ``<queue>@<tenant>``; RQ's own per-queue worker set when that is larger);
+  (entries of ``rlmq:serving:<queue>`` whose heartbeat has not lapsed by Redis's clock,
+  which also count for its tenant queues ``<queue>@<tenant>``; RQ's own per-queue worker
+  set keeps workers killed with ``kill -9``, so it is not counted);
 * workers (RQ's ``rq:workers`` set): state, sub-calls in flight (the size of the
   worker's ``rq:worker:<name>:executions`` set), concurrency, age of the last heartbeat;
 * live rollouts (``rlmq:rollouts`` plus each rollout's ``info`` and ``budget`` hashes):
+  depth and parent (a child rollout of ``rlm_batch``, hosted by a worker: depth >= 2),
   model, age, sub-LLM budget used / limit.
 
 :func:`collect` reads a snapshot (a JSON-able dict, what ``--json`` prints),
@@ -73,6 +75,8 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
         times in Unix seconds, ages in seconds (``None`` when unknown).
     """
     now = time.time() if now is None else now
+    sec, usec = redis.time()
+    server_now = float(sec) + float(usec) / 1e6  # serving entries expire by Redis's clock
     queues: list[dict[str, Any]] = []
     for qkey in sorted(_s(k) for k in redis.smembers(K.RQ_QUEUES)):
         name = K.queue_of_key(qkey)
@@ -81,12 +85,11 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
             pipe.lindex(qkey, 0)
             pipe.zcard(K.rq_started(name))
             pipe.zcard(K.rq_failed(name))
-            pipe.scard(K.rq_workers_of_queue(name))
-            # Live workers of the model queue serve its tenant queues too (<queue>@<tenant>),
-            # which RQ's per-queue worker set never names.
-            pipe.zcount(K.serving(name), now - K.SERVING_CLOCK_SKEW, "+inf")
-            depth, head, started, failed, rq_workers, live = pipe.execute()
-        nworkers = max(int(live), 0 if "@" in name else int(rq_workers))
+            # Live workers (heartbeat not lapsed) of the model queue, which serve its tenant
+            # queues too (<queue>@<tenant>); RQ's per-queue worker set keeps dead ones.
+            pipe.zcount(K.serving(name), server_now, "+inf")
+            depth, head, started, failed, live = pipe.execute()
+        nworkers = int(live)
         oldest = None
         if head is not None:
             enq = parse_rq_time(redis.hget(K.rq_job(_s(head)), "enqueued_at"))
@@ -114,10 +117,15 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
         state = h.get("state") or ("gone" if not h else "?")
         if h.get("death"):
             state = "dead"
+        lease = [redis.zscore(K.serving(q), name) for q in h.get("queues", "").split(",") if q]
+        live = any(x is not None and float(x) > server_now for x in lease)
+        if not live and state not in ("gone", "dead"):
+            state = "lapsed"  # no heartbeat within its lease (killed with kill -9?)
         workers.append(
             {
                 "name": name,
                 "state": state,
+                "live": live,
                 "queues": [q for q in h.get("queues", "").split(",") if q],
                 "inflight": int(inflight),
                 "concurrency": _int(h.get("rlmq_concurrency")),
@@ -151,6 +159,8 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
                 "model": info.get("model") or None,
                 "sub_model": info.get("sub_model") or None,
                 "queue": info.get("queue") or None,
+                "depth": _int(info.get("depth"), 1),
+                "parent": info.get("parent") or None,
                 "age": None if not started else max(0.0, now - float(started)),
                 "expires_in": float(expires) - now,
                 "budget_limit": _int(budget.get("limit")),
@@ -224,7 +234,8 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
         out.append("  (none)")
     ws = snap["workers"]
     inflight = sum(w["inflight"] for w in ws)
-    out += ["", f"WORKERS ({len(ws)}, {inflight} sub-calls in flight)"]
+    live = sum(1 for w in ws if w.get("live", True))
+    out += ["", f"WORKERS ({live} live, {inflight} sub-calls in flight)"]
     if ws:
         out.append(
             table(
@@ -252,11 +263,20 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     if rs:
         out.append(
             table(
-                ["ROLLOUT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT"],
+                ["ROLLOUT", "DEPTH", "PARENT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT"],
                 [
-                    [r["id"], r["row"] or "-", r["model"] or "-", r["sub_model"] or "-", fmt_age(r["age"]), _budget(r)]
+                    [
+                        r["id"],
+                        str(r.get("depth") or 1),
+                        r.get("parent") or "-",
+                        r["row"] or "-",
+                        r["model"] or "-",
+                        r["sub_model"] or "-",
+                        fmt_age(r["age"]),
+                        _budget(r),
+                    ]
                     for r in rs
-                ],
+                ],  # fmt: skip
             )
         )
     else:

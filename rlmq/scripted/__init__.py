@@ -17,11 +17,13 @@ Endpoints
 ``GET /stats``
     Counters kept by the server itself (``DELETE /stats`` resets them): every request, and
     the tokens it served, in total, per ``user`` field value (rlmq workers send the rollout
-    id there; requests without one count under ``""``) and per model. See
+    id there; requests without one count under ``""``), per model, and per role (``root``: requests
+    offering ``call_python_repl`` and rlm-format roots; ``sub``: the others). See
     :meth:`ScriptedModelServer.stats`. Tokens count when the completion is returned; a client
     that disconnects first (say during a ``sleep``) cancels the call and nothing is
     counted but the request (with :class:`ScriptedModelServer` and :func:`serve`, which enable
-    aiohttp's handler cancellation).
+    aiohttp's handler cancellation). Also the requests in flight now and their high-water mark
+    (``in_flight``, ``in_flight_peak``), and when the last request arrived and ended.
 ``GET /health``
     200 ``{"status": "ok"}``.
 
@@ -53,6 +55,32 @@ Directives, read from the FIRST user message (which carries the question):
 * ``[[mock:root-code-<k>:<base64>]]``: turn ``k`` (k >= 2) runs this code; a later turn
   without code gets plain text. Build them with :func:`root_code_directive`.
 * ``[[mock:no-tool]]``: every reply is plain text, no tool call.
+* ``[[mock:context-tokens:<n>]]``: a context window of ``n`` tokens (words): a request whose
+  prompt tokens (counted as below) pass ``n`` is answered with HTTP 400 and vLLM's message
+  ``This model's maximum context length is <n> tokens. ...`` (counted as a fault).
+* ``[[mock:root-tool:<name>]]``: turn 1 calls the REPL tool ``<name>`` (an ``RLMEnv`` root
+  tool) with the question (directive removed) and answers with ``str()`` of its result, or
+  ``[tool failed] <message>`` when it raises.
+
+* ``[[mock:rlm-split:<K>]]``: the recursive needle search (issue 22,
+  :mod:`rlmq.scripted.recursion`): turn 1 splits ``context`` into ``K`` parts and calls
+  ``rlm_batch([{"prompt": <the first user message>, "context": part}, ...])`` when the system
+  message has the line ``rlm_batch: recursive (depth D of M)``, else (the line
+  ``rlm_batch: plain sub-LLM calls (depth D of M)``, or no such line) ``llm_batch`` with one
+  ``[[mock:needle]]`` leaf prompt per part; it sets ``answer["content"]`` to the code most
+  replies agree on (``none`` when none has one) and ``answer["ready"] = True``. Later turns:
+  plain text. The same directive in a child's prompt makes the child do the same one level down.
+  ``[[mock:rlm-split:K1,K2,K3]]`` splits by ``K1`` at depth 1, ``K2`` at depth 2 and ``K3`` at
+  depth 3 and below (the depth read from that scaffold line), e.g. ``4,5,75``: 4 children, 20
+  grandchildren and 1,500 leaves.
+
+A request without tools whose system message asks for ```` ```repl ```` blocks is a root of the
+RLM paper's ``rlms`` package: it gets the same search written for that package's REPL
+(:func:`rlmq.scripted.recursion.rlm_format_reply`), so both systems can run one tree against
+one server.
+
+The system message of every root request is kept (the last 64) and shown in ``/stats`` as
+``root_system_prompts``.
 
 Because the turn-1 script copies the question verbatim into every sub-LLM prompt, sub-LLM
 directives written into the question reach every sub-LLM call of the rollout.
@@ -70,6 +98,9 @@ Directives in the prompt:
   on purpose; they must not contain ``]]``). With several of them,
   turn ``k`` (one plus the assistant messages so far) calls the k-th; after the last,
   the model answers normally.
+* ``[[mock:needle]]`` or ``[[mock:rlm-split:<K>]]``: the needle rule instead:
+  the code ``X`` of the first ``the secret code is X`` in the prompt, or ``none``
+  (:func:`rlmq.scripted.recursion.needle_answer`).
 * ``[[mock:echo-tool-result]]``: the final answer is followed by one line
   ``tool result: <content>`` per tool message of the conversation.
 * ``[[mock:spend-all]]`` (or the server option ``spend_all``): the completion is exactly
@@ -79,6 +110,8 @@ Directives in the prompt:
   uniformly from ``a..b`` by a hash of the prompt (the same prompt always gets the same
   length; :func:`rlmq.scripted.markers.answer_tokens` gives it). A smaller limit cuts it
   (``finish_reason: "length"``); otherwise ``"stop"``.
+* ``[[mock:ignore-max-tokens]]``: a server that ignores ``max_tokens``: the answer is not cut
+  at the request's limit (``[[mock:tokens:300]]`` with ``max_tokens=100`` serves 300).
 * Faults, for resilience tests:
   ``[[mock:status:<code>]]`` / ``[[mock:status:<code>:retry-after=<seconds>]]`` (HTTP error
   with an OpenAI-style body, and a ``Retry-After`` header when given);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import time
@@ -13,6 +14,7 @@ from aiohttp import web
 
 from rlmq.scripted.answerer import _NONSPACE_RE, answer_from_chunk
 from rlmq.scripted.markers import (
+    _ROOT_TOOL_RE,
     _TOOL_RE,
     DEFAULT_MAX_TOKENS,
     MODEL_FINGERPRINT,
@@ -21,7 +23,8 @@ from rlmq.scripted.markers import (
     ROOT_TOOL_NAME,
     _root_codes,
 )
-from rlmq.scripted.root_script import root_code_for
+from rlmq.scripted.recursion import is_needle_prompt, needle_answer, recursion_of, split_parts, split_root_code
+from rlmq.scripted.root_script import root_code_for, root_tool_code
 
 
 def _text(content: Any) -> str:
@@ -71,6 +74,10 @@ class _Counts:
         }
 
 
+PARAMS_KEPT = 1000
+"""Requests whose parameters ``GET /stats`` shows (``params``), newest last."""
+
+
 class _State:
     def __init__(self, latency: float, spend_all: bool) -> None:
         self.latency = latency
@@ -78,6 +85,7 @@ class _State:
         self.started = time.time()
         self.ids = itertools.count(1)
         self.attempts: dict[str, int] = {}
+        self.in_flight = 0
         self.reset()
 
     def reset(self) -> None:
@@ -85,16 +93,34 @@ class _State:
         self.invalid = 0
         self.per_user: dict[str, _Counts] = {}
         self.per_model: dict[str, _Counts] = {}
+        self.per_role: dict[str, _Counts] = {"root": _Counts(), "sub": _Counts()}
+        self.system_prompts: list[str] = []
+        self.root_requests_by_depth: dict[str, int] = {}
         self.attempts.clear()
+        self.params: collections.deque[dict[str, Any]] = collections.deque(maxlen=PARAMS_KEPT)
+        self.in_flight_peak = self.in_flight  # the requests still open count towards the new peak
+        self.last_request_at: float | None = None
+        self.last_answered_at: float | None = None
 
-    def counters(self, user: str, model: str) -> tuple[_Counts, _Counts, _Counts]:
+    def opened(self) -> None:
+        """A chat completion request was accepted: it is in flight until :meth:`closed`."""
+        self.in_flight += 1
+        self.in_flight_peak = max(self.in_flight_peak, self.in_flight)
+        self.last_request_at = time.time()
+
+    def closed(self) -> None:
+        """An accepted request was answered (or failed, or its client went away)."""
+        self.in_flight -= 1
+        self.last_answered_at = time.time()
+
+    def counters(self, user: str, model: str, role: str) -> tuple[_Counts, _Counts, _Counts, _Counts]:
         per_user = self.per_user.get(user)
         if per_user is None:
             per_user = self.per_user[user] = _Counts()
         per_model = self.per_model.get(model)
         if per_model is None:
             per_model = self.per_model[model] = _Counts()
-        return self.total, per_user, per_model
+        return self.total, per_user, per_model, self.per_role[role]
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -103,7 +129,26 @@ class _State:
             "invalid_requests": self.invalid,
             "per_user": {k: v.as_dict() for k, v in self.per_user.items()},
             "per_model": {k: v.as_dict() for k, v in self.per_model.items()},
+            "per_role": {k: v.as_dict() for k, v in self.per_role.items()},
+            "root_system_prompts": list(self.system_prompts),
+            "root_requests_by_depth": dict(self.root_requests_by_depth),
+            "params": list(self.params),
+            "in_flight": self.in_flight,
+            "in_flight_peak": self.in_flight_peak,
+            "last_request_at": self.last_request_at,
+            "last_answered_at": self.last_answered_at,
         }
+
+    def record(self, body: dict[str, Any]) -> None:
+        """Keep what a request asked for besides its conversation (sampling arguments, ``model``,
+        ``max_tokens``, ``user``; its tools as ``tool_names``), the last :data:`PARAMS_KEPT`
+        requests, for tests to read."""
+        params = {k: v for k, v in body.items() if k not in ("messages", "tools")}
+        tools = body.get("tools")
+        if isinstance(tools, list):
+            names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+            params["tool_names"] = [n for n in names if isinstance(n, str)]
+        self.params.append(params)
 
 
 _STATE = web.AppKey("rlmq_scripted_model_state", _State)
@@ -152,6 +197,18 @@ def _root_reply(messages: Sequence[dict[str, Any]]) -> _Reply:
         code = _root_codes(first_user).get(turn)
         if code is not None:
             return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
+        tool = _ROOT_TOOL_RE.search(first_user)
+        if tool is not None and turn == 1:
+            code = root_tool_code(tool.group(1), _ROOT_TOOL_RE.sub("", first_user).strip())
+            return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
+        if "[[mock:rlm-split:" in first_user:
+            if turn != 1:
+                return _Reply(content=ROOT_FOLLOW_UP)
+            system = "\n".join(_text(m.get("content")) for m in messages if m.get("role") == "system")
+            where = recursion_of(system)
+            parts = split_parts(first_user, where.depth) or 1
+            code = split_root_code(first_user, parts, recurse=where.recurses)
+            return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
     if turn == 1:
         return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": root_code_for(first_user)}))])
     return _Reply(content=ROOT_FOLLOW_UP)
@@ -165,7 +222,7 @@ def _sub_reply(messages: Sequence[dict[str, Any]], prompt: str, offers_tools: bo
             if turn < len(directives):
                 name, arguments = directives[turn]
                 return _Reply(tool_calls=[(name, arguments)])
-        content = answer_from_chunk(prompt)
+        content = needle_answer(prompt) if is_needle_prompt(prompt) else answer_from_chunk(prompt)
         if "[[mock:echo-tool-result]]" in prompt:
             results = [_text(m.get("content")) for m in messages if m.get("role") == "tool"]
             content = "\n".join([content, *(f"tool result: {r}" for r in results)])

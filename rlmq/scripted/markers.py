@@ -24,11 +24,28 @@ LISTEN_LINE = "rlmq scripted model (test double) listening on {url}"
 
 _DIRECTIVE_RE = re.compile(r"\[\[mock:.*?\]\]", re.DOTALL)
 _ROOT_CODE_RE = re.compile(r"\[\[mock:root-code(?:-(\d+))?:([A-Za-z0-9+/=_\-\s]*)\]\]")
+_ROOT_TOOL_RE = re.compile(r"\[\[mock:root-tool:([A-Za-z_][A-Za-z0-9_]*)\]\]")
 _TOOL_RE = re.compile(r"\[\[mock:tool:([^:\]\s]+):(.*?)\]\]", re.DOTALL)
 _STATUS_RE = re.compile(r"\[\[mock:status:(\d{3})(?::retry-after=(\d+(?:\.\d+)?))?\]\]")
 _SLEEP_RE = re.compile(r"\[\[mock:sleep:(\d+(?:\.\d+)?)\]\]")
 _FAIL_TIMES_RE = re.compile(r"\[\[mock:fail-times:(\d+)\]\]")
 _TOKENS_RE = re.compile(r"\[\[mock:tokens:(\d+)(?:-(\d+))?\]\]")
+_CONTEXT_RE = re.compile(r"\[\[mock:context-tokens:(\d+)\]\]")
+
+
+def context_tokens(first_user: str) -> int | None:
+    """The root model's context window (tokens = words) a ``[[mock:context-tokens:<n>]]``
+    directive in the first user message sets, or ``None``."""
+    match = _CONTEXT_RE.search(first_user)
+    return int(match.group(1)) if match else None
+
+
+def context_length_message(limit: int, prompt_tokens: int) -> str:
+    """vLLM's error message for a prompt longer than the context window."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, your request has {prompt_tokens} "
+        "input tokens. Please reduce the length of the input messages."
+    )
 
 
 def answer_tokens(prompt: str) -> int | None:

@@ -74,6 +74,16 @@ answer["ready"] = True
 '''
 
 
+def root_tool_code(name: str, question: str) -> str:
+    """The first-turn code that calls the REPL tool ``name`` with ``question`` and answers with what
+    it returns (``str()`` of it), or with ``[tool failed] <message>`` when it raises."""
+    return (
+        f"try:\n    result = {name}({question!r})\nexcept Exception as exc:\n"
+        "    result = f'[tool failed] {exc}'\nprint(repr(result)[:200])\n"
+        "answer['content'] = str(result)\nanswer['ready'] = True\n"
+    )
+
+
 def root_code_for(question: str) -> str:
     """The Python code of the root model's first turn for ``question``.
 

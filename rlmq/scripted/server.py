@@ -44,8 +44,11 @@ from rlmq.scripted.markers import (
     _Faults,
     _parse_faults,
     answer_tokens,
+    context_length_message,
+    context_tokens,
     root_code_directive,
 )
+from rlmq.scripted.recursion import is_rlm_format_root, recursion_of, rlm_format_reply
 from rlmq.scripted.root_script import root_code_for
 
 __all__ = [
@@ -89,21 +92,59 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     model = model if isinstance(model, str) else ""
     user = body.get("user")
     user = user if isinstance(user, str) else ""
-    total, per_user, per_model = state.counters(user, model)
-    for counts in (total, per_user, per_model):
+    tool_names = _tool_names(body.get("tools"))
+    rlm_root = not tool_names and messages[0].get("role") == "system"
+    rlm_root = rlm_root and is_rlm_format_root(_text(messages[0].get("content")), offers_tools=False)
+    counted = state.counters(user, model, "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub")
+    for counts in counted:
         counts.requests += 1
+    state.record(body)
+    state.opened()
+    try:
+        return await _answer(request, state, body, messages, limit, model, tool_names, rlm_root, counted)
+    finally:
+        state.closed()
+
+
+async def _answer(
+    request: web.Request,
+    state: _State,
+    body: dict[str, Any],
+    messages: list[dict[str, Any]],
+    limit: int,
+    model: str,
+    tool_names: list[str],
+    rlm_root: bool,
+    counted: tuple[Any, ...],
+) -> web.StreamResponse:
 
     if state.latency > 0:
         await asyncio.sleep(state.latency)
 
-    tool_names = _tool_names(body.get("tools"))
     no_usage = False
     spend_all = False
     if ROOT_TOOL_NAME in tool_names:
+        first = messages[0]
+        if first.get("role") == "system":  # what the root model was told, for tests (the last 64)
+            system = _text(first.get("content"))
+            state.system_prompts = [*state.system_prompts[-63:], system]
+            depth = recursion_of(system).depth if "rlm_batch" in system else None
+            key = "" if depth is None else str(depth)
+            state.root_requests_by_depth[key] = state.root_requests_by_depth.get(key, 0) + 1
+        first_user = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+        window = context_tokens(first_user) if "[[mock:context-tokens:" in first_user else None
+        if window is not None:
+            used = sum(_words(_text(m.get("content"))) for m in messages)
+            if used > window:
+                for counts in counted:
+                    counts.faults += 1
+                return _error(400, context_length_message(window, used))
         try:
             reply = _root_reply(messages)
         except ValueError as exc:  # a root-code directive that does not decode
             return _error(400, str(exc))
+    elif rlm_root:
+        reply = _Reply(content=rlm_format_reply(1 + sum(1 for m in messages if m.get("role") == "assistant")))
     else:
         prompt = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
         if "[[mock:" in prompt:
@@ -115,12 +156,14 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             if active:
                 failed = await _apply_faults(request, faults)
                 if failed is not None:
-                    for counts in (total, per_user, per_model):
+                    for counts in counted:
                         counts.faults += 1
                     return failed
                 no_usage = faults.no_usage
             spend_all = "[[mock:spend-all]]" in prompt
         spend_all = spend_all or state.spend_all
+        if "[[mock:ignore-max-tokens]]" in prompt:
+            limit = 10**9  # a server that ignores max_tokens
         reply = _sub_reply(messages, prompt, bool(tool_names))
         length = answer_tokens(prompt) if "[[mock:tokens:" in prompt else None
         if length is not None and not reply.tool_calls:
@@ -129,7 +172,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
-    for counts in (total, per_user, per_model):
+    for counts in counted:
         counts.completions += 1
         counts.prompt_tokens += prompt_tokens
         counts.completion_tokens += completion_tokens
@@ -287,7 +330,16 @@ class ScriptedModelServer:
         (200 answers with a completion), ``faults`` (scripted failures), ``prompt_tokens``
         and ``completion_tokens`` (tokens = words, of the completions served),
         ``invalid_requests`` (answered 400), and ``per_user`` / ``per_model``: the same five
-        counters per ``user`` field value (``""`` when absent) and per requested model name.
+        counters per ``user`` field value (``""`` when absent) and per requested model name;
+        ``per_role``: the same per role, ``root`` (requests offering ``call_python_repl``) and ``sub``;
+        ``root_requests_by_depth``: root requests (with a system message) by the depth ``D`` of their
+        scaffold line ``rlm_batch: ... (depth D of M)`` (:mod:`rlmq.scripted.recursion`; ``""``: no such line);
+        ``root_system_prompts``: the system message of the last 64 root-model requests.
+        ``in_flight``: chat completion requests accepted and not yet answered; ``in_flight_peak``: the
+        most there were at once since the start (or the last reset, counting those still open then);
+        ``last_request_at`` / ``last_answered_at``: Unix seconds of the last request accepted and of the
+        last one that ended (answered, failed or abandoned by its client), ``None`` before any.
+        ``params``: the last requests' fields besides ``messages`` and ``tools``.
         """
         return self._app[_STATE].snapshot()
 

@@ -24,7 +24,9 @@ from typing import Any
 from rlmq import ConfigError, DatasetRow, ResultRow, RLMEnv, load_settings
 from rlmq.producer.env import normalize_answer
 
-__all__ = ["RolloutKnobs", "RolloutOutcome", "exact_match", "rollout_id_for", "run_rollout", "STOP_CONDITIONS"]
+__all__ = [
+    "RolloutKnobs", "RolloutOutcome", "exact_match", "rollout_env", "rollout_id_for", "run_rollout", "STOP_CONDITIONS",
+]  # fmt: skip
 
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -32,6 +34,8 @@ STOP_CONDITIONS: dict[str, str | None] = {
     "answer_ready": None,  # the normal end: verifiers stamps its own ``agent_completed``
     "max_turns": "max_turns",  # verifiers' truncation name (``Trace.is_truncated``)
     "no_tool_call": "no_tool_call",  # the root answered without code; like a ``@stop`` name
+    "prompt_too_long": "prompt_too_long",  # the reference RLMEnv's name for a refused long prompt
+    "code_timeout": "code_timeout",  # a timed-out cell ended it (abort_on_code_timeout)
     "error": None,  # reported as a failed program instead (the trace records the error)
 }
 """rlmq ``stop_reason`` -> the verifiers trace's ``stop_condition`` set by the harness."""
@@ -44,7 +48,8 @@ class RolloutKnobs:
     Attributes:
         settings: keyword overrides for :func:`~rlmq.common.settings.load_settings`
             (``None`` values are ignored, so ``RLMQ_*`` / ``REDIS_URL`` fill them).
-        env_args: keyword arguments of ``RLMEnv`` (``max_turns``, ``sub_model``, ...).
+        env_args: keyword arguments of ``RLMEnv`` (``max_turns``, ``sub_model``, ...): only
+            those given, so that the ``RLMQ_*`` variables and rlmq's defaults fill the rest.
     """
 
     settings: dict[str, Any] = field(default_factory=dict)
@@ -97,16 +102,26 @@ async def run_rollout(
         ConfigError: a setting is invalid or the Redis URL is missing.
         redis.exceptions.RedisError, OSError: Redis cannot be reached at start.
     """
+    async with rollout_env(knobs, model=model, base_url=base_url, api_key=api_key) as env:
+        result = await env.rollout(row, model=model, rollout_id=rollout_id)
+    metrics = {k: float(v) for k, v in result.row.metrics.items() if isinstance(v, int | float)}
+    return RolloutOutcome(row=result.row, metrics=metrics, trajectory=result.trajectory)
+
+
+def rollout_env(knobs: RolloutKnobs, *, model: str, base_url: str, api_key: str) -> RLMEnv:
+    """The (unstarted) ``RLMEnv`` of one harness rollout: ``knobs`` over the ``RLMQ_*``
+    variables over rlmq's defaults, the root model at ``base_url``.
+
+    Raises:
+        ConfigError: a setting is invalid or no Redis URL is set.
+    """
     settings = load_settings(**{**knobs.settings, "base_url": base_url, "api_key": api_key, "model": model})
     if not settings.redis_url:
         raise ConfigError(
             "no Redis for the sub-LLM fleet: set REDIS_URL (or RLMQ_REDIS_URL), "
             "or --env.agent.harness.redis-url under verifiers"
         )
-    async with RLMEnv(settings=settings, **knobs.env_args) as env:
-        result = await env.rollout(row, model=model, rollout_id=rollout_id)
-    metrics = {k: float(v) for k, v in result.row.metrics.items() if isinstance(v, int | float)}
-    return RolloutOutcome(row=result.row, metrics=metrics, trajectory=result.trajectory)
+    return RLMEnv(settings=settings, **knobs.env_args)
 
 
 def rollout_id_for(trace_id: str) -> str:

@@ -12,23 +12,41 @@ own sandbox, whatever verifiers runtime the agent is given (the runtime is not u
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import verifiers.v1 as vf
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from verifiers.v1.types import ID
 
+from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
+from rlmq.common.settings import RolloutOptions, build_settings
+from rlmq.common.settings_schema import unset_model
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
 
 __all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row", "trace_events"]
 
 
-class RlmqHarnessConfig(vf.HarnessConfig):
+if TYPE_CHECKING:
+    _RolloutKnobFields = BaseModel
+else:  # every RolloutOptions field, optional: derived from the one declaration
+    _RolloutKnobFields = unset_model("RolloutKnobFields")
+
+
+def harness_flag(name: str) -> str:
+    """How vf-eval names the harness knob ``name``: ``--env.agent.harness.<name with dashes>``."""
+    return "--env.agent.harness." + name.replace("_", "-")
+
+
+class RlmqHarnessConfig(vf.HarnessConfig, _RolloutKnobFields):
     """The ``rlmq`` harness's knobs, under ``--env.agent.harness.*``.
 
-    Unset values fall back to rlmq's settings path (``RLMQ_*`` environment variables, then
-    rlmq's defaults), the same as for ``rlmq run``.
+    Every field of :class:`~rlmq.common.settings.RolloutOptions` is a knob of the same name
+    (``--env.agent.harness.max-turns``, ...), derived from the declaration. A knob left unset
+    (``None``) falls back to rlmq's ``RLMQ_*`` variable, then rlmq's default: the precedence
+    of ``rlmq run`` and ``RLMEnv``. The values and the environment are checked when the
+    config is built, so a bad one (a budget of 0 included) stops ``vf-eval`` at once with one
+    line naming the knob or the variable, instead of failing every rollout.
     """
 
     id: ID = "rlmq"
@@ -37,59 +55,36 @@ class RlmqHarnessConfig(vf.HarnessConfig):
     """Redis of the fleet; ``None``: ``RLMQ_REDIS_URL`` or ``REDIS_URL``. A secret: the saved
     config and the traces show ``**********`` (so a run re-read from its saved config needs
     the environment variable)."""
-    sub_model: str | None = None
-    """Model the workers serve (names the queue); ``None``: the run's model."""
     queue: str | None = None
-    """RQ queue of the sub-LLM calls; ``None``: derived from the sub-model, as on the workers."""
+    """RQ queue of the sub-LLM calls; ``None``: ``RLMQ_QUEUE``, else derived from the sub-model."""
     tenant: str | None = None
-    """Fair-share tenant (``<queue>@<tenant>``); ``None``: this host's name."""
-    max_turns: int = Field(50, ge=1)
-    """Root-model turns per rollout (rlmq's own limit; ``--env.agent.max-turns`` also applies)."""
-    sub_llm_max_turns: int = Field(5, ge=1)
-    sub_llm_max_completion_tokens: int | None = Field(None, ge=0)
-    """The rollout's sub-LLM budget in completion tokens, a hard limit across the fleet."""
-    sub_llm_per_call_max_tokens: int | None = Field(None, ge=1)
-    root_max_completion_tokens: int | None = Field(None, ge=1)
-    max_sub_llm_parallelism: int = Field(64, ge=1)
-    max_output_length: int = Field(8192, ge=100)
-    code_execution_timeout: float = Field(120.0, gt=0)
-    max_startup_wait_seconds: float = Field(120.0, gt=0)
-    sub_call_timeout: float | None = Field(None, gt=0)
-    """Seconds from enqueue to the result of one sub-call; ``None``: rlmq's default (300)."""
-    sub_tools: list[str] = Field(default_factory=list)
-    root_prompt_verbosity: Literal["light", "medium", "heavy"] = "light"
-    sub_prompt_verbosity: Literal["light", "medium", "heavy"] = "light"
+    """Fair-share tenant (``<queue>@<tenant>``); ``None``: ``RLMQ_TENANT``, else this host's name."""
     include_trajectory: bool = True
     """Copy rlmq's events (root turns, REPL cells, ``llm_batch`` results) into
     ``trace.info["rlmq"]["trajectory"]``, each sub-LLM prompt cut to ``trajectory_prompt_chars``
     characters (they are slices of ``context``, which the trace already holds in full)."""
-    trajectory_prompt_chars: int = Field(500, ge=0)
+    trajectory_prompt_chars: int = Field(default=500, ge=0)
 
-    def knobs(self, sub_model: str) -> RolloutKnobs:
-        """The rlmq settings and ``RLMEnv`` arguments these knobs stand for."""
-        return RolloutKnobs(
-            settings={
-                "redis_url": self.redis_url.get_secret_value() if self.redis_url is not None else None,
-                "queue": self.queue,
-                "tenant": self.tenant,
-                "sub_call_timeout": self.sub_call_timeout,
-            },
-            env_args={
-                "max_turns": self.max_turns,
-                "sub_llm_max_turns": self.sub_llm_max_turns,
-                "sub_llm_max_completion_tokens": self.sub_llm_max_completion_tokens,
-                "sub_llm_per_call_max_tokens": self.sub_llm_per_call_max_tokens,
-                "root_max_completion_tokens": self.root_max_completion_tokens,
-                "max_sub_llm_parallelism": self.max_sub_llm_parallelism,
-                "sub_model": sub_model,
-                "sub_tools": list(self.sub_tools),
-                "max_output_length": self.max_output_length,
-                "code_execution_timeout": self.code_execution_timeout,
-                "max_startup_wait_seconds": self.max_startup_wait_seconds,
-                "root_prompt_verbosity": self.root_prompt_verbosity,
-                "sub_prompt_verbosity": self.sub_prompt_verbosity,
-            },
+    @model_validator(mode="after")
+    def _check_settings(self) -> RlmqHarnessConfig:
+        knobs = self.knobs()
+        try:
+            build_settings({**knobs.settings, **knobs.env_args}, label=harness_flag)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
+
+    def knobs(self) -> RolloutKnobs:
+        """The rlmq settings these knobs stand for: only the knobs given (not ``None``), so the
+        ``RLMQ_*`` variables and rlmq's defaults fill the rest (the rollout options go in as
+        settings, so a new ``RolloutOptions`` field needs nothing here)."""
+        settings = {name: getattr(self, name) for name in RolloutOptions.model_fields}
+        settings.update(
+            redis_url=self.redis_url.get_secret_value() if self.redis_url is not None else None,
+            queue=self.queue,
+            tenant=self.tenant,
         )
+        return RolloutKnobs(settings={k: v for k, v in settings.items() if v is not None})
 
 
 def dataset_row(data: vf.TaskData, question: str) -> DatasetRow:
@@ -108,16 +103,31 @@ def dataset_row(data: vf.TaskData, question: str) -> DatasetRow:
 
 
 def trace_events(trajectory: list[dict[str, Any]], prompt_chars: int) -> list[dict[str, Any]]:
-    """rlmq's trajectory as JSON for ``trace.info``: ``llm_batch`` prompts longer than
-    ``prompt_chars`` characters are cut, with a marker saying how long they were."""
+    """rlmq's trajectory as JSON for ``trace.info``: ``llm_batch`` prompts and ``rlm_batch`` tasks
+    longer than ``prompt_chars`` characters are cut, with a marker saying how long they were, in
+    the children's nested trajectories too."""
     events: list[dict[str, Any]] = json.loads(json.dumps(trajectory, default=str))
-    for event in events:
-        if event.get("type") == "llm_batch":
-            event["prompts"] = [
-                p if len(p) <= prompt_chars else f"{p[:prompt_chars]}[... {len(p)} characters in all]"
-                for p in event.get("prompts", [])
-            ]
+    _cut_prompts(events, prompt_chars)
     return events
+
+
+def _cut_prompts(events: list[Any], prompt_chars: int) -> None:
+    for event in events:
+        kind = event.get("type") if isinstance(event, dict) else None
+        key = {"llm_batch": "prompts", "rlm_batch": "tasks"}.get(str(kind))
+        if key is None or not isinstance(event.get(key, []), list):
+            continue
+        event[key] = [
+            p
+            if not isinstance(p, str) or len(p) <= prompt_chars
+            else f"{p[:prompt_chars]}[... {len(p)} characters in all]"
+            for p in event.get(key, [])
+        ]
+        results = event.get("results") if kind == "rlm_batch" else None
+        for result in results if isinstance(results, list) else []:
+            child = result.get("child") if isinstance(result, dict) else None
+            if isinstance(child, dict) and isinstance(child.get("trajectory"), list):
+                _cut_prompts(child["trajectory"], prompt_chars)
 
 
 class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
@@ -163,7 +173,7 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
             base_url=endpoint,
             api_key=secret,
             rollout_id=rollout_id,
-            knobs=self.config.knobs(self.config.sub_model or ctx.model),
+            knobs=self.config.knobs(),
         )
         result = outcome.row
         trace.record_metrics(outcome.metrics)

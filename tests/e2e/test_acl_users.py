@@ -4,6 +4,7 @@ administrative commands."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,8 @@ from rlmq.common import keys as K
 from rlmq.common.acl import ROLES, acl_rules
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
-from rlmq.common.schemas import SubCallOptions
+from rlmq.common.rqjobs import job_hash
+from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 pytestmark = pytest.mark.e2e
@@ -116,3 +118,88 @@ async def test_a_worker_whose_writes_are_refused_for_good_exits_non_zero(
         proc = fleet.group.procs[-1]
         wait_until(lambda: proc.poll() is not None, 60, "the worker to exit")
         assert proc.returncode not in (0, None)
+
+
+async def test_a_tenant_producer_cannot_reach_another_tenants_rollout(
+    real_redis: redis.Redis, redis_url: str, tmp_path: Any
+) -> None:
+    """Two teams share a fleet, each with a tenant producer user. Team a can neither raise team
+    b's budget nor write b's jobs; a job a may write (its own id) whose payload names b's rollout
+    and whose hash names b's reply stream charges nothing of b's and answers on a's own stream."""
+    u = urlparse(redis_url)
+    names, urls = [], {}
+    for key, role, tenant in (("a", "producer", "teama"), ("b", "producer", "teamb"), ("worker", "worker", None)):
+        name, password = f"rlmq-{key}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+        real_redis.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}", *acl_rules(role, tenant))
+        names.append(name)
+        urls[key] = f"redis://{name}:{password}@{u.hostname}:{u.port}/0"
+    model = f"acl-tenant-{uuid.uuid4().hex[:6]}"
+    base = K.queue_name_for_model(model)
+    a, b = async_client(urls["a"]), async_client(urls["b"])
+    try:
+        with LocalFleet(
+            redis_url=urls["worker"], model=model, workers=1, worker_args=["--no-lane-early-calls"],
+            log_dir=str(tmp_path / "logs"),
+        ) as fleet:  # fmt: skip
+            fleet.wait_for_workers(1)
+            rid_b = "teamb_r1"
+            await BudgetLedger(b).open(rid_b, 500)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await a.hset(K.RolloutKeys(rid_b).budget, "limit", 10**9)  # raise b's budget
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await a.hset(K.rq_job(K.job_id(rid_b, "b1", 0)), "status", "queued")  # rewrite b's job
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await a.xrange(K.RolloutKeys(rid_b).reply("b1"))  # read b's results
+
+            # a forged job of a's own id: payload names b's rollout, the hash b's reply stream
+            jid = K.job_id("teama_r1", "b1", 0)
+            req = SubLLMRequest(
+                rollout_id=rid_b, batch_id="b1", index=0, prompt="Spend b's budget. [[mock:spend-all]]",
+                enqueued_at=time.time(), deadline=time.time() + 30, model=model, budgeted=True,
+            )  # fmt: skip
+            fields = job_hash(
+                queue=K.tenant_queue(base, "teama"), args=[req.model_dump(mode="json")], description="forged",
+                timeout=30, result_ttl=60, failure_ttl=60, ttl=30, reply_key=K.RolloutKeys(rid_b).reply("b1"),
+                meta={"rollout_id": rid_b, "batch_id": "b1", "index": 0},
+            )  # fmt: skip
+            await a.hset(K.rq_job(jid), mapping=fields)  # type: ignore[arg-type]
+            await a.rpush(K.rq_queue(K.tenant_queue(base, "teama")), jid)
+            await a.sadd(K.RQ_QUEUES, K.rq_queue(K.tenant_queue(base, "teama")))
+            await a.publish(K.wake_channel(base), K.wake_message(K.tenant_queue(base, "teama"), [jid]))
+            got = await a.xread({K.RolloutKeys("teama_r1").reply("b1"): "0-0"}, block=20_000)
+            assert got, "the forged job's result did not come back on a's own stream"
+            res = SubLLMResult.model_validate_json(got[0][1][0][1][K.REPLY_FIELD.encode()])
+            assert res.status == "error" and res.error_kind == "payload" and "another slot" in str(res.error)
+            snap = await BudgetLedger(b).snapshot(rid_b)
+            assert snap is not None and (snap.charged, snap.grants) == (0, 0)
+            assert await b.xlen(K.RolloutKeys(rid_b).reply("b1")) == 0
+
+            # the lane is shared: a's entry carries its own job and a made-up one of b's rollout;
+            # with early lane calls off, nothing of b's is reserved before START confirms a job
+            own = SubLLMRequest(
+                rollout_id="teama_r2", batch_id="b1", index=0, prompt="Who? Ada.", enqueued_at=time.time(),
+                deadline=time.time() + 30, model=model,
+            )  # fmt: skip
+            own_id = K.job_id("teama_r2", "b1", 0)
+            own_fields = job_hash(
+                queue=K.tenant_queue(base, "teama"), args=[own.model_dump(mode="json")], description="own",
+                timeout=30, result_ttl=60, failure_ttl=60, ttl=30, reply_key=K.RolloutKeys("teama_r2").reply("b1"),
+                meta={"rollout_id": "teama_r2", "batch_id": "b1", "index": 0},
+            )  # fmt: skip
+            await a.hset(K.rq_job(own_id), mapping=own_fields)  # type: ignore[arg-type]
+            await a.rpush(K.rq_queue(K.tenant_queue(base, "teama")), own_id)
+            fake = req.model_copy(update={"batch_id": "b9"})
+            entry = LaneEntry(
+                queue=K.tenant_queue(base, "teama"), enqueued_at=time.time(),
+                jobs=[LaneJob(job_id=own_id, request=own), LaneJob(job_id=K.job_id(rid_b, "b9", 0), request=fake)],
+            )  # fmt: skip
+            await a.rpush(K.lane(base), entry.model_dump_json())
+            got = await a.xread({K.RolloutKeys("teama_r2").reply("b1"): "0-0"}, block=20_000)
+            assert got, "a's own lane job was not answered"
+            snap = await BudgetLedger(b).snapshot(rid_b)
+            assert snap is not None and (snap.charged, snap.grants) == (0, 0), snap
+    finally:
+        await a.aclose()
+        await b.aclose()
+        for name in names:
+            real_redis.execute_command("ACL", "DELUSER", name)

@@ -1,7 +1,8 @@
 """Failing as users fail: the real ``rlmq`` command, one clear line, a documented exit code.
 
-Exit codes (README, ``rlmq.cli.main``): 0 ok, 1 rollouts ended in error, 2 a mistake in the
-command or its input, 3 Redis unavailable, 4 anything else, 128+N a stop signal N.
+Exit codes (README, ``rlmq.cli.exits``): 0 ok, 1 rollouts ended in error, 2 a mistake in the
+command or its input, 3 Redis unavailable, 4 anything else, 5 a model server or the queue's
+workers missing (``test_preflight.py``), 6 sub-calls failed, 128+N a stop signal N.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def ds(tmp_path: Path) -> Path:
         ("duplicate-ids", "twice"),
         ("bad-row", "not a dataset row"),
         ("missing-output-folder", "does not exist"),
+        ("tool-not-importable", "tool 'no_such_module_xyz:f': cannot import it"),
+        ("tool-named-like-a-builtin", "tool name 'print' is private or a Python builtin"),
+        ("tool-module-syntax-error", "tool 'rlmq_t_syntax:f': cannot import it (SyntaxError: invalid syntax"),
+        ("tool-module-raises", "tool 'rlmq_t_raises:f': cannot import it (RuntimeError: no index configured)"),
+        ("tool-module-exits", "tool 'rlmq_t_exits:f': cannot import it (SystemExit: 0)"),
     ],
 )
 def test_a_mistake_gets_one_line_and_exit_2_before_anything_starts(
@@ -72,16 +78,29 @@ def test_a_mistake_gets_one_line_and_exit_2_before_anything_starts(
         ds.write_text(rows[0] + "\n" + rows[0] + "\n")
     elif case == "bad-row":
         ds.write_text(rows[0] + '\n{"id": "x"}\n')
-    else:
+    elif case == "missing-output-folder":
         output = "no-such-folder/rows.jsonl"
+    # An operator's tool module that does not import: broken, failing, or exiting on import.
+    (tmp_path / "rlmq_t_syntax.py").write_text("def f(:\n    pass\n")
+    (tmp_path / "rlmq_t_raises.py").write_text("raise RuntimeError('no index configured')\n")
+    (tmp_path / "rlmq_t_exits.py").write_text("import sys\nsys.exit(0)\n")
+    extra = {
+        "tool-not-importable": ["--tool", "no_such_module_xyz:f"],
+        "tool-named-like-a-builtin": ["--root-tool", "builtins:print"],
+        "tool-module-syntax-error": ["--root-tool", "rlmq_t_syntax:f"],
+        "tool-module-raises": ["--tool", "rlmq_t_raises:f"],
+        "tool-module-exits": ["--root-tool", "rlmq_t_exits:f"],
+    }
     (tmp_path / "rows.jsonl").write_text(EARLIER)
     args = ["run", dataset, "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--output", output, "--quiet"]
-    res = rlmq(*args, cwd=tmp_path)
+    args += extra.get(case, [])
+    env = {"PYTHONPATH": str(tmp_path)}
+    res = rlmq(*args, cwd=tmp_path, env=env)
     assert res.returncode == 2, res.stderr
     assert expect in one_line(res)
     assert "redis" not in res.stdout  # nothing was started: no embedded Redis, no worker
     assert (tmp_path / "rows.jsonl").read_text() == EARLIER
-    verbose = rlmq(*args, "--verbose", cwd=tmp_path)
+    verbose = rlmq(*args, "--verbose", cwd=tmp_path, env=env)
     assert verbose.returncode == 2 and "Traceback (most recent call last)" in verbose.stderr
 
 
@@ -132,8 +151,9 @@ def test_password_protected_redis_gets_one_line_and_exit_3(locked_redis: str, tm
 
 def test_every_rollout_failing_exits_1_and_the_error_names_the_server(tmp_path: Path, ds: Path) -> None:
     port = _free_port()  # nothing listens there
+    # without the check before the rollouts (tests/e2e/test_preflight.py), each row pays its retries
     res = rlmq("run", "ds.jsonl", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "m", "--quiet",
-               "--output", "rows.jsonl", "--run-dir", "run", cwd=tmp_path, timeout=180)  # fmt: skip
+               "--output", "rows.jsonl", "--run-dir", "run", "--no-preflight", cwd=tmp_path, timeout=180)  # fmt: skip
     assert res.returncode == 1, res.stdout + res.stderr
     assert "rollouts ended in error (exit code 1)" in res.stderr
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]

@@ -17,6 +17,7 @@ A flag of ``rlmq run`` that neither run passes fails the test: a new flag needs 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from rlmq.common import keys as K
 from rlmq.common.rqjobs import decode_job_data
 from rlmq.producer.scaffold import root_system_prompt, sub_system_prompt
 from rlmq.scripted.server import root_code_directive
+from tests.e2e.test_signals import as_from_a_terminal
 
 pytestmark = pytest.mark.e2e
 
@@ -48,6 +50,9 @@ FLAGS_A: dict[str, str | None] = {
     "--sub-llm-max-turns": "2",
     "--max-output-length": "500",
     "--code-execution-timeout": "10",
+    "--abort-on-code-timeout": None,
+    "--root-context-tokens": "1000",
+    "--context-warning-threshold": "0.05",
     "--root-prompt-verbosity": "heavy",
     "--sub-prompt-verbosity": "heavy",
     "--sub-llm-max-completion-tokens": "60",
@@ -60,6 +65,34 @@ FLAGS_A: dict[str, str | None] = {
     "--metrics-port": "0",
     "--metrics-host": "127.0.0.1",
     "--quiet": None,
+    "--max-batch-prompts": "6",
+    "--max-batch-bytes": "200000",
+    "--rollout-key-ttl": "600",
+    "--include-sub-llm-in-trajectory": None,
+    "--rollout-timeout": "900",
+    "--max-startup-wait-seconds": "90",
+    "--sub-llm-budget-grant-tokens": "16",
+    "--sub-llm-final-answer-turn": None,
+    "--max-sub-call-error-rate": "0.5",  # one deadline error among its sub-calls: still exit 0
+    "--preflight-timeout": "30",  # the check before the rollouts finds its worker
+}
+FLAGS_B: dict[str, str | None] = {
+    "--num-examples": "2",  # ROWS_B has three rows
+    "--sampling-args": '{"extra_body": {"top_k": 5}, "max_tokens": 4000}',
+    "--temperature": "0.4",
+    "--top-p": "0.9",
+    "--max-tokens": "3000",  # over --sampling-args
+    "--sub-sampling-args": '{"min_p": 0.2, "top_p": 0.1}',
+    "--sub-temperature": "0.3",
+    "--sub-top-p": "0.7",  # over --sub-sampling-args
+}
+TESTED_ELSEWHERE = {
+    "--resume": "tests/e2e/test_eval_knobs.py",
+    "--rollouts-per-example": "tests/e2e/test_eval_knobs.py",
+    "--no-preflight": "tests/e2e/test_cli_errors.py (and test_preflight.py for the check itself)",
+    "--preflight": "the default: tests/e2e/test_preflight.py",
+    "--allow-evicting-redis": "tests/fleet/test_conditions.py (rlmq run against an evicting Redis, with and without)",
+    "--no-allow-evicting-redis": "the default: tests/fleet/test_conditions.py (refused)",
 }
 
 
@@ -73,7 +106,8 @@ ROWS_A = [
     {"id": "turns", "context": "c", "question": question("Turns?", *(f"print({k})" for k in range(1, 6)))},
     # 2,000 characters printed: --max-output-length 500 cuts them
     {"id": "cut", "context": "c", "question": question("Cut?", "print('x' * 2000)")},
-    # a cell that would sleep two minutes: --code-execution-timeout 10 ends it
+    # a cell that would sleep two minutes: --code-execution-timeout 10 ends it, and with it the
+    # rollout (--abort-on-code-timeout)
     {"id": "timeout", "context": "c", "question": question("Timeout?", "import time\ntime.sleep(120)")},
     # a sub-LLM that answers after 8 s: --sub-call-timeout 4 gives it a deadline error
     {"id": "deadline", "context": "c", "question": question("Deadline?", "out = llm_batch(['[[mock:sleep:8]] slow'])")},
@@ -93,13 +127,46 @@ ROWS_A = [
     },
     # a 400-word first turn: --root-max-completion-tokens 300 cuts the root's reply
     {"id": "rootcap", "context": "c", "question": question("Cap?", "x = '" + " ".join(["w"] * 400) + "'")},
+    # 7 prompts, then 300,000 bytes: --max-batch-prompts 6 and --max-batch-bytes 200000 refuse them
+    {
+        "id": "batchcap",
+        "context": "c",
+        "question": question(
+            "Batch cap?",
+            "for args in (['x'] * 7, ['y' * 300000]):\n    try:\n        llm_batch(args)\n"
+            "    except Exception as exc:\n        print('refused:', exc)",
+        ),
+    },
 ]
 
 CELL_B = (
     "import time\nt0 = time.time()\nout = llm_batch([f'b{i}' for i in range(4)])\ntime.sleep(1.0)\n"
+    "import rlmqtoy\nprint('toy', rlmqtoy.VALUE, 'words', count_words('a b c'), dumps([1]))\n"
+    "try:\n    dumps(['x' * 3000])\nexcept ValueError as exc:\n    print('refused:', exc)\n"
     "answer['content'] = f'{t0} {time.time()}'\nanswer['ready'] = True"
 )
-ROWS_B = [{"id": f"b{i}", "context": "c", "question": question(f"B{i}?", CELL_B)} for i in range(2)]
+SYSTEM_B = "You are run B's own system prompt."
+
+
+def toy_wheel(folder: Path) -> Path:
+    """A one-module wheel (``rlmqtoy``, ``VALUE = 7``) for --pip-install-packages, built by hand."""
+    import zipfile
+
+    path = folder / "rlmqtoy-0.1-py3-none-any.whl"
+    info = "rlmqtoy-0.1.dist-info"
+    files = {
+        "rlmqtoy.py": "VALUE = 7\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: rlmqtoy\nVersion: 0.1\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: rlmq-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+ROWS_B = [{"id": f"b{i}", "context": "c", "question": question(f"B{i}?", CELL_B)} for i in range(3)]
 
 
 class Run:
@@ -112,6 +179,7 @@ class Run:
             stderr=subprocess.PIPE,
             env=child_env({"PYTHONUNBUFFERED": "1"}),
             start_new_session=True,
+            preexec_fn=as_from_a_terminal(),  # stop() sends SIGINT: not ignored, whatever pytest inherited
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -210,12 +278,20 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
             "run", str(write_rows(tmp_path / "b.jsonl", ROWS_B)), "--base-url", root_url, "--model", root_b,
             "--sub-model", sub_b, "--sub-base-url", sub_url, "--workers", "1", "--concurrency", "1",
             "--run-dir", str(dir_b), "--sub-tool", "rlmq.workers.tools.count_words", "--verbose",
+            "--tool", "rlmq.workers.tools:count_words", "--root-tool", "json:dumps", "--root-tool-timeout", "30",
+            "--root-tool-max-args-bytes", "2048", "--root-tool-max-result-bytes", "1500",
+            "--system-prompt", SYSTEM_B, "--system-prompt-mode", "append", "--no-sub-llm-final-answer-turn",
+            "--max-startup-wait-seconds", "200", "--pip-install-packages", str(toy_wheel(tmp_path)),
+            "--no-include-sub-llm-in-trajectory", "--no-abort-on-code-timeout", "--max-depth", "2",
+            "--child-root-min-grant-tokens", "300",
         ]  # fmt: skip
+        for flag, value in FLAGS_B.items():
+            argv_b += [flag] if value is None else [flag, value]
         # --sub-tool and --verbose ride along here (the run must still succeed with them); what
         # each does is asserted in tests/e2e/test_cli_errors.py (the tool offered to the sub-LLM
         # and allowed on the local workers; the traceback of an error shown).
         # Every flag of `rlmq run` is exercised by one of the runs.
-        missing = run_flags() - {"--help"} - option_strings(argv_a) - option_strings(argv_b)
+        missing = run_flags() - {"--help"} - option_strings(argv_a) - option_strings(argv_b) - set(TESTED_ELSEWHERE)
         assert not missing, f"flags of `rlmq run` this test does not drive: {sorted(missing)}"
 
         run_a = Run(rlmq_command(*argv_a))
@@ -236,8 +312,18 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
         root_stats, sub_stats = server_stats(root_url), server_stats(sub_url)
         assert set(root_stats["per_model"]) == {root_a, root_b}
         assert set(sub_stats["per_model"]) == {sub_a, sub_b}
-        assert root_stats["per_model"][root_a]["requests"] == 3 + 2 + 2 + 2 + 3 + 2 + 1  # root turns of ROWS_A
-        assert sub_stats["per_model"][sub_b]["completions"] == 8  # run B: 2 rows x 4 prompts
+        assert root_stats["per_model"][root_a]["requests"] == 3 + 2 + 1 + 2 + 3 + 2 + 1 + 2  # root turns of ROWS_A
+        # run B: 2 rows x 4 prompts, each answered once (the message: requests per rollout)
+        per_rollout = collections.Counter(p.get("user") for p in sub_stats["params"] if p["model"] == sub_b)
+        assert sub_stats["per_model"][sub_b]["completions"] == 8, per_rollout
+        # --sampling-args / --temperature / --top-p / --max-tokens, and the --sub-* ones: in every request
+        root_b_params = [p for p in root_stats["params"] if p["model"] == root_b]
+        sub_b_params = [p for p in sub_stats["params"] if p["model"] == sub_b]
+        assert len(root_b_params) == 2 and len(sub_b_params) == 8
+        for p in root_b_params:
+            assert (p["top_k"], p["temperature"], p["top_p"], p["max_tokens"]) == (5, 0.4, 0.9, 3000), p
+        for p in sub_b_params:
+            assert (p["min_p"], p["temperature"], p["top_p"]) == (0.2, 0.3, 0.7), p
     finally:
         for run in runs:
             run.stop()
@@ -254,15 +340,20 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
     assert sorted(json.dumps(x, sort_keys=True) for x in read_jsonl(output)) == sorted(
         json.dumps(x, sort_keys=True) for x in rows.values()
     )
-    assert all(row["stop_reason"] != "error" for row in rows.values()), rows
+    assert all(row["stop_reason"] not in ("error", "prompt_too_long") for row in rows.values()), rows
     # --max-turns 3
     assert rows["turns"]["stop_reason"] == "max_turns" and rows["turns"]["metrics"]["main_rlm_turns"] == 3
     # --max-output-length 500
     cut = next(e for e in traj["cut"]["trajectory"] if e["type"] == "cell")["output"]
     assert cut.startswith("x" * 500 + "...\n[output truncated: 1501 more characters]")  # 2,000 x and a newline
-    # --code-execution-timeout 10
+    # --code-execution-timeout 10 / --abort-on-code-timeout
     cell = next(e for e in traj["timeout"]["trajectory"] if e["type"] == "cell")
     assert cell["timed_out"] and 9 <= cell["seconds"] < 60
+    assert rows["timeout"]["stop_reason"] == "code_timeout" and rows["timeout"]["metrics"]["main_rlm_turns"] == 1
+    # --root-context-tokens 1000 / --context-warning-threshold 0.05: the first reply's prompt (the
+    # heavy scaffold) passes 50 tokens, so the first tool message warns, and only that one
+    tools = [m["content"] for m in traj["turns"]["messages"] if m["role"] == "tool"]
+    assert ["of your 1,000-token context" in t for t in tools] == [True, False, False], tools
     # --sub-call-timeout 4
     batch = next(e for e in traj["deadline"]["trajectory"] if e["type"] == "llm_batch")
     # (the producer's deadline result or the worker's own, whichever came first; both say "deadline")
@@ -291,6 +382,22 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
             max_output_length=500, parallelism=2,
         )  # fmt: skip
         assert traj[row["id"]]["messages"][1]["content"] == row["question"]
+    # --max-batch-prompts 6 / --max-batch-bytes 200000: the REPL refused both batches
+    out = next(e for e in traj["batchcap"]["trajectory"] if e["type"] == "cell")["output"]
+    assert "llm_batch got 7 prompts; at most 6 per call" in out, out
+    assert "at most 200000 per call" in out, out
+    # --include-sub-llm-in-trajectory: each sub-LLM's own conversation is kept
+    par_results = next(e for e in traj["parallel"]["trajectory"] if e["type"] == "llm_batch")["results"]
+    assert all(x.get("messages") for x in par_results), par_results
+    # --rollout-key-ttl 600: the rollouts' keys expire within 600 s (the default is 3600)
+    infos = [k for k in r.scan_iter(match="rlmq:*info*") if b"{" in k]
+    assert infos and all(0 < r.ttl(k) <= 600 for k in infos), [(k, r.ttl(k)) for k in infos]
+    # --rollout-timeout, --max-startup-wait-seconds, --sub-llm-budget-grant-tokens (no effect these rows
+    # can show: it takes a rollout running for minutes, or a budget without a per-call cap): the
+    # values the run recorded as its rollouts' settings (the budget's settings included)
+    recorded = json.loads((folder / "meta.json").read_text(encoding="utf-8"))["settings"]
+    assert (recorded["rollout_timeout"], recorded["max_startup_wait_seconds"]) == (900, 90)
+    assert (recorded["sub_llm_budget_grant_tokens"], recorded["sub_llm_max_completion_tokens"]) == (16, 60)
     # What each sub-call was asked to do, from its RQ job record in Redis
     par = next(e for e in traj["parallel"]["trajectory"] if e["type"] == "llm_batch")
     assert [x["status"] for x in par["results"]] == ["ok"] * 6
@@ -305,6 +412,7 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
         assert req["max_turns"] == 2  # --sub-llm-max-turns
         assert req["system_prompt"] == sub_system_prompt("heavy")  # --sub-prompt-verbosity
         assert req["max_completion_tokens"] == 20 and req["budgeted"] is True
+        assert req.get("final_answer_turn", True) is True  # --sub-llm-final-answer-turn (the default)
         assert req["deadline"] - req["enqueued_at"] == pytest.approx(4.0)
     # --max-sub-llm-parallelism 2: two jobs enqueued at first, the rest as results came back
     first_wave = min(req["enqueued_at"] for req in requests)
@@ -320,7 +428,31 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
 
 def check_run_b(folder: Path, run: Run) -> None:
     rows = read_jsonl(folder / "rows.jsonl")
+    for t in read_jsonl(folder / "trajectories.jsonl"):
+        cell = next(e["output"] for e in t["trajectory"] if e["type"] == "cell")
+        # --pip-install-packages / --tool / --root-tool: the wheel imports, both tools are REPL globals
+        assert "toy 7 words 3 [1]" in cell, cell
+        # --root-tool-max-args-bytes 2048: the stub refuses 3,000 characters of arguments
+        assert "refused: dumps() arguments take" in cell and "at most 2048" in cell, cell
+        # --system-prompt with --system-prompt-mode append: after the scaffold's text
+        system = t["messages"][0]["content"]
+        assert system.endswith("\n\n" + SYSTEM_B) and system.startswith("You are answering"), system
+        assert "`dumps(obj, *" in system and "`count_words(text: str) -> int`" in system
+        # --max-depth 2: the top rollout is told of rlm_batch and its child RLMs
+        assert "`rlm_batch(tasks: list) -> list[str]`" in system and "depth 1 of 2" in system, system
     assert [row["stop_reason"] for row in rows] == ["answer_ready", "answer_ready"], rows
+    for row in rows:
+        assert row["metrics"]["count_words_root_calls"] == 1 and row["metrics"]["dumps_root_calls"] == 1
+    # --root-tool-timeout, --root-tool-max-result-bytes, --no-sub-llm-final-answer-turn,
+    # --max-startup-wait-seconds, --no-abort-on-code-timeout: recorded as the run's settings
+    settings = json.loads((folder / "meta.json").read_text(encoding="utf-8"))["settings"]
+    assert settings["root_tool_timeout"] == 30 and settings["root_tool_max_result_bytes"] == 1500
+    assert settings["sub_llm_final_answer_turn"] is False and settings["max_startup_wait_seconds"] == 200
+    assert settings["abort_on_code_timeout"] is False and settings["max_depth"] == 2
+    # --child-root-min-grant-tokens: recorded here; its effect (a child ending budget_spent) is
+    # tests/e2e/test_tree_budget.py's
+    assert settings["child_root_min_grant_tokens"] == 300
+    assert settings["tools"] == ["rlmq.workers.tools:count_words"] and settings["root_tools"] == ["json:dumps"]
     # --concurrency 1: the second rollout's cell started after the first one's ended
     spans = sorted(tuple(float(t) for t in row["final_answer"].split()) for row in rows)
     assert spans[0][1] <= spans[1][0], spans
@@ -333,5 +465,14 @@ def check_run_b(folder: Path, run: Run) -> None:
         for x in e["results"]
     }
     assert len(workers) == 1, workers
+    # --no-include-sub-llm-in-trajectory: no sub-LLM conversation kept
+    results = [
+        x
+        for t in read_jsonl(folder / "trajectories.jsonl")
+        for e in t["trajectory"]
+        if e["type"] == "llm_batch"
+        for x in e["results"]
+    ]
+    assert results and not any("messages" in x for x in results)
     # without --quiet: the progress bar
     assert "rollouts:" in "".join(run.err)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections import Counter
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -18,9 +20,11 @@ from PIL import Image
 from rlmq.cli.demo import needle_rows
 from rlmq.cli.local import LocalFleet
 from rlmq.cli.report import write_run
-from rlmq.common.schemas import DatasetRow
+from rlmq.common.schemas import DatasetRow, ResultRow
 from rlmq.common.settings import load_settings
-from rlmq.producer.env import RLMEnv
+from rlmq.producer.env import RLMEnv, RolloutResult
+from rlmq.producer.tree_metrics import tree_metrics
+from tests.trees import hostile_tree
 
 pytestmark = pytest.mark.e2e
 
@@ -81,3 +85,54 @@ async def test_report_of_real_rollouts_renders_in_headless_chromium(fleet: Local
         assert r.row.id in html
     assert "llm_batch b1" in html and "REPL cell" in html and "root turn 1" in html
     assert html.count("<svg") >= 4
+
+
+def test_a_rollout_tree_expands_in_chromium_and_hostile_strings_stay_text(tmp_path: Path) -> None:
+    """A 3-level tree (top -> child -> grandchild) with a hostile string in every text a model writes.
+
+    Closed, no child is open; navigating to the grandchild's body makes chromium open both
+    ``<details>`` above it (the browser's own revealing of a fragment's target); the hostile
+    strings are text in the DOM chromium built: no script ran (the title is the report's), no
+    element was injected.
+    """
+    evil = "<script>document.title='pwned'</script><img src=x onerror=\"document.title='pwned'\">"
+    traj = hostile_tree(evil)
+    metrics: dict[str, float | int] = {"main_rlm_turns": 1, **tree_metrics(traj, {})}
+    row = ResultRow(
+        id="tree-1", final_answer="a", answer="a", correct=True, stop_reason="answer_ready", metrics=metrics
+    )
+    folder = write_run(tmp_path / "run", [RolloutResult(row=row, trajectory=traj)], {"command": "t"})
+    url = (folder / "report.html").resolve().as_uri()
+
+    def dom(fragment: str, profile: str) -> tuple[str, Counter[str], dict[str, bool]]:
+        out = chromium(["--dump-dom", url + fragment], tmp_path / profile)
+        assert out.returncode == 0, out.stderr[-2000:]
+        tags = DomTags()
+        tags.feed(out.stdout)
+        return out.stdout, tags.tags, tags.child_open
+
+    closed, tags, child_open = dom("", "profile-closed")
+    assert list(child_open) == ["rollout-0-n1", "rollout-0-n2"]  # the child (depth 2), the grandchild (depth 3)
+    assert not any(child_open.values())
+    assert tags["script"] == 0 and tags["img"] == 0
+    assert "<title>rlmq report: 1/1 = 100.0%</title>" in closed and "pwned</title>" not in closed
+    assert "DEEP-MARK &lt;script&gt;document.title='pwned'&lt;/script&gt;&lt;img" in closed
+
+    opened, tags, child_open = dom("#rollout-0-n2-body", "profile-open")
+    assert child_open == {"rollout-0-n1": True, "rollout-0-n2": True}
+    assert tags["script"] == 0 and tags["img"] == 0 and "pwned</title>" not in opened
+
+
+class DomTags(HTMLParser):
+    """Counts of the elements of a DOM, and whether each ``details.child`` is open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: Counter[str] = Counter()
+        self.child_open: dict[str, bool] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags[tag] += 1
+        a = dict(attrs)
+        if tag == "details" and a.get("class") == "child":
+            self.child_open[a.get("id") or ""] = "open" in a

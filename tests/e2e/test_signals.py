@@ -381,6 +381,9 @@ def test_worker_started_before_redis_waits_for_it(tmp_path: Path) -> None:
     assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in line
     with EmbeddedRedis(port=port) as server:
         LocalFleet(redis_url=server.url, model=model, workers=0).wait_for_workers(1, timeout=60)
+        # registered is not yet serving: a SIGTERM in between is a stop during start-up (143);
+        # the drain that exits 0 is the serving worker's
+        cmd.wait_for_line("serving queue", timeout=60)
         cmd.proc.send_signal(signal.SIGTERM)
         assert cmd.wait(30) == 0, cmd.text
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -51,6 +52,8 @@ class Seen:
     model: str
     question: str
     completion_tokens: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    """The request's fields besides ``messages`` and ``tools`` (sampling arguments, ...)."""
 
 
 @dataclass
@@ -108,6 +111,7 @@ class RecordingProxy:
             user=body.get("user"),
             model=body.get("model", ""),
             question=str(first_user),
+            params={k: v for k, v in body.items() if k not in ("messages", "tools")},
         )
         with self._lock:
             self.seen.append(seen)
@@ -272,6 +276,8 @@ def test_vf_eval_harness_config_sets_redis_sub_model_and_a_hard_budget(setup: Se
         "--env.agent.harness.sub-model", setup.fleet.model,
         "--env.agent.harness.sub-llm-max-completion-tokens", str(budget),
         "--env.agent.harness.max-sub-llm-parallelism", "2",
+        "--env.agent.harness.sub-sampling-args", '{"top_p": 0.3, "extra_body": {"min_p": 0.05}}',
+        "--sampling.temperature", "0.6",
     ]  # fmt: skip
     traces = vf_eval(tmp_path, path, args, child_env(), name_harness=False)
     seen = setup.proxy.requests()[before:]
@@ -289,6 +295,75 @@ def test_vf_eval_harness_config_sets_redis_sub_model_and_a_hard_budget(setup: Se
         assert m["sub_llm_call_count"] >= 5 and m["sub_llm_rejected_count"] >= m["sub_llm_call_count"] - budget
         assert all(s.model == "root-model" for s in seen if s.root and s.session_id == t["id"])
         assert all(s.model == setup.fleet.model for s in seen if not s.root and s.session_id == t["id"])
+        # sampling arguments: the sub-LLMs' from the harness, the root's from verifiers' own --sampling.*
+        assert all((s.params["top_p"], s.params["min_p"]) == (0.3, 0.05) for s in seen if not s.root)
+        assert all(s.params.get("temperature") == 0.6 for s in seen if s.root and s.session_id == t["id"])
+
+
+BUDGET_VAR = "RLMQ_SUB_LLM_MAX_COMPLETION_TOKENS"
+
+
+@pytest.mark.parametrize(
+    ("variables", "knobs"),
+    [
+        ({BUDGET_VAR: "3"}, []),  # issue 21, reproduction 1: the harness passed None, the budget was off
+        ({BUDGET_VAR: "1000"}, ["--env.agent.harness.sub-llm-max-completion-tokens", "3"]),  # the knob beats it
+    ],
+    ids=["budget-from-the-environment", "knob-beats-the-environment"],
+)
+def test_the_budget_holds_under_vf_eval_set_by_the_environment_or_by_the_knob(
+    setup: Setup, tmp_path: Path, variables: dict[str, str], knobs: list[str]
+) -> None:
+    """Sub-LLMs that spend every token they are granted, budget 3: the model server itself
+    serves at most 3 completion tokens per rollout, whether the budget comes from
+    ``RLMQ_SUB_LLM_MAX_COMPLETION_TOKENS`` or from the harness knob (which beats the variable)."""
+    rows = needle_rows(2, min_chars=100_000, seed=13)
+    for r in rows:
+        r["question"] += " [[mock:spend-all]]"
+    path = _write_rows(tmp_path / "rows.jsonl", rows)
+    before = len(setup.proxy.requests())
+    args = [
+        "--model", "root-model", "--client.base-url", setup.proxy.url,
+        "--env.agent.harness.sub-model", setup.fleet.model, *knobs,
+    ]  # fmt: skip
+    traces = vf_eval(tmp_path, path, args, child_env({"REDIS_URL": setup.redis_url, **variables}))
+    seen = setup.proxy.requests()[before:]
+    assert len(traces) == 2
+    for t in traces:
+        m = t["metrics"]
+        served = sum(s.completion_tokens for s in seen if not s.root and s.session_id == t["id"])
+        assert m["sub_llm_budget_limit"] == 3, m
+        assert 0 < served <= 3, served
+        assert m["sub_llm_call_count"] >= 5 and m["sub_llm_rejected_count"] >= m["sub_llm_call_count"] - 3
+
+
+@pytest.mark.parametrize(
+    ("variables", "knobs", "named"),
+    [
+        ({}, ["--env.agent.harness.sub-llm-max-completion-tokens", "0"], "sub-llm-max-completion-tokens"),
+        ({BUDGET_VAR: "0"}, [], BUDGET_VAR),
+        ({"RLMQ_MAX_TURNS": "many"}, [], "RLMQ_MAX_TURNS"),
+    ],
+    ids=["zero-budget-knob", "zero-budget-variable", "bad-variable"],
+)
+def test_vf_eval_refuses_a_bad_setting_at_configuration_before_any_rollout(
+    setup: Setup, tmp_path: Path, variables: dict[str, str], knobs: list[str], named: str
+) -> None:
+    """A budget of 0 (knob or variable) or any bad ``RLMQ_*`` value stops ``vf-eval`` before
+    a rollout starts, naming the knob or the variable; no model call is made."""
+    path = _write_rows(tmp_path / "rows.jsonl", needle_rows(1, min_chars=20_000, seed=17))
+    before = len(setup.proxy.requests())
+    argv = [
+        str(VF_EVAL), "rlmq", "--env.taskset.path", str(path), "--env.agent.harness.id", "rlmq",
+        "--no-push", "--no-rich", "-o", str(tmp_path / "out"), "--run.name", "run",
+        "--model", setup.fleet.model, "--client.base-url", setup.proxy.url, *knobs,
+    ]  # fmt: skip
+    env = child_env({"REDIS_URL": setup.redis_url, **variables})
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = " ".join(re.sub(r"[│╭╮╰╯─]", " ", proc.stdout + proc.stderr).split())  # verifiers boxes its errors
+    assert proc.returncode != 0, output[-3000:]
+    assert f"invalid setting(s): {'--env.agent.harness.' if knobs else ''}{named}" in output, output[-3000:]
+    assert setup.proxy.requests()[before:] == []
 
 
 def test_vf_eval_records_a_failed_root_call_as_the_rollouts_error(setup: Setup, tmp_path: Path) -> None:
@@ -362,3 +437,23 @@ def test_a_trace_id_that_is_no_rollout_id_gets_a_fresh_one() -> None:
     for bad in ("a/b", "x" * 65, "", "id with space"):
         fresh = rollout_id_for(bad)
         assert fresh != bad and len(fresh) == 32 and fresh.isalnum()
+
+
+def test_the_harness_config_gives_rlmenv_tools_and_the_system_prompt() -> None:
+    from rlmq.verifiers_plugin.adapter import rollout_env
+    from rlmq.verifiers_plugin.harness import RlmqHarnessConfig
+
+    config = RlmqHarnessConfig(
+        redis_url="redis://unused:1/0",
+        tools=["rlmq.workers.tools:count_words"],
+        root_tools=["json:dumps"],
+        system_prompt="Be terse.",
+        system_prompt_mode="replace",
+        sub_llm_final_answer_turn=False,
+        pip_install_packages=["six"],
+    )
+    env = rollout_env(config.knobs(), model="root", base_url="http://root:1/v1", api_key="sk")
+    assert env.toolbox.names == ["count_words", "dumps"]
+    s = env.settings
+    assert (s.system_prompt, s.system_prompt_mode, s.sub_llm_final_answer_turn) == ("Be terse.", "replace", False)
+    assert s.pip_install_packages == ["six"] and s.tools == ["rlmq.workers.tools:count_words"]

@@ -11,7 +11,9 @@ fail a connection at the worst moment for a client:
   are answered ``-READONLY`` (as a replica after a failover answers) without reaching Redis;
   reads still pass.
 
-Pub/sub connections (after ``SUBSCRIBE``) are passed through as raw bytes, never dropped.
+Pub/sub connections (after ``SUBSCRIBE``) are passed through as raw bytes, never dropped;
+:meth:`FaultProxy.silence_pubsub` black-holes them instead (bytes either way are read and
+thrown away, nothing is closed: a half-open link, as a NAT that forgot an idle flow leaves).
 Counters (:attr:`FaultProxy.stats`) say how many commands were forwarded, dropped and refused.
 """
 
@@ -98,6 +100,7 @@ class FaultProxy:
         self.stats = ProxyStats()
         self._rng = random.Random(seed)
         self._refuse_until = 0.0
+        self._silent_pubsub = False
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
@@ -113,12 +116,18 @@ class FaultProxy:
         """Answer every write command ``-READONLY`` for the next ``seconds``."""
         self._refuse_until = time.monotonic() + seconds
 
+    def silence_pubsub(self, silent: bool = True) -> None:
+        """From now on, drop every byte of every pub/sub connection both ways, closing nothing."""
+        self._silent_pubsub = silent
+
     def _refusing(self) -> bool:
         return time.monotonic() < self._refuse_until
 
     async def _raw(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(Exception):
             while data := await reader.read(65536):
+                if self._silent_pubsub:
+                    continue  # black-holed: read and thrown away, the connection stays open
                 writer.write(data)
                 await writer.drain()
 

@@ -406,7 +406,7 @@ async def test_one_rollouts_exception_never_ends_the_others() -> None:
     from rlmq.producer.env import RLMEnv, RolloutResult
 
     class Fake:
-        async def rollout(self, row: DatasetRow, *, model: str) -> RolloutResult:
+        async def rollout(self, row: DatasetRow, *, model: str, rollout_index: int | None = None) -> RolloutResult:
             if row.id == "r2":
                 raise ValueError("could not convert string to float: '1e+18x'")
             await asyncio.sleep(0)

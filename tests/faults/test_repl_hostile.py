@@ -10,8 +10,8 @@ user namespace of its own). What each asserts:
   batches ends at its own wall-clock deadline (``rollout_timeout``);
 * output: a 700 MB answer, written normally or forged straight into the reply pipe, does not
   raise the producer's resident memory by more than a small bound (sampled from the producer
-  process with psutil); an oversized ``llm_batch`` is refused in the child and, forged, by
-  the interception server;
+  process with psutil); an oversized ``llm_batch`` or ``rlm_batch`` is refused in the child
+  and, forged, by the interception server;
 * files: 1 GiB files in ``/tmp``, ``/dev/shm`` and ``/var/tmp`` stop at the scratch size, and
   with namespaces nothing is left on the host after the REPL closes (without, what is left is
   reported as not contained);
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -50,8 +51,10 @@ import psutil
 import pytest
 
 from rlmq.common.redis_server import EmbeddedRedis
+from rlmq.common.schemas import RlmTask
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.repl import Repl, containment
+from rlmq.producer.repl import cgroup as cgroup_module
 from tests.faults.conftest import process_gone, wait_until
 
 ROOT = os.geteuid() == 0
@@ -87,7 +90,13 @@ async def sandbox(
                 await asyncio.sleep(batch_seconds)  # a slow sub-LLM batch
             return [p.upper() for p in prompts], f"[{len(prompts)} ok]"
 
-    token = icpt.register(handle)
+    async def handle_rlm(tasks: list[RlmTask]) -> tuple[list[str], str]:
+        async with holder[0].serving():
+            if batch_seconds:
+                await asyncio.sleep(batch_seconds)  # slow child rollouts
+            return [t.prompt.upper() for t in tasks], f"[{len(tasks)} children ok]"
+
+    token = icpt.register(handle, None, handle_rlm)
     options: dict[str, Any] = {
         "code_execution_timeout": 3,
         "memory_bytes": 512 * MiB,
@@ -95,8 +104,9 @@ async def sandbox(
         "scratch_bytes": 64 * MiB,
     }
     options.update(kw)
+    socket_path = icpt.unix_path_of(token)
     repl = Repl(
-        context="ctx", endpoint_url=icpt.url, unix_socket=icpt.unix_path, token=token, namespaces=namespaces, **options
+        context="ctx", endpoint_url=icpt.url, unix_socket=socket_path, token=token, namespaces=namespaces, **options
     )
     holder.append(repl)
     try:
@@ -154,6 +164,14 @@ async def test_llm_batch_served_by_the_parent_pauses_the_timeout(namespaces: boo
     async with sandbox(namespaces, icpt, batch_seconds=2.5) as repl:
         res = await repl.execute("for i in range(2):\n    out = llm_batch(['a'])\nout")
         assert "['A']" in res.output and not res.timed_out, res.output
+        assert res.seconds >= 5
+
+
+async def test_rlm_batch_served_by_the_parent_pauses_the_timeout(namespaces: bool, icpt: InterceptionServer) -> None:
+    """Child rollouts the parent serves pause the cell's clock as a batch does."""
+    async with sandbox(namespaces, icpt, batch_seconds=2.5) as repl:
+        res = await repl.execute("for i in range(2):\n    out = rlm_batch(['a', {'prompt': 'b', 'context': [1]}])\nout")
+        assert "['A', 'B']" in res.output and not res.timed_out, res.output
         assert res.seconds >= 5
 
 
@@ -279,6 +297,34 @@ async def test_oversized_llm_batch_is_refused_in_the_child_and_by_the_server(
         )
         res = await repl.execute(forged)
         assert "STATUS 413" in res.output, res.output
+        await alive(repl)
+
+
+async def test_oversized_rlm_batch_is_refused_in_the_child_and_by_the_server(
+    namespaces: bool, icpt: InterceptionServer
+) -> None:
+    async with sandbox(namespaces, icpt, max_batch_bytes=icpt.max_batch_bytes) as repl:
+        res = await repl.execute("rlm_batch([{'prompt': 'p', 'context': ['x' * 5_000_000]}])")
+        assert "ValueError: rlm_batch tasks take" in res.output and "at most 4194304" in res.output, res.output
+        forged = textwrap.dedent(
+            """
+            import gc, http.client, json, socket
+            cells = [c.cell_contents for c in rlm_batch.__closure__]
+            token = next(c for c in cells if isinstance(c, str) and len(c) > 30 and "/" not in c)
+            path = next(o for o in gc.get_objects() if type(o).__name__ == "_UnixHandler")._path
+            def send(body):
+                s = socket.socket(socket.AF_UNIX); s.connect(path)
+                conn = http.client.HTTPConnection("localhost"); conn.sock = s
+                conn.request("POST", "/rlm_batch", body,
+                             {"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+                return conn.getresponse().status
+            print("BIG", send(json.dumps({"tasks": [{"prompt": "p", "context": "x" * 5_000_000}]})))
+            print("DEEP", send('{"tasks": [{"prompt": "p", "context": ' + "[" * 200_000 + "]" * 200_000 + "}]}"))
+            print("BAD", send(json.dumps({"tasks": [{"prompt": "p", "context": 3}]})))
+            """
+        )
+        res = await repl.execute(forged)
+        assert "BIG 413" in res.output and "DEEP 400" in res.output and "BAD 400" in res.output, res.output
         await alive(repl)
 
 
@@ -626,6 +672,22 @@ async def test_a_cell_cannot_become_root_of_a_user_namespace_of_its_own(repl: Re
     await alive(repl)
 
 
+IO_URING = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+print("IO_URING", libc.syscall(425, 8, params), ctypes.get_errno())
+"""
+
+
+async def test_a_cell_cannot_set_up_io_uring(repl: Repl) -> None:
+    """io_uring's operations bypass seccomp's view of system calls: ``io_uring_setup`` is refused
+    (EPERM), with namespaces and without."""
+    res = await repl.execute(IO_URING)
+    assert "IO_URING -1 1" in res.output, res.output
+    await alive(repl)
+
+
 FLOOD = """
 import gc, os, socket, time
 path = next(o for o in gc.get_objects() if type(o).__name__ == "_UnixHandler")._path
@@ -775,7 +837,8 @@ time.sleep(600)
 
 def test_when_the_producer_is_killed_no_process_of_the_repl_lives_on(namespaces: bool) -> None:
     """``kill -9`` of the producer while a cell sleeps and a process it started left the
-    REPL's process group: both go (the REPL watches its command pipe for the hang-up)."""
+    REPL's process group: both go (the REPL watches its command pipe for the hang-up), and the
+    REPL's cgroup it left is removed when the next one is made."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.Popen(
         [sys.executable, "-c", PRODUCER, "1" if namespaces else "0", ESCAPEE],
@@ -799,6 +862,13 @@ def test_when_the_producer_is_killed_no_process_of_the_repl_lives_on(namespaces:
         proc.kill()  # the producer dies of SIGKILL: no close(), no cleanup of its own
         proc.wait(10)
         wait_until(lambda: of_uid() == [], 20, f"every process of the REPL's uid {uid} to be gone")
+        # its cgroup (empty now) is left, and the next REPL cgroup made on this host removes it
+        left = glob.glob(f"/sys/fs/cgroup/*/**/rlmq-repl-{proc.pid}-*", recursive=True)
+        assert left, "the killed producer's REPL had no cgroup"
+        fresh, why = cgroup_module.create(64 * MiB, 8)
+        assert fresh is not None, why
+        assert fresh.remove()
+        assert not [p for p in left if os.path.exists(p)], left
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
+from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import GRANTED, REJECTED, WAITED_OUT, BudgetLedger
+from rlmq.common.ledger import GRANTED, REJECTED, WAIT, WAITED_OUT, BudgetLedger
 
 pytestmark = pytest.mark.integration
 
@@ -112,3 +113,81 @@ async def test_parked_calls_survive_a_killed_pubsub_connection(
     await worker2.settle(rid, "holder", 200)  # 300 free: three grants of 100
     results = await asyncio.wait_for(asyncio.gather(*waiters), 15)
     assert sorted(g.tokens for g, _, _ in results) == [100, 100, 100]
+
+
+async def test_first_waits_of_several_rollouts_on_a_busy_worker_are_all_woken(redis_url: str) -> None:
+    """Issue 25: calls of four rollouts start waiting at once on a worker whose pool has no idle
+    connection (all busy, as on a loaded worker). The pub/sub connection used to be made lazily by
+    each first subscription: four connections, one read, and the calls subscribed on the others
+    parked until their deadline while their tokens were free."""
+    waiter_client, other_client = async_client(redis_url), async_client(redis_url)
+    other = BudgetLedger(other_client, ttl=60)
+    waits = ReleaseWaits(waiter_client, lambda: None)  # its pool is cold: every connection is new
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.time() + 30
+        rids = [f"w{uuid.uuid4().hex[:8]}" for _ in range(4)]
+        told = []
+        for rid in rids:
+            await other.open(rid, 20)
+            assert (await other.reserve(rid, "running", None, deadline)).tokens == 20
+            told.append(await other.reserve(rid, "waiting", None, deadline))
+        assert all(g.code == WAIT for g in told)
+        calls = [
+            asyncio.create_task(waits.wait_for_grant(other, rid, "waiting", None, deadline, deadline - 0.5, g))
+            for rid, g in zip(rids, told, strict=True)
+        ]
+        changed = asyncio.Event()
+        waits._on_change = changed.set
+        async with asyncio.timeout(10):
+            while waits.parked < len(rids):
+                await changed.wait()
+                changed.clear()
+        subscribers = [c for c in admin.client_list() if c.get("sub", "0") != "0"]
+        assert len(subscribers) == 1 and subscribers[0]["sub"] == str(len(rids))
+        for rid in rids:
+            await other.settle(rid, "running", 2)  # 18 free, nothing running
+        results = await asyncio.wait_for(asyncio.gather(*calls), 10)
+        assert [g.tokens for g, _, _ in results] == [18] * len(rids)
+    finally:
+        admin.close()
+        await waits.aclose()
+        await other.aclose()
+        await waiter_client.aclose()
+        await other_client.aclose()
+
+
+async def test_killing_pubsub_connections_again_and_again_never_fails_a_waiting_call(
+    redis_url: str, two: tuple[BudgetLedger, BudgetLedger]
+) -> None:
+    """Issue 23 item 7: ``CLIENT KILL TYPE pubsub``, again and again, while 120 calls of 60 rollouts
+    are released and end their waits, used to fail calls as ``internal`` (redis-py's
+    ``AttributeError: 'NoneType' object has no attribute 'writelines'`` escaping the wait's
+    unsubscribe, or a read racing a reconnect: 6 of 6 runs of this test). Every call must end granted."""
+    worker1, worker2 = two
+    killer = async_client(redis_url)
+
+    async def kill(times: int) -> None:
+        for _ in range(times):
+            await killer.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            await asyncio.sleep(0)  # one loop turn between kills, not synchronisation
+
+    try:
+        for round_ in range(30):
+            deadline = time.time() + 30
+            rids = [f"k{round_}x{i}{uuid.uuid4().hex[:6]}" for i in range(60)]
+            for rid in rids:
+                await worker1.open(rid, 40, cap=40)
+                await worker2.reserve(rid, "running", None, deadline)
+            calls = [asyncio.create_task(worker1.acquire(rid, f"c{j}", 10, deadline)) for rid in rids for j in range(2)]
+            await parked(worker1, len(calls))
+
+            async def release(rids: list[str]) -> None:
+                for rid in rids:  # the calls end their waits (and unsubscribe) amid the kills
+                    await worker2.settle(rid, "running", 2)
+
+            await asyncio.gather(release(rids), kill(20))
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 15)
+            assert [r[0].tokens if isinstance(r, tuple) else repr(r) for r in results] == [10] * len(calls)
+    finally:
+        await killer.aclose()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis
@@ -18,13 +18,14 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
+from rlmq.common.jobstore import JobStore, StartedJob
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import LANE_KEEP, BatchSpec, Dispatcher
 from rlmq.scripted.server import ScriptedModelServer
-from rlmq.workers.records import Records, StartedJob
+from rlmq.workers import fetch
 from rlmq.workers.worker import SubLLMWorker
 from tests.faults.conftest import await_until
 
@@ -103,15 +104,44 @@ async def test_a_small_batch_goes_to_one_idle_worker_and_its_call_starts_early(
     assert job.worker_name == results[0].worker
 
 
+def rival_first(w: SubLLMWorker, monkeypatch: pytest.MonkeyPatch, ready: Callable[[], Awaitable[bool]]) -> None:
+    """Make ``w``'s ``START`` wait until ``ready()``, then let a rival ``START`` the same jobs
+    first: a busy worker peeking the queue in the moment between the enqueue and ``w``'s ``START``."""
+    real_start = JobStore.start
+
+    async def start(self: JobStore, job_ids: list[bytes]) -> list[StartedJob]:
+        if self.worker_name == w.name:
+            await await_until(ready, 30, "the early call")
+            await real_start(JobStore(self.redis, self.queue, "rival"), job_ids)
+        return await real_start(self, job_ids)
+
+    monkeypatch.setattr(JobStore, "start", start)
+
+
+def start_after_calls_reach_model(w: SubLLMWorker, model: ScriptedModelServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make each ``START`` of ``w`` wait until every call ``w`` has started reached the model,
+    as on a loaded machine, where a ``START``'s round trip outlasts an early call's send."""
+    real_start = JobStore.start
+
+    async def sent() -> bool:
+        return bool(model.stats["requests"] >= w.processed + len(w.jobs.tasks))
+
+    async def start(self: JobStore, job_ids: list[bytes]) -> list[StartedJob]:
+        if self.worker_name == w.name:
+            await await_until(sent, 10, "the worker's calls to reach the model")
+        return await real_start(self, job_ids)
+
+    monkeypatch.setattr(JobStore, "start", start)
+
+
 async def test_an_early_call_is_cancelled_when_another_worker_took_the_job(
-    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = spec("lane2")
-    await Dispatcher(aredis).enqueue(s, ["[[mock:sleep:30]] Who keeps the key? Ada does."], [0])
-    rival = await Records(aredis, QUEUE, "rival").start([b"lane2-b1-0"])
-    assert [j.job_id for j in rival] == ["lane2-b1-0"]
     w = make_worker(redis_url, model, "lane-late")
+    rival_first(w, monkeypatch, lambda: asyncio.sleep(0, model.stats["requests"] == 1))
     async with running(w):
+        await await_until(lambda: asyncio.to_thread(blocked_on_lane, real_redis, 1), 30, "the worker idle")
+        await Dispatcher(aredis).enqueue(spec("lane2"), ["[[mock:sleep:30]] Who keeps the key? Ada does."], [0])
         await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
         # The early call (its model answer is 30 s away) ends now: cancelled, not drained.
         await await_until(lambda: asyncio.sleep(0, not w.jobs.tasks), 10, "the early call to be cancelled")
@@ -123,34 +153,42 @@ async def test_an_early_call_is_cancelled_when_another_worker_took_the_job(
     assert job.get_status() == JobStatus.STARTED and job.worker_name == "rival"
 
 
+async def test_an_entry_already_in_the_lane_starts_no_call_before_start(
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Enqueued while no worker waited on the lane, the job taken by a rival peeking the queue:
+    the worker that pops the entry later must not have the model answer it a second time."""
+    await Dispatcher(aredis).enqueue(spec("lane7"), ["Who keeps the key? Ada does."], [0])
+    assert [j.job_id for j in await JobStore(aredis, QUEUE, "rival").start([b"lane7-b1-0"])] == ["lane7-b1-0"]
+    w = make_worker(redis_url, model, "lane-lingering")
+    start_after_calls_reach_model(w, model, monkeypatch)
+    async with running(w):
+        await await_until(lambda: asyncio.sleep(0, real_redis.llen(K.lane(QUEUE)) == 0), 30, "the lane popped")
+        await await_until(lambda: asyncio.to_thread(blocked_on_lane, real_redis, 1), 30, "the worker idle again")
+    assert model.stats["requests"] == 0
+    assert lane_jobs(w, "early") + lane_jobs(w, "lost") == 0
+    job = Job.fetch("lane7-b1-0", connection=real_redis, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.STARTED and job.worker_name == "rival"
+
+
 async def test_a_budgeted_call_never_reaches_the_model_before_start(
     real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ledger = BudgetLedger(aredis)
     await ledger.open("lane3", 1000)
-    s = spec("lane3", budgeted=True, max_completion_tokens=100)
-    await Dispatcher(aredis).enqueue(s, ["Who keeps the key? Ada does."], [0])
-    await Records(aredis, QUEUE, "rival").start([b"lane3-b1-0"])
     w = make_worker(redis_url, model, "lane-budget")
-    # Hold this worker's START until its early reservation is in the ledger, so the call is
-    # known to wait for START, not merely to have lost the race to it.
-    release = asyncio.Event()
-    real_start = Records.start
-
-    async def held_start(self: Records, job_ids: list[bytes]) -> list[StartedJob]:
-        if self.worker_name == w.name:
-            await release.wait()
-        return await real_start(self, job_ids)
-
-    monkeypatch.setattr(Records, "start", held_start)
 
     async def reserved() -> bool:
         snap = await ledger.snapshot("lane3")
         return snap is not None and snap.grants == 1
 
+    # This worker's START waits until its early reservation is in the ledger, so the call is
+    # known to wait for START, not merely to have lost the race to it.
+    rival_first(w, monkeypatch, reserved)
     async with running(w):
-        await await_until(reserved, 30, "the early reservation")
-        release.set()
+        await await_until(lambda: asyncio.to_thread(blocked_on_lane, real_redis, 1), 30, "the worker idle")
+        s = spec("lane3", budgeted=True, max_completion_tokens=100)
+        await Dispatcher(aredis).enqueue(s, ["Who keeps the key? Ada does."], [0])
         await await_until(lambda: asyncio.sleep(0, lane_jobs(w, "lost") == 1), 30, "the lost race")
     assert model.stats["requests"] == 0
     # The early reservation is the one the owner of the job makes: the same id, one grant.
@@ -175,3 +213,27 @@ async def test_a_small_batch_is_served_even_when_every_worker_is_busy(
         quick = await dispatcher.run_batch(spec("lane5"), ["Who keeps the key? Ada does."])
         assert quick[0].status == "ok", quick[0]
         assert (await slow)[0].status == "ok"
+
+
+async def test_a_worker_never_calls_again_for_a_lane_entry_whose_jobs_it_took_from_the_queue(
+    real_redis: redis.Redis, aredis: Redis, redis_url: str, model: ScriptedModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch is enqueued while the worker has no lane pop outstanding (here: before it
+    starts; in a run, between two of its one-second pops), so its first round peeks the queue
+    and runs the jobs from there; its next idle round pops the batch's lane entry, now stale.
+    That entry must start no call: every sub-call reaches the model exactly once."""
+    monkeypatch.setattr(fetch, "LANE_EARLY_MAX_AGE", 60.0)  # however slow the worker's start
+    prompts = [f"Who keeps key {i}? Ada does." for i in range(4)]
+    await Dispatcher(aredis).enqueue(spec("lane6"), prompts, list(range(4)))
+    assert real_redis.llen(K.lane(QUEUE)) == 1
+    w = make_worker(redis_url, model, "lane-self")
+    start_after_calls_reach_model(w, model, monkeypatch)
+    reply = K.RolloutKeys("lane6").reply("b1")
+    async with running(w):
+        await await_until(lambda: asyncio.sleep(0, real_redis.xlen(reply) == 4), 30, "the four results")
+        await await_until(lambda: asyncio.sleep(0, real_redis.llen(K.lane(QUEUE)) == 0), 30, "the lane popped")
+        # back in BLPOP: the popped entry has been dealt with
+        await await_until(lambda: asyncio.to_thread(blocked_on_lane, real_redis, 1), 30, "the worker idle again")
+        await await_until(lambda: asyncio.sleep(0, not w.jobs.tasks and not len(w.jobs)), 10, "nothing in flight")
+    assert (model.stats["requests"], model.stats["completions"]) == (4, 4), model.stats
+    assert lane_jobs(w, "early") + lane_jobs(w, "lost") == 0

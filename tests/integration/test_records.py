@@ -15,9 +15,10 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
+from rlmq.common.jobstore import FinishedJob, JobStore
+from rlmq.common.rqjobs import rq_exc_string, rq_return_value
 from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
-from rlmq.workers.records import FinishedJob, Records, rq_exc_string, rq_return_value
 from tests.replies import reply_raw, reply_results
 
 pytestmark = pytest.mark.integration
@@ -55,7 +56,7 @@ async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, are
     await enqueue(aredis, 3)
     w = Worker([Queue(QUEUE, connection=real_redis)], name="w-test", connection=real_redis)
     w.register_birth()
-    rec = Records(aredis, QUEUE, "w-test", heartbeat_ttl=10)
+    rec = JobStore(aredis, QUEUE, "w-test", heartbeat_ttl=10)
     started = await rec.start(await head(aredis, 10))
     assert [s.job_id for s in started] == ["r1-b1-0", "r1-b1-1", "r1-b1-2"]
     assert all(s.attempt == 1 and s.reply_key == K.RolloutKeys("r1").reply("b1") for s in started)
@@ -91,7 +92,7 @@ async def test_start_and_finish_are_what_rq_reports(real_redis: redis.Redis, are
 
 async def test_two_workers_never_take_the_same_job(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 50)
-    a, b = Records(aredis, QUEUE, "wa"), Records(aredis, QUEUE, "wb")
+    a, b = JobStore(aredis, QUEUE, "wa"), JobStore(aredis, QUEUE, "wb")
     ids = await head(aredis, 50)
     got_a = await a.start(ids)
     got_b = await b.start(ids)  # same candidates: all already taken
@@ -105,13 +106,13 @@ async def test_an_enqueue_applied_twice_never_runs_one_attempt_twice(real_redis:
     spec = await enqueue(aredis, 2)
     ids = ["r1-b1-0", "r1-b1-1"]
     written = {jid: real_redis.hgetall(K.rq_job(jid)) for jid in ids}  # what the pipeline wrote
-    a = Records(aredis, QUEUE, "wa")
+    a = JobStore(aredis, QUEUE, "wa")
     first = await a.start(await head(aredis, 2))
     assert [j.job_id for j in first] == ids
     for jid in ids:  # the same pipeline applied again: the same fields, the ids queued again
         real_redis.hset(K.rq_job(jid), mapping=written[jid])
     real_redis.rpush(K.rq_queue(QUEUE), *ids)
-    b = Records(aredis, QUEUE, "wb")
+    b = JobStore(aredis, QUEUE, "wb")
     assert await b.start(await head(aredis, 2)) == []
     assert real_redis.llen(K.rq_queue(QUEUE)) == 0  # the copies are gone from the queue
     # The real execution still finishes and delivers.
@@ -123,11 +124,11 @@ async def test_an_enqueue_applied_twice_never_runs_one_attempt_twice(real_redis:
 
 async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 1)
-    dead = Records(aredis, QUEUE, "dead", heartbeat_ttl=1, max_attempts=2)
+    dead = JobStore(aredis, QUEUE, "dead", heartbeat_ttl=1, max_attempts=2)
     first = await dead.start(await head(aredis, 1))
     # the dead worker never heartbeats: make its lease lapse without waiting
     real_redis.zadd(K.rq_started(QUEUE), {first[0].member: time.time() - 1})
-    reaper = Records(aredis, QUEUE, "alive", heartbeat_ttl=10, max_attempts=2)
+    reaper = JobStore(aredis, QUEUE, "alive", heartbeat_ttl=10, max_attempts=2)
     expired = await reaper.expired_members()
     assert expired == [first[0].member]
     assert await reaper.reap(expired) == (1, 0)
@@ -150,7 +151,7 @@ async def test_expired_job_of_a_silent_worker_is_requeued_then_failed(real_redis
 
 async def test_hand_back_requeues_whatever_the_heartbeat(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 2)
-    rec = Records(aredis, QUEUE, "w", heartbeat_ttl=30, max_attempts=3)
+    rec = JobStore(aredis, QUEUE, "w", heartbeat_ttl=30, max_attempts=3)
     started = await rec.start(await head(aredis, 2))
     assert await rec.reap([s.member for s in started], hand_back=True) == (2, 0)
     q, wip = rq_view(real_redis)
@@ -159,7 +160,7 @@ async def test_hand_back_requeues_whatever_the_heartbeat(real_redis: redis.Redis
 
 async def test_heartbeat_extends_only_own_members(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 1)
-    rec = Records(aredis, QUEUE, "w", heartbeat_ttl=5)
+    rec = JobStore(aredis, QUEUE, "w", heartbeat_ttl=5)
     started = await rec.start(await head(aredis, 1))
     real_redis.zadd(K.rq_started(QUEUE), {started[0].member: time.time() - 1})
     await rec.heartbeat([started[0].member, "ghost:1"], "busy")
@@ -171,7 +172,7 @@ async def test_heartbeat_extends_only_own_members(real_redis: redis.Redis, aredi
 async def test_expired_unstarted_job_is_dropped(real_redis: redis.Redis, aredis: Redis) -> None:
     await enqueue(aredis, 1)
     real_redis.delete(K.rq_job("r1-b1-0"))  # what its TTL does when the producer is gone
-    rec = Records(aredis, QUEUE, "w")
+    rec = JobStore(aredis, QUEUE, "w")
     assert await rec.start(await head(aredis, 5)) == []
     assert real_redis.llen(K.rq_queue(QUEUE)) == 0
 
@@ -184,7 +185,7 @@ async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_red
     grant = await ledger.reserve("r1", "r1-b1-0:1:1", 40)
     assert grant.tokens == 40
     await enqueue(aredis, 1)
-    rec = Records(aredis, QUEUE, "w", ledger=ledger)
+    rec = JobStore(aredis, QUEUE, "w", ledger=ledger)
     started = await rec.start(await head(aredis, 1))
     real_redis.script_flush()  # as after a Redis restart: FINISH must load both scripts again
     done = FinishedJob(started[0], True, '{"x":1}', rq_return_value(None), settles=[("r1", "r1-b1-0:1:1", 15)])
@@ -210,7 +211,7 @@ async def test_an_enqueue_and_a_start_sent_twice_apply_once(
     await Dispatcher(aredis).enqueue(spec, ["p0", "p1", "p2"], [0, 1, 2])  # the re-send
     assert real_redis.lrange(K.rq_queue(QUEUE), 0, -1) == [b"r1-b1-0", b"r1-b1-1", b"r1-b1-2"]
 
-    rec = Records(aredis, QUEUE, "w-twice")
+    rec = JobStore(aredis, QUEUE, "w-twice")
     ids = await head(aredis, 3)
     monkeypatch.setattr(rec, "_next_execution_id", iter(["e0", "e1", "e2", "e0", "e1", "e2"]).__next__)
     first = await rec.start(ids)
@@ -219,4 +220,34 @@ async def test_an_enqueue_and_a_start_sent_twice_apply_once(
     assert len(first) == 3 and all(j.attempt == 1 for j in again)
     assert real_redis.zcard(K.rq_started(QUEUE)) == 3 and real_redis.llen(K.rq_queue(QUEUE)) == 0
     # another worker's START (other execution ids) gets none of them
-    assert await Records(aredis, QUEUE, "w-other").start(ids) == []
+    assert await JobStore(aredis, QUEUE, "w-other").start(ids) == []
+
+
+async def test_reply_streams_live_by_the_producers_ttl_not_the_workers(real_redis: redis.Redis, aredis: Redis) -> None:
+    """The producer owns its reply streams: FINISH and REAP give them the TTL the job carries
+    (``rlmq_reply_ttl``), whatever the worker's own ``reply_ttl`` fallback says."""
+    spec = BatchSpec(
+        rollout_id="r1", batch_id="b1", queue=QUEUE, sub_call_timeout=30.0, parallelism=100,
+        call=SubCallOptions(model="m"), reply_ttl=4000,
+    )  # fmt: skip
+    await Dispatcher(aredis).enqueue(spec, ["p0", "p1"], [0, 1])
+    worker = JobStore(aredis, QUEUE, "w-short", reply_ttl=10, max_attempts=1)
+    started = await worker.start(await head(aredis, 2))
+    reply = K.RolloutKeys("r1").reply("b1")
+    assert await worker.finish([FinishedJob(started[0], True, '{"x":1}', rq_return_value(None))]) == (1, 0)
+    assert 10 < real_redis.ttl(reply) <= 4000
+    real_redis.persist(reply)
+    assert await worker.reap([started[1].member], hand_back=True) == (0, 1)  # out of attempts: failed
+    assert 10 < real_redis.ttl(reply) <= 4000
+
+
+async def test_a_reply_ttl_below_one_second_in_a_job_hash_never_deletes_the_results(
+    real_redis: redis.Redis, aredis: Redis
+) -> None:
+    """An EXPIRE of 0 deletes a key: a job hash claiming ``rlmq_reply_ttl`` 0 gets the default."""
+    await enqueue(aredis, 1)
+    real_redis.hset(K.rq_job("r1-b1-0"), "rlmq_reply_ttl", 0)
+    worker = JobStore(aredis, QUEUE, "w-zero", reply_ttl=50)
+    started = await worker.start(await head(aredis, 1))
+    assert await worker.finish([FinishedJob(started[0], True, '{"x":1}', rq_return_value(None))]) == (1, 0)
+    assert 0 < real_redis.ttl(K.RolloutKeys("r1").reply("b1")) <= 50

@@ -10,6 +10,9 @@ import pytest
 
 from rlmq.common.aio import SignalLatch, cancel_and_wait, run, signal_latch
 
+# Every test here that signals itself needs SIGINT delivered, whatever the suite inherited.
+pytestmark = pytest.mark.usefixtures("sigint_delivered")
+
 
 def test_ctrl_c_ends_a_run_whose_first_cancellation_was_swallowed() -> None:
     cancels = 0

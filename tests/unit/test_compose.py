@@ -55,7 +55,7 @@ def test_expected_services(services: dict[str, dict[str, Any]]) -> None:
     profiles = {p for svc in services.values() for p in svc.get("profiles", [])}
     assert profiles & {"vllm", "llamacpp"}, "a profile for a real model server"
     for name, svc in services.items():
-        if svc.get("profiles"):
+        if set(svc.get("profiles", [])) & {"vllm", "llamacpp"}:  # a model server's profile
             assert any(v.startswith(("${MODELS_DIR", "./models")) for v in _raw_volumes(name)), name
 
 
@@ -99,6 +99,14 @@ def test_dashboard_flags_exist_in_rq_dashboard_0_9_0(services: dict[str, dict[st
              "--normal", "-v", "--verbose", "-j", "--json", "--show-full-args"}  # fmt: skip
     flags = [c for c in services["dashboard"]["command"][1:] if c.startswith("-")]
     assert set(flags) <= known, set(flags) - known
+
+
+def test_a_repl_host_states_the_privileges_it_needs(services: dict[str, dict[str, Any]]) -> None:
+    w = services["repl-worker"]
+    cmd = w["command"]
+    assert int(cmd[cmd.index("--repl-slots") + 1]) >= 1 and "--allow-uncontained-repl" not in cmd
+    assert w["profiles"] == ["rlm"] and "SYS_ADMIN" in w["cap_add"] and w["user"] == "0:0"
+    assert "--repl-slots" not in services["worker"]["command"]
 
 
 def test_worker_has_replicas(services: dict[str, dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ from rlmq.common import keys as K
 from rlmq.common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
 from rlmq.common.schemas import SubCallOptions, SubLLMResult, load_lane_entry, load_request
 from rlmq.producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
+from rlmq.producer.inflight import RolloutInFlight
 from tests.faults.conftest import await_until
 
 
@@ -168,6 +169,38 @@ async def test_parallelism_bounds_jobs_in_the_queue(server: fakeredis.FakeServer
     await task
     assert all(x.content == "ok" for x in results)
     assert max(seen_depths) <= 3
+
+
+async def test_parallelism_bounds_a_rollouts_concurrent_batches_together(server: fakeredis.FakeServer) -> None:
+    """A cell that calls llm_batch / rlm_batch from many threads at once: the rollout's sub-calls
+    in the queue stay within max_sub_llm_parallelism over all its batches, not per batch."""
+    r = fakeredis.aioredis.FakeRedis(server=server)
+    inflight = RolloutInFlight(3)
+    seen: list[int] = []
+    n_batches, per_batch = 5, 4
+
+    async def worker() -> None:
+        for _ in range(n_batches * per_batch):
+            await asyncio.sleep(0.01)  # the worker is slower than the enqueues: jobs would pile up
+            seen.append(await r.llen(K.rq_queue("rlmq.sub.m")))
+            got = await r.blpop([K.rq_queue("rlmq.sub.m")], timeout=5)
+            assert got is not None
+            _, batch, index = got[1].decode().split("-")
+            reply = (await r.hget(K.rq_job(got[1].decode()), "rlmq_reply")).decode()
+            await r.xadd(reply, {K.REPLY_FIELD: fake_result(int(index), f"ok {batch}", batch=batch)})
+
+    task = asyncio.create_task(worker())
+    d = Dispatcher(r)
+    batches = await asyncio.gather(
+        *(
+            d.run_batch(spec(batch_id=f"b{k}", parallelism=3, inflight=inflight), [f"p{i}" for i in range(per_batch)])
+            for k in range(n_batches)
+        )
+    )
+    await task
+    assert [[x.content for x in b] for b in batches] == [[f"ok b{k}"] * per_batch for k in range(n_batches)]
+    assert max(seen) <= 3, seen
+    assert inflight.held == 0  # every batch gave its slots back
 
 
 async def test_missing_results_become_deadline_errors(server: fakeredis.FakeServer) -> None:

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlmq.common.errors import ConfigError
-from rlmq.common.settings import Settings
+from rlmq.common.settings import RolloutOptions, Settings
 from rlmq.producer.env import FROM_SETTINGS, RLMEnv
 
 
@@ -53,15 +53,17 @@ def test_the_defaults_are_the_references(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_every_setting_argument_is_a_settings_field() -> None:
     params = inspect.signature(RLMEnv.__init__).parameters
     overridable = [n for n, p in params.items() if p.default is FROM_SETTINGS]
-    assert len(overridable) == 15
-    assert set(overridable) <= set(Settings.model_fields)
+    # tools and root_tools take callables too (default None: settings); tests/unit/test_settings_paths.py: types
+    assert set(overridable) | {"tools", "root_tools"} == set(RolloutOptions.model_fields)
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"max_turn": 3},  # a typo
-        {"max_turns": 0},
+        {"context_warning_threshold": 0},
+        {"context_warning_threshold": 1.5},
+        {"root_context_tokens": 0},
         {"sub_llm_max_turns": 0},
         {"max_output_length": 10},
         {"code_execution_timeout": -1},

@@ -41,10 +41,23 @@ def test_rollout_keys_share_hash_tag() -> None:
         assert key.startswith("rlmq:{abc-1}:")
 
 
+def test_ledger_keys_share_the_ledger_ids_hash_tag_and_a_rollouts_own_ledger_keeps_its_names() -> None:
+    tree = K.LedgerKeys("tree-7")
+    for key in [*tree.all(), tree.released]:
+        assert key.startswith("rlmq:{tree-7}:")
+    own, rollout = K.LedgerKeys("abc-1"), K.RolloutKeys("abc-1")  # depth 1: the names of before
+    assert (own.budget, own.reservations, own.live_reservations, own.released) == (
+        "rlmq:{abc-1}:budget", "rlmq:{abc-1}:resv", "rlmq:{abc-1}:live", "rlmq:{abc-1}:released",
+    )  # fmt: skip
+    assert (rollout.budget, rollout.reservations, rollout.released) == (own.budget, own.reservations, own.released)
+
+
 @pytest.mark.parametrize("bad", ["", "a b", "x" * 65, "a:b", "{x}"])
 def test_rollout_id_is_checked(bad: str) -> None:
     with pytest.raises(ConfigError):
         K.RolloutKeys(bad)
+    with pytest.raises(ConfigError):
+        K.LedgerKeys(bad)
 
 
 def test_queue_named_from_model_the_same_on_both_sides() -> None:

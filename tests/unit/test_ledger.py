@@ -257,3 +257,63 @@ async def test_retiring_a_dead_attempts_reservation_stops_the_wait_but_keeps_the
     assert (g.tokens, g.code, g.charged) == (20, GRANTED, 100)  # nothing live: the remainder
     late = await ledger.settle("r1", "job:1:1", 30)  # the old attempt was alive after all: still settles
     assert (late.code, late.released, late.charged) == (0, 50, 50)
+
+
+async def test_a_ledger_is_addressed_by_its_own_id_and_its_kinds_have_caps_of_their_own() -> None:
+    """One ledger for a tree: calls of different rollouts charge it by its id; a root-model turn
+    (kind ``root``) is capped by ``cap:root``, a sub-LLM turn by ``cap``; one budget for both."""
+    from rlmq.common.keys import LedgerKeys
+    from rlmq.common.ledger import ROOT, SUB_LLM
+
+    r, ledger = make()
+    await ledger.open("tree-1", 1000, cap=100, kind_caps={ROOT: 300})
+    assert await r.exists(LedgerKeys("tree-1").budget) and not await ledger.snapshot("child-a")
+    deadline = time.time() + 60
+    sub = await ledger.reserve("tree-1", "child-a-b1-0:1:1", None, deadline)
+    root = await ledger.reserve("tree-1", "child-b:root:1", None, deadline, kind=ROOT)
+    lowered = await ledger.reserve("tree-1", "child-c:root:1", 50, deadline, kind=ROOT)  # a caller lowers it
+    uncapped = await ledger.reserve("tree-1", "x:1", None, deadline, kind="other")  # no cap of its own
+    assert (sub.tokens, root.tokens, lowered.tokens) == (100, 300, 50)
+    assert (uncapped.tokens, uncapped.charged) == (550, 1000)  # whatever was free: the budget is one
+    again, _, _ = await ledger.acquire("tree-1", "child-b:root:1", None, deadline, kind=SUB_LLM)
+    assert again.tokens == 300  # an open reservation answers with its grant, whatever is asked
+    await ledger.settle("tree-1", "child-b:root:1", 120)
+    snap = await ledger.snapshot("tree-1")
+    assert snap is not None and (snap.charged, snap.used, snap.grants) == (820, 120, 4)
+    with pytest.raises(ValueError, match="reservation kind"):
+        await ledger.reserve("tree-1", "y", None, deadline, kind="Root!")
+
+
+async def test_the_owner_ttl_is_stored_and_used_by_every_caller() -> None:
+    """The TTL is the opener's (stored in the ledger); a worker's ledger object with another TTL
+    neither shortens the keys at the first grant nor when it counts a refusal."""
+    from rlmq.common.keys import LedgerKeys
+
+    r = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer())
+    producer, worker = BudgetLedger(r, ttl=4000), BudgetLedger(r, ttl=10)
+    await producer.open("t1", 100, cap=50)
+    keys = LedgerKeys("t1")
+    await worker.reserve("t1", "a", None, time.time() + 60)
+    await worker.count_rejections("t1", 2)
+    snap = await worker.snapshot("t1")
+    assert snap is not None and (snap.ttl, snap.rejections) == (4000, 2)
+    for key in keys.all():
+        assert 10 < await r.ttl(key) <= 4000, key
+    await worker.count_rejections("gone", 1)  # a missing ledger is not re-created
+    assert not await r.exists(LedgerKeys("gone").budget)
+    with pytest.raises(ValueError, match="ttl"):
+        await producer.open("t2", 100, ttl=0)
+
+
+async def test_a_ledger_without_a_stored_ttl_keeps_its_own_expiry() -> None:
+    """A ledger opened by an older producer (no ``ttl`` field): the reservations take the budget
+    hash's own remaining TTL, never the caller's."""
+    from rlmq.common.keys import LedgerKeys
+
+    r, ledger = make()
+    keys = LedgerKeys("old")
+    await r.hset(keys.budget, mapping={"limit": 100, "charged": 0, "cap": 0})
+    await r.expire(keys.budget, 3000)
+    grant = await BudgetLedger(r, ttl=10).reserve("old", "a", None, time.time() + 60)
+    assert grant.tokens == 100
+    assert 10 < await r.ttl(keys.reservations) <= 3000

@@ -6,7 +6,8 @@ import fakeredis
 
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow, SubLLMResult
-from rlmq.common.settings import load_settings
+from rlmq.common.settings import RolloutOptions
+from rlmq.producer.budget import RolloutBudget
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.llm_batch import LlmBatchService
 from rlmq.producer.rollout import Rollout
@@ -18,16 +19,17 @@ async def test_the_summary_marks_an_answer_cut_at_its_grant_and_shows_the_budget
     await ledger.open("r1", 1000, cap=128)
     await ledger.reserve("r1", "a", None)
     await ledger.settle("r1", "a", 128)
-    settings = load_settings(redis_url="redis://unused:1/0", sub_llm_max_completion_tokens=1000)
+    options = RolloutOptions(sub_llm_max_completion_tokens=1000, rollout_key_ttl=60)
     rollout = Rollout(
         id="r1",
         row=DatasetRow(id="x", question="q", context="c"),
         model="m",
         sub_model="m",
         queue="q",
-        settings=settings,
+        options=options,
+        ledger=RolloutBudget(redis, "r1", options),
     )
-    service = LlmBatchService(ledger, Dispatcher(redis))
+    service = LlmBatchService(Dispatcher(redis))
     common = {"rollout_id": "r1", "batch_id": "b1", "job_id": "j", "turns": 1, "seconds": 0.5}
     results = [
         SubLLMResult(index=0, status="ok", content="full", completion_tokens=40, **common),

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlmq.common.metrics import Metrics
-from rlmq.common.schemas import ResultRow, SubLLMResult
+from rlmq.common.schemas import ChildOutcome, ResultRow, SubLLMResult
 
 
 def result(status: str = "ok", **kw: object) -> SubLLMResult:
@@ -108,6 +108,29 @@ async def test_producer_side_metrics_are_scraped_with_aiohttp(served: tuple[Metr
     assert value(snap, "rlmq_rollouts_correct_total") == 1
     assert value(snap, "rlmq_budget_rejections_total") == 1
     assert value(snap, "rlmq_queue_wait_seconds_count") == 0
+
+
+def test_child_rollouts_are_counted_by_depth_and_stop_reason(served: tuple[Metrics, int]) -> None:
+    m, port = served
+
+    def child(depth: int, stop: str, tokens: int) -> SubLLMResult:
+        outcome = ChildOutcome(
+            rollout_id="c-1", depth=depth, stop_reason=stop, metrics={"main_rlm_completion_tokens": tokens}
+        )
+        return result(child=outcome)
+
+    m.observe_child(child(2, "answer_ready", 40))
+    m.observe_child(child(2, "answer_ready", 60))
+    m.observe_child(child(3, "max_turns", 7))
+    m.observe_child(child(900, "<made up>", 0))  # labels stay bounded
+    m.observe_child(result())  # a plain call (no child): not a child rollout
+    snap = scrape(port)
+    assert value(snap, "rlmq_child_rollouts_total", depth="2", stop_reason="answer_ready") == 2
+    assert value(snap, "rlmq_child_rollouts_total", depth="3", stop_reason="max_turns") == 1
+    assert value(snap, "rlmq_child_rollouts_total", depth="64", stop_reason="other") == 1
+    assert sum(v for (name, _), v in snap.items() if name == "rlmq_child_rollouts_total") == 4
+    assert value(snap, "rlmq_child_root_completion_tokens_total", depth="2") == 100
+    assert value(snap, "rlmq_child_root_completion_tokens_total", depth="3") == 7
 
 
 def test_each_metrics_object_has_its_own_registry_and_port() -> None:

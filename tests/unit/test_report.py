@@ -155,8 +155,8 @@ def test_rlmq_run_keeps_a_run_folder(
     monkeypatch.setattr(cli, "check_redis", lambda url: None)
     run_dir = tmp_path / "my-run"
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://:pw@r:6379/0",
-            "--api-key", "sk-top-secret", "--run-dir", str(run_dir), "--quiet"]  # fmt: skip
-    assert cli.main(argv) == 0
+            "--api-key", "sk-top-secret", "--run-dir", str(run_dir), "--quiet", "--no-preflight"]  # fmt: skip
+    assert cli.main(argv) == 6  # 1 of its 3 sub-calls ended in error: above the default rate of 0.1
     out = capsys.readouterr().out
     assert f"run folder: {run_dir}" in out and f"report: {run_dir / 'report.html'}" in out
     assert "accuracy: 1/1" in out
@@ -181,7 +181,40 @@ def test_default_run_dir_is_under_runs(
     monkeypatch.setattr(cli, "check_redis", lambda url: None)
     monkeypatch.chdir(tmp_path)
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://r:6379/0"]
-    assert cli.main([*argv, "--quiet"]) == 0
+    assert cli.main([*argv, "--quiet", "--no-preflight", "--max-sub-call-error-rate", "0.5"]) == 0
     (folder,) = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"\d{8}T\d{6}Z-run", folder.name)
     assert (folder / "report.html").exists()
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default run folder is named by the second: a script starting two runs in one second
+    put both in one folder, the second replacing the first's rows."""
+    from datetime import datetime
+
+    import rlmq.cli.report as report
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Frozen:
+            return cls(2026, 11, 22, 6, 20, 1, tzinfo=tz)
+
+    monkeypatch.setattr(report, "datetime", Frozen)
+    dataset = tmp_path / "ds.jsonl"
+    dataset.write_text(json.dumps({"id": "q-1", "question": "?", "context": "c"}) + "\n")
+
+    async def fake_evaluate(settings: Any, rows: Any, **kw: Any) -> list[RolloutResult]:
+        kw["sink"].add(rollout("q-1", correct=None))
+        return list(kw["sink"].results)
+
+    monkeypatch.setattr(cli, "evaluate", fake_evaluate)
+    monkeypatch.setattr(cli, "check_redis", lambda url: None)
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://r:6379/0"]
+    for _ in range(3):
+        assert cli.main([*argv, "--quiet", "--no-preflight", "--max-sub-call-error-rate", "0.5"]) == 0
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert names == ["20261122T062001Z-run", "20261122T062001Z-run-2", "20261122T062001Z-run-3"]
+    assert all((tmp_path / "runs" / n / "rows.jsonl").read_text().count("\n") == 1 for n in names)

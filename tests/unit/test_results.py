@@ -174,3 +174,15 @@ def test_the_summary_counts_sub_calls_that_failed_in_all() -> None:
     healthy = summarize([{**row, "metrics": {"sub_llm_call_count": 4, "sub_llm_error_count": 0}}])
     assert "sub-LLM calls: 4 in all, 0 ended in error, 0 rejected by the budget" in healthy
     assert "<-" not in healthy
+
+
+def test_the_summary_shows_tree_figures_only_for_runs_that_started_children() -> None:
+    row = {"id": "a", "correct": None, "stop_reason": "answer_ready", "error": None}
+    flat = {"sub_llm_call_count": 1, "rlm_call_count": 0, "tree_rollout_count": 1, "depth1_root_turns": 2}
+    text = summarize([{**row, "metrics": flat}])
+    assert "rlm_batch" not in text and "depth1_root_turns" not in text and "tree_rollout_count" not in text
+    assert "sub_llm_call_count" in text
+    tree = {**flat, "rlm_call_count": 4, "tree_rollout_count": 4, "tree_charged_completion_tokens": 90}
+    text = summarize([{**row, "metrics": tree}, {**row, "id": "b", "metrics": flat}])
+    assert "rlm_batch: 4 task(s) in all, 3 child rollout(s) reported, 90 completion tokens charged" in text
+    assert "depth1_root_turns" in text and "tree_rollout_count" in text

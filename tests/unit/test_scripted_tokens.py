@@ -45,3 +45,21 @@ async def test_random_lengths_are_drawn_per_prompt_in_range(server: ScriptedMode
         body = await completion(server, p, max_tokens=1000)
         assert body["usage"]["completion_tokens"] == n
     assert answer_tokens("no directive") is None
+
+
+async def test_stats_count_the_requests_in_flight_at_once_and_when_the_last_arrived(
+    server: ScriptedModelServer,
+) -> None:
+    import asyncio
+    import time
+
+    assert (server.stats["in_flight_peak"], server.stats["last_request_at"]) == (0, None)
+    before = time.time()
+    await asyncio.gather(*(completion(server, f"slow {i} [[mock:sleep:0.3]]") for i in range(7)))
+    stats = server.stats
+    assert (stats["in_flight"], stats["in_flight_peak"]) == (0, 7)
+    assert before <= stats["last_request_at"] <= stats["last_answered_at"] <= time.time()
+    await completion(server, "one alone")
+    assert server.stats["in_flight_peak"] == 7  # a high-water mark
+    server.reset_stats()
+    assert (server.stats["in_flight_peak"], server.stats["last_request_at"]) == (0, None)

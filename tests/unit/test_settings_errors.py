@@ -14,6 +14,6 @@ def test_a_bad_value_is_one_line_naming_the_field() -> None:
     text = str(info.value)
     assert "\n" not in text and text.startswith("invalid setting(s): concurrency: "), text
     with pytest.raises(ConfigError) as info:
-        load_settings().with_overrides(max_turns=-1)
+        load_settings().with_overrides(max_output_length=-1)
     text = str(info.value)
-    assert "\n" not in text and "max_turns: " in text, text
+    assert "\n" not in text and "max_output_length: " in text, text

@@ -48,6 +48,8 @@ def add_worker(r: fakeredis.FakeRedis, queue: str, name: str, inflight: int, bea
     w = RQWorker([q], name=name, connection=r, serializer=JSONSerializer)
     w.register_birth()  # RQ's own record, as the rlmq worker writes it
     r.hset(w.key, mapping={"state": state, "rlmq_concurrency": 256, "last_heartbeat": stamp(beat)})
+    sec, usec = r.time()  # the heartbeat's serving entry, by Redis's clock (a 10 s lease)
+    r.zadd(K.serving(queue), {name: sec + usec / 1e6 - (NOW - beat) + 10})
     for i in range(inflight):
         member = f"r1-b1-{i}:e{i}"
         r.sadd(K.rq_worker_executions(name), member)
@@ -83,7 +85,8 @@ def test_collect_reads_queues_workers_and_live_rollouts(r: fakeredis.FakeRedis) 
     assert set(queues) == {"rlmq.sub.sub-m", "rlmq.sub.other", "rlmq.sub.empty"}
     assert queues["rlmq.sub.sub-m"]["depth"] == 2
     assert queues["rlmq.sub.sub-m"]["oldest_age"] == pytest.approx(42.0, abs=1e-3)
-    assert queues["rlmq.sub.sub-m"]["started"] == 3 and queues["rlmq.sub.sub-m"]["workers"] == 2
+    # hostB's heartbeat lapsed 65 s ago: RQ's worker set still names it, the count does not
+    assert queues["rlmq.sub.sub-m"]["started"] == 3 and queues["rlmq.sub.sub-m"]["workers"] == 1
     assert queues["rlmq.sub.other"]["oldest_age"] == pytest.approx(0.25, abs=1e-3)
     assert queues["rlmq.sub.empty"] == {
         "name": "rlmq.sub.empty", "depth": 0, "oldest_age": None, "started": 0, "failed": 0, "workers": 0,
@@ -92,7 +95,8 @@ def test_collect_reads_queues_workers_and_live_rollouts(r: fakeredis.FakeRedis) 
     a, b = workers["hostA.101.ab12"], workers["hostB.202.cd34"]
     assert (a["state"], a["inflight"], a["concurrency"]) == ("busy", 3, 256)
     assert a["heartbeat_age"] == pytest.approx(0.5, abs=1e-3) and a["queues"] == ["rlmq.sub.sub-m"]
-    assert (b["state"], b["inflight"]) == ("idle", 0) and b["heartbeat_age"] == pytest.approx(75.0, abs=1e-3)
+    assert (b["state"], b["inflight"], b["live"]) == ("lapsed", 0, False)
+    assert b["heartbeat_age"] == pytest.approx(75.0, abs=1e-3)
     assert snap["rollouts_total"] == 2
     r1, r2 = snap["rollouts"]  # oldest first
     assert r1["id"] == "r1" and r1["model"] == "root-m" and r1["row"] == "row-r1"
@@ -107,9 +111,9 @@ def test_render_is_a_plain_text_table(r: fakeredis.FakeRedis) -> None:
     text = render(collect(r, now=NOW), redis_label="redis://127.0.0.1:6379/2")
     lines = text.splitlines()
     assert lines[0].startswith("rlmq status  redis://127.0.0.1:6379/2")
-    assert "QUEUES (3)" in text and "WORKERS (2, 3 sub-calls in flight)" in text and "LIVE ROLLOUTS (2)" in text
+    assert "QUEUES (3)" in text and "WORKERS (1 live, 3 sub-calls in flight)" in text and "LIVE ROLLOUTS (2)" in text
     row = next(ln for ln in lines if ln.startswith("rlmq.sub.sub-m "))
-    assert row.split()[:6] == ["rlmq.sub.sub-m", "2", "42.0s", "3", "0", "2"]
+    assert row.split()[:6] == ["rlmq.sub.sub-m", "2", "42.0s", "3", "0", "1"]
     wa = next(ln for ln in lines if ln.startswith("hostA.101.ab12"))
     assert wa.split()[:5] == ["hostA.101.ab12", "busy", "3", "256", "500ms"]
     wb = next(ln for ln in lines if ln.startswith("hostB.202.cd34"))
@@ -167,3 +171,17 @@ def test_cli_status_without_redis_fails_clearly(
     monkeypatch.delenv("RLMQ_REDIS_URL", raising=False)
     assert cli.main(["status"]) == 2
     assert "--redis-url" in capsys.readouterr().err
+
+
+def test_child_rollouts_are_listed_with_their_depth_and_parent(r: fakeredis.FakeRedis) -> None:
+    add_rollout(r, "top", NOW - 9.0, None)
+    add_rollout(r, "c7-1", NOW - 3.0, None)  # a child hosted by a worker: the engine announces depth and parent
+    r.hset(K.RolloutKeys("c7-1").info, mapping={"depth": 2, "parent": "top", "ledger": "top"})
+    snap = collect(r, now=NOW)
+    by_id = {x["id"]: x for x in snap["rollouts"]}
+    assert (by_id["top"]["depth"], by_id["top"]["parent"]) == (1, None)
+    assert (by_id["c7-1"]["depth"], by_id["c7-1"]["parent"]) == (2, "top")
+    lines = render(snap).splitlines()
+    assert "DEPTH" in next(ln for ln in lines if ln.startswith("ROLLOUT"))
+    assert next(ln for ln in lines if ln.startswith("c7-1 ")).split()[1:3] == ["2", "top"]
+    assert next(ln for ln in lines if ln.startswith("top ")).split()[1:3] == ["1", "-"]

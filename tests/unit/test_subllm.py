@@ -408,13 +408,29 @@ async def test_tool_loop_with_allowed_tool(llm: ScriptedLLM, ctx: SubLLMContext)
     assert llm.requests[1]["messages"][-2]["tool_calls"][0]["function"]["name"] == "grep"
 
 
-async def test_tool_calls_on_last_turn_end_the_loop(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
+async def test_without_the_final_answer_turn_tool_calls_on_last_turn_end_the_loop(
+    llm: ScriptedLLM, ctx: SubLLMContext
+) -> None:
     llm.script = [tool_call("count_words", {"text": "a"}), tool_call("count_words", {"text": "b"})]
-    req = make_request(sub_tools=["rlmq.workers.tools.count_words"], max_turns=2)
+    req = make_request(sub_tools=["rlmq.workers.tools.count_words"], max_turns=2, final_answer_turn=False)
     result = await run_sub_llm(req, ctx, job_id="j")
     assert result.status == "ok"
     assert "used all 2 turn(s)" in result.content
-    assert llm.calls == 2 and result.tool_calls == 1
+    assert llm.calls == 2 and result.tool_calls == 1 and result.final_turn is None
+
+
+async def test_at_the_turn_limit_a_final_answer_turn_without_tools_follows(
+    llm: ScriptedLLM, ctx: SubLLMContext
+) -> None:
+    llm.script = [tool_call("count_words", {"text": "a"}), tool_call("count_words", {"text": "b c"}), answer("2")]
+    req = make_request(sub_tools=["rlmq.workers.tools.count_words"], max_turns=2)
+    result = await run_sub_llm(req, ctx, job_id="j")
+    assert (result.status, result.content, result.final_turn) == ("ok", "2", "answered")
+    assert llm.calls == 3 and result.tool_calls == 2 and result.turns == 3
+    last = llm.requests[2]
+    assert not last.get("tools")  # no tools offered in the final turn
+    assert last["messages"][-2] == {"role": "tool", "tool_call_id": "call_2_0", "content": "2"}
+    assert last["messages"][-1]["role"] == "user" and "final answer" in last["messages"][-1]["content"]
 
 
 async def test_model_calling_a_tool_not_offered_gets_a_tool_error(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
@@ -663,3 +679,61 @@ def test_retry_after_parsing() -> None:
     in_a_minute = _parse_retry_after(formatdate(time.time() + 60, usegmt=True))
     assert in_a_minute is not None and 55 < in_a_minute <= 60
     assert _parse_retry_after(formatdate(time.time() - 60, usegmt=True)) == 0.0
+
+
+async def test_a_call_charges_the_ledger_its_job_names(
+    llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger
+) -> None:
+    """A job carries its ledger's id (a tree's ledger: not its rollout's); a job naming a ledger
+    other than its rollout's must find it, whatever ``budgeted`` claims (never "unbudgeted")."""
+    await ledger.open("tree", 100, cap=40)
+    for node in ("tree", ROLLOUT):
+        await ledger.open_node("tree", node)
+    llm.script = [answer("from a child", tokens=7)]
+    chain = ["tree", ROLLOUT]
+    result = await run_sub_llm(make_request(ledger_id="tree", nodes=chain), ctx, job_id="j1")  # claims budgeted=False
+    assert (result.status, result.completion_tokens, result.grants) == ("ok", 7, 1)
+    snap = await ledger.snapshot("tree")
+    assert snap is not None and (snap.charged, snap.used) == (7, 7)
+    assert await ledger.snapshot(ROLLOUT) is None
+    lost = await run_sub_llm(make_request(ledger_id="no-such-tree", nodes=chain), ctx, job_id="j2")
+    assert (lost.status, lost.error_kind, llm.calls) == ("error", "budget_lost", 1)
+
+
+async def test_a_job_naming_another_ledger_must_be_a_live_node_of_its_tree(
+    llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger
+) -> None:
+    """Tree membership: a job whose ledger is not its rollout's carries a chain ending with its own
+    rollout id, and that node must be alive in that ledger; otherwise no reservation, no call."""
+    await ledger.open("tree", 100, cap=40)
+    await ledger.open_node("tree", "tree")
+    llm.script = [answer("never", tokens=7)] * 4
+    for bad in ([], ["tree"], ["tree", "someone-else"]):  # no chain, or one not ending with its rollout
+        forged = await run_sub_llm(make_request(ledger_id="tree", nodes=bad), ctx, job_id="j1")
+        assert (forged.status, forged.error_kind) == ("error", "payload"), bad
+        assert "node chain must end with its rollout" in (forged.error or forged.content or "")
+    # the chain ends with its rollout, but that node is not alive in the ledger: refused by the script
+    stranger = await run_sub_llm(make_request(ledger_id="tree", nodes=["tree", ROLLOUT]), ctx, job_id="j2")
+    assert stranger.status == "rejected" and stranger.content.startswith("[rejected] sub-LLM call refused: parent_gone")
+    assert ROLLOUT in stranger.content
+    assert llm.calls == 0
+    snap = await ledger.snapshot("tree")
+    assert snap is not None and snap.charged == 0
+
+
+async def test_tree_refusals_name_their_reason(llm: ScriptedLLM, ctx: SubLLMContext, ledger: BudgetLedger) -> None:
+    """A closed tree (the top ended) refuses its calls with or without a chain; a liveness-only
+    ledger (a tree without a budget) serves a live chain without a grant."""
+    await ledger.open_unlimited("tree", ttl=60)
+    for node in ("tree", ROLLOUT):
+        await ledger.open_node("tree", node)
+    llm.script = [answer("child answer", tokens=9)]
+    ok = await run_sub_llm(make_request(ledger_id="tree", nodes=["tree", ROLLOUT]), ctx, job_id="j1")
+    assert (ok.status, ok.content, ok.grants) == ("ok", "child answer", 0)
+    assert "max_tokens" not in llm.requests[-1]  # no grant: the job's own cap (none here)
+    await ledger.close("tree", top_node="tree")
+    child = await run_sub_llm(make_request(ledger_id="tree", nodes=["tree", ROLLOUT]), ctx, job_id="j2")
+    assert child.status == "rejected" and child.content.startswith("[rejected] sub-LLM call refused: tree_closed")
+    top = await run_sub_llm(make_request(rollout_id="tree", budgeted=True), ctx, job_id="j3")
+    assert top.status == "rejected" and "tree_closed" in top.content
+    assert llm.calls == 1

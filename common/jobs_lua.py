@@ -1,7 +1,8 @@
-"""The Lua scripts of the worker's bookkeeping (``START``, ``FINISH``, ``REAP``), each with its contract.
+"""The Lua scripts of the job store (``ENQUEUE``, ``START``, ``FINISH``, ``REAP``), each with its contract.
 
-Called by :class:`rlmq.workers.records.Records`. rlmq's job-hash field names are spliced in
-from :mod:`rlmq.common.rqjobs` (``$F_REPLY`` -> ``rlmq_reply``), so they are spelled once.
+Called by :class:`rlmq.common.jobstore.JobStore` (``ENQUEUE``: by the producer's dispatch). rlmq's
+job-hash field names are spliced in from :mod:`rlmq.common.rqjobs` (``$F_REPLY`` -> ``rlmq_reply``),
+so they are spelled once.
 """
 
 from __future__ import annotations
@@ -17,10 +18,47 @@ def _lua(text: str) -> str:
     return Template(text).substitute(JOB_FIELDS, REPLY_FIELD=K.REPLY_FIELD)
 
 
+# Contract: enqueue jobs at most once per call, also when the call is sent twice (a client
+# retry after a lost reply re-sends it with the same created_at).
+# KEYS[1] queue list, then per job i: KEYS[1+i] job hash.
+# ARGV[1] job hash ttl (s), ARGV[2] created_at (RQ timestamp text), ARGV[3] c = number of
+# common field/value pairs, ARGV[4 .. 3+2c] the fields and values every job hash shares, then
+# per job i (o = 3+2c+4(i-1)): ARGV[o+1] job id, ARGV[o+2] data, ARGV[o+3] description,
+# ARGV[o+4] rlmq_meta.
+# A job whose hash already carries this created_at was written by an earlier run of this very
+# call: it is neither written nor pushed again. All or nothing: the only key that could fail a
+# write halfway, the queue, is checked first (a job key of another type is replaced).
+# Returns the number of jobs pushed.
+ENQUEUE_LUA = _lua("""
+if type(redis.pcall('LLEN', KEYS[1])) == 'table' then
+  return redis.error_reply('WRONGTYPE the queue key is not a list; nothing enqueued')
+end
+local c = tonumber(ARGV[3])
+local common = {}
+for k = 4, 3 + 2 * c do common[#common + 1] = ARGV[k] end
+local base = 3 + 2 * c
+local ids = {}
+for i = 1, #KEYS - 1 do
+  local jkey = KEYS[1 + i]
+  local o = base + 4 * (i - 1)
+  local seen = redis.pcall('HGET', jkey, 'created_at')
+  if seen ~= ARGV[2] then
+    if type(seen) == 'table' and seen.err then redis.call('DEL', jkey) end  -- not a hash: replaced
+    redis.call('HSET', jkey, 'data', ARGV[o + 2], 'description', ARGV[o + 3], '$F_META', ARGV[o + 4],
+               unpack(common))
+    redis.call('EXPIRE', jkey, ARGV[1])
+    ids[#ids + 1] = ARGV[o + 1]
+  end
+end
+for i = 1, #ids, 500 do
+  redis.call('RPUSH', KEYS[1], unpack(ids, i, math.min(i + 499, #ids)))
+end
+return #ids
+""")
 # Contract: move candidate jobs from the queue into the started state, atomically.
 # KEYS[1] queue list, KEYS[2] started registry (zset), KEYS[3] worker executions set,
 # then per candidate i (i = 1..n): KEYS[3+2i-1] job hash, KEYS[3+2i] execution hash.
-# ARGV[1] worker name, ARGV[2] now as RQ timestamp text, ARGV[3] now (unix s),
+# ARGV[1] worker name, ARGV[2] now as RQ timestamp text, ARGV[3] unused (leases take Redis's TIME),
 # ARGV[4] heartbeat ttl (s), then per candidate: ARGV[3+2i] job id, ARGV[4+2i] execution id.
 # A candidate no longer in the queue (another worker took it) is skipped; one whose hash
 # has expired (its producer gave up) is dropped from the queue and skipped; so is one whose
@@ -38,7 +76,9 @@ def _lua(text: str) -> str:
 START_LUA = _lua("""
 local out = {}
 local ttl = tonumber(ARGV[4])
-local expires = tonumber(ARGV[3]) + ttl
+local clock = redis.call('TIME')  -- leases are Redis's clock, never one host's
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+local expires = now + ttl
 local n = (#KEYS - 3) / 2
 -- Fast path: the candidates are still exactly the head of the queue (the usual case: this
 -- worker just peeked them) -> one LTRIM instead of an LREM per job.
@@ -74,7 +114,7 @@ for i = 1, n do
       redis.call('HSET', jkey, 'status', 'started', 'worker_name', ARGV[1], 'started_at', ARGV[2],
                  'last_heartbeat', ARGV[2], '$F_STARTED', mark, '$F_EXEC', eid)
       redis.call('PERSIST', jkey)
-      redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', ARGV[3], 'last_heartbeat', ARGV[3],
+      redis.call('HSET', ekey, 'id', eid, 'job_id', jid, 'created_at', now, 'last_heartbeat', now,
                  'worker_name', ARGV[1])
       redis.call('EXPIRE', ekey, ttl + 60)
       zargs[#zargs + 1] = expires
@@ -96,8 +136,8 @@ return out
 # KEYS[4] failed registry, KEYS[5] worker hash,
 # then per job i: KEYS[5+4i-3] job hash, KEYS[5+4i-2] execution hash,
 # KEYS[5+4i-1] result stream, KEYS[5+4i] reply stream.
-# ARGV[1] now text, ARGV[2] now (unix s), ARGV[3] result ttl, ARGV[4] failure ttl,
-# ARGV[5] reply ttl, ARGV[6] worker name,
+# ARGV[1] now text, ARGV[2] now (unix s; registry scores take Redis's TIME), ARGV[3] result ttl, ARGV[4] failure ttl,
+# ARGV[5] reply ttl of a job whose hash names none ($F_REPLY_TTL, the producer's), ARGV[6] worker name,
 # then per job i: ARGV[6+5i-4] job id, ARGV[6+5i-3] execution id, ARGV[6+5i-2] '1' ok / '0' failed,
 # ARGV[6+5i-1] SubLLMResult JSON (added to the reply stream), ARGV[6+5i] RQ result payload
 # (base64 return value when ok, base64 zlib exc string when failed).
@@ -113,8 +153,16 @@ return out
 # and its reply (XADD) cost a command each. Needs Redis >= 6.2.
 FINISH_LUA = _lua("""
 local n = (#KEYS - 5) / 4
-local now = tonumber(ARGV[2])
+local clock = redis.call('TIME')  -- registry expiries are Redis's clock, as the pruning compares them
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 local rttl, fttl, replyttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+-- The reply TTL a job carries ($F_REPLY_TTL: its producer's), else the default; never < 1 (an
+-- EXPIRE of 0 would delete the reply stream with the results in it).
+local function reply_ttl(jkey, default)
+  local t = tonumber(redis.pcall('HGET', jkey, '$F_REPLY_TTL'))
+  if t and t >= 1 then return t end
+  return default
+end
 -- Bulk commands run over slices of at most 500 arguments (Lua's C stack limits unpack).
 local function bulk(cmd, key, list, step)
   step = step or 1
@@ -160,7 +208,7 @@ for _, i in ipairs(todo) do
     lost = lost + 1; ok = '0'
   elseif not expiring[rkey] then
     expiring[rkey] = true
-    redis.call('EXPIRE', rkey, replyttl)
+    redis.call('EXPIRE', rkey, reply_ttl(jkey, replyttl))
   end
   -- finished: RQ result type 1 with a return value; failed: type 2 with an exception string
   local status, ttl, registry, rtype, field = 'finished', rttl, fin, 1, 'return_value'
@@ -192,16 +240,21 @@ return {#live, lost}
 # KEYS[1] started registry, KEYS[2] queue list, KEYS[3] failed registry,
 # then per execution i: KEYS[3+5i-4] job hash, KEYS[3+5i-3] execution hash,
 # KEYS[3+5i-2] result stream, KEYS[3+5i-1] reply stream, KEYS[3+5i] the worker executions set.
-# ARGV[1] now text, ARGV[2] cutoff score (only members scored below it; '+inf' to hand back),
-# ARGV[3] failure ttl, ARGV[4] reply ttl, ARGV[5] max attempts, ARGV[6] now (unix s),
+# ARGV[1] now text, ARGV[2] 'now' (members whose lease lapsed by Redis's TIME) or '+inf' (hand back),
+# ARGV[3] failure ttl, ARGV[4] reply ttl of a job whose hash names none ($F_REPLY_TTL),
+# ARGV[5] max attempts, ARGV[6] unused (Redis's TIME),
 # then per execution i: ARGV[6+3i-2] member 'job:exec', ARGV[6+3i-1] job id,
 # ARGV[6+3i] SubLLMResult JSON of the error to deliver when attempts are used up.
 # Keys a producer can write are written with redis.pcall (as in FINISH).
-# Returns {requeued, failed}.
+# Returns {requeued, failed, taken}: taken = {job id, attempt, ...}, the executions taken back and the
+# attempt number (from 1) each one ran as.
 REAP_LUA = _lua("""
-local requeued, failed = 0, 0
+local requeued, failed, taken = 0, 0, {}
 local n = (#KEYS - 3) / 5
+local clock = redis.call('TIME')  -- a lease has lapsed by Redis's clock, never by the reaper host's
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 local cutoff = ARGV[2]
+if cutoff ~= '+inf' then cutoff = now end
 local maxa = tonumber(ARGV[5])
 for i = 1, n do
   local jkey, ekey, skey, rkey, wkey = KEYS[3+5*i-4], KEYS[3+5*i-3], KEYS[3+5*i-2], KEYS[3+5*i-1], KEYS[3+5*i]
@@ -214,6 +267,8 @@ for i = 1, n do
     local st = redis.pcall('HGET', jkey, 'status')
     if st == 'started' then
       local attempts = redis.call('HINCRBY', jkey, '$F_ATTEMPTS', 1)
+      taken[#taken + 1] = jid
+      taken[#taken + 1] = attempts
       if attempts < maxa then
         redis.call('HSET', jkey, 'status', 'queued', 'worker_name', '', 'started_at', '')
         redis.call('LPUSH', KEYS[2], jid)
@@ -222,16 +277,20 @@ for i = 1, n do
         local fttl = tonumber(ARGV[3])
         redis.call('HSET', jkey, 'status', 'failed', 'ended_at', ARGV[1])
         redis.call('EXPIRE', jkey, fttl)
-        redis.call('ZADD', KEYS[3], tonumber(ARGV[6]) + fttl, jid)
+        redis.call('ZADD', KEYS[3], now + fttl, jid)
         local x = redis.pcall('XADD', skey, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', '',
                               'exc_string', '', 'execution_ended_at', ARGV[6])
         if not (type(x) == 'table' and x.err) then redis.call('EXPIRE', skey, fttl) end
         local r = redis.pcall('XADD', rkey, '*', '$REPLY_FIELD', ARGV[6 + 3 * i])
-        if not (type(r) == 'table' and r.err) then redis.call('EXPIRE', rkey, tonumber(ARGV[4])) end
+        if not (type(r) == 'table' and r.err) then
+          local t = tonumber(redis.pcall('HGET', jkey, '$F_REPLY_TTL'))
+          if not (t and t >= 1) then t = tonumber(ARGV[4]) end
+          redis.call('EXPIRE', rkey, t)
+        end
         failed = failed + 1
       end
     end
   end
 end
-return {requeued, failed}
+return {requeued, failed, taken}
 """)

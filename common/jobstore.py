@@ -1,4 +1,10 @@
-"""RQ's records of jobs, kept truthful by rlmq's asyncio worker in batched Lua scripts.
+"""The job store: the one owner of rlmq's queue protocol (``ENQUEUE``, ``START``, ``FINISH``, ``REAP``).
+
+The producer enqueues through it (:meth:`JobStore.add_enqueue`), the worker starts, heartbeats,
+finishes and reaps through it; the job-hash fields and RQ's record format are
+:mod:`rlmq.common.rqjobs`, the scripts :mod:`rlmq.common.jobs_lua`. saq's ``Queue`` is the model.
+
+RQ's records of jobs are kept truthful by rlmq's asyncio worker in batched Lua scripts.
 
 A stock RQ worker spends about 57 Redis commands and a few milliseconds of Python per
 job on bookkeeping, one job at a time. rlmq's worker holds hundreds of jobs in flight,
@@ -10,16 +16,15 @@ whole batch of jobs in one script call. What is *not* written: RQ's per-job
 (rlmq's jobs have none). ``tests/integration/test_records.py`` reads everything back
 through RQ's own classes.
 
-The scripts (:mod:`rlmq.workers.lua`) take all their keys through ``KEYS[]``; each has a
+The scripts (:mod:`rlmq.common.jobs_lua`) take all their keys through ``KEYS[]``; each has a
 header comment stating its contract.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import time
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -27,11 +32,12 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from rlmq.common import keys as K
+from rlmq.common.fleet_checks import redis_time
+from rlmq.common.jobs_lua import ENQUEUE_LUA, FINISH_LUA, REAP_LUA, START_LUA
 from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
-from rlmq.common.rqjobs import F_META, F_REPLY, utcnow_str
+from rlmq.common.rqjobs import F_META, F_REPLY, encode_job_data, job_hash, utcnow_str
 from rlmq.common.schemas import SubLLMResult
 from rlmq.common.scripts import run_pipeline, sha1
-from rlmq.workers.lua import FINISH_LUA, REAP_LUA, START_LUA
 
 
 def slot_of(jid: str, meta_raw: bytes | None) -> tuple[str, str, int]:
@@ -43,14 +49,62 @@ def slot_of(jid: str, meta_raw: bytes | None) -> tuple[str, str, int]:
         return K.parse_job_id(jid) or ("unknown", "unknown", 0)
 
 
-def rq_return_value(value: Any) -> str:
-    """RQ's result-stream encoding of a return value with the JSON serializer."""
-    return base64.b64encode(json.dumps(value, separators=(",", ":")).encode()).decode()
+ABANDONED_CONTENT = "[error] sub-LLM call lost: its worker died and the retries are used up"
+"""What the root model sees of a sub-LLM job the reaper failed."""
 
 
-def rq_exc_string(text: str) -> str:
-    """RQ's result-stream encoding of an exception string."""
-    return base64.b64encode(zlib.compress(text.encode())).decode()
+def sub_llm_abandoned(jid: str, meta_raw: bytes | None) -> str:
+    """The error result (JSON) of a sub-LLM job whose worker died and whose retries are used up."""
+    rollout, batch, index = slot_of(jid, meta_raw)
+    return SubLLMResult.failure(
+        rollout, batch, index, job_id=jid, kind="abandoned", content=ABANDONED_CONTENT,
+        error="worker stopped heartbeating",
+    ).model_dump_json()  # fmt: skip
+
+
+_PER_JOB_FIELDS = ("data", "description", F_META)
+DEFAULT_REPLY_TTL = 3600
+"""Seconds a reply stream lives after a result when its job hash names no ``rlmq_reply_ttl`` (a
+job enqueued by an older producer): the default of ``RolloutOptions.rollout_key_ttl``."""
+ENQUEUE_SHA = sha1(ENQUEUE_LUA)
+
+
+@dataclass(slots=True)
+class NewJob:
+    """One job to enqueue.
+
+    Attributes:
+        job_id: its RQ job id.
+        args_json: the job function's positional arguments, encoded as a JSON array.
+        description: what rq-dashboard shows; keep it short (never the prompt).
+        meta: what the reaper needs to write the job's error result (``rlmq_meta``).
+    """
+
+    job_id: str
+    args_json: str
+    description: str
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EnqueueShared:
+    """What every job of one enqueue shares (times in seconds).
+
+    Attributes:
+        func: the job function's import path (names the job kind).
+        reply_key: the reply stream the results go to.
+        timeout: RQ's job timeout, also how long a job may wait unstarted (its hash's TTL).
+        result_ttl / failure_ttl: seconds RQ keeps the finished / failed job.
+        reply_ttl: seconds the reply stream lives after a result (the producer's, stored in
+            each job hash: ``FINISH`` and ``REAP`` use it, not the worker's own settings).
+    """
+
+    func: str
+    reply_key: str
+    timeout: int
+    result_ttl: int
+    failure_ttl: int
+    reply_ttl: int
 
 
 @dataclass
@@ -70,7 +124,7 @@ class StartedJob:
 
 @dataclass
 class FinishedJob:
-    """What :meth:`Records.finish` needs of one job."""
+    """What :meth:`JobStore.finish` needs of one job."""
 
     job: StartedJob
     ok: bool
@@ -81,34 +135,39 @@ class FinishedJob:
     """Budget settlements sent in the same round trip as ``FINISH`` (rollout, reservation, used)."""
 
 
-class Records:
-    """RQ-compatible bookkeeping of one worker on one queue, batched.
+class JobStore:
+    """The queue protocol of one queue: ``ENQUEUE`` (producer), ``START``, heartbeat, ``FINISH``
+    and ``REAP`` (worker), batched, keeping RQ's records truthful.
 
     Args:
         redis: asyncio client, ``decode_responses=False``.
         queue: RQ queue name.
-        worker_name: RQ worker name (its ``rq:worker:<name>`` hash is written by RQ's
-            own ``Worker.register_birth``).
+        worker_name: RQ worker name of the worker side (its ``rq:worker:<name>`` hash is
+            written by RQ's own ``Worker.register_birth``); ``""`` for a producer.
         heartbeat_ttl: seconds a started job stays owned without a heartbeat.
-        result_ttl / failure_ttl / reply_ttl: seconds finished jobs, failed jobs and
-            reply lists are kept.
+        result_ttl / failure_ttl: seconds finished and failed jobs are kept.
+        reply_ttl: seconds a reply stream lives after a result when its job hash does not say
+            (``rlmq_reply_ttl``, written by the producer; a job enqueued by an older producer).
         max_attempts: executions a job may get before the reaper fails it.
         ledger: the budget ledger whose settlements :meth:`finish` sends along (see
             :attr:`FinishedJob.settles`).
+        abandoned_result: ``(job id, its rlmq_meta) -> result JSON`` of a job the reaper fails
+            (its kind's failure result); default: :func:`sub_llm_abandoned`.
     """
 
     def __init__(
         self,
         redis: Redis,
         queue: str,
-        worker_name: str,
+        worker_name: str = "",
         *,
         heartbeat_ttl: int = 10,
         result_ttl: int = 600,
         failure_ttl: int = 86400,
-        reply_ttl: int = 3600,
+        reply_ttl: int = DEFAULT_REPLY_TTL,
         max_attempts: int = 2,
         ledger: BudgetLedger | None = None,
+        abandoned_result: Callable[[str, bytes | None], str] | None = None,
     ) -> None:
         self.redis = redis
         self.ledger = ledger
@@ -119,6 +178,7 @@ class Records:
         self.failure_ttl = failure_ttl
         self.reply_ttl = reply_ttl
         self.max_attempts = max_attempts
+        self.abandoned_result = abandoned_result or sub_llm_abandoned
         self.queue_key = K.rq_queue(queue)
         self.started_key = K.rq_started(queue)
         self.worker_key = K.rq_worker(worker_name)
@@ -128,6 +188,60 @@ class Records:
         self._reap = redis.register_script(REAP_LUA)
         self._exec_seq = 0
         self._exec_prefix = f"{time.time_ns():x}"
+
+    # ------------------------------------------------------------------ producer side
+
+    def add_enqueue(self, pipe: Pipeline, jobs: list[NewJob], shared: EnqueueShared, stamp: str) -> None:
+        """Queue one ``ENQUEUE`` of ``jobs`` on ``pipe``, for a caller that sends it in one round
+        trip with its own commands (the dispatcher's wake-up and lane hints). Safe to send twice
+        with the same ``stamp`` (see ``ENQUEUE_LUA``); on ``NOSCRIPT`` the caller loads
+        :data:`ENQUEUE_LUA` and sends the pipeline again.
+
+        Args:
+            pipe: a redis-py asyncio pipeline.
+            jobs: the jobs, in queue order.
+            shared: what they share.
+            stamp: the enqueue time in RQ's format (:func:`rlmq.common.rqjobs.utcnow_str`).
+        """
+        per_job: list[Any] = []
+        common: dict[str, Any] = {}
+        for job in jobs:
+            fields = job_hash(
+                queue=self.queue,
+                data=encode_job_data(shared.func, args_json=job.args_json),
+                description=job.description,
+                timeout=shared.timeout,
+                result_ttl=shared.result_ttl,
+                failure_ttl=shared.failure_ttl,
+                ttl=shared.timeout,
+                reply_key=shared.reply_key,
+                reply_ttl=shared.reply_ttl,
+                meta=job.meta,
+                now=stamp,
+            )
+            if not common:
+                common = {k: v for k, v in fields.items() if k not in _PER_JOB_FIELDS}
+            per_job += [job.job_id, *(fields[k] for k in _PER_JOB_FIELDS)]
+        keys = [self.queue_key, *(K.rq_job(j.job_id) for j in jobs)]
+        argv: list[Any] = [shared.timeout, stamp, len(common)]
+        for k, v in common.items():
+            argv += [k, v]
+        argv += per_job
+        pipe.evalsha(ENQUEUE_SHA, len(keys), *keys, *argv)
+
+    async def withdraw(self, job_ids: list[str]) -> None:
+        """Take back still-queued jobs (remove them from the queue, delete their hashes).
+
+        Raises:
+            redis.RedisError: Redis refused or is away.
+        """
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for jid in job_ids:
+                pipe.lrem(self.queue_key, 0, jid)
+                pipe.delete(K.rq_job(jid))
+            await pipe.execute()
+
+    # ------------------------------------------------------------------ worker side
 
     def _next_execution_id(self) -> str:
         self._exec_seq += 1
@@ -154,7 +268,7 @@ class Records:
                 execution_id=r[1].decode(),
                 data=r[2],
                 attempt=int(r[3] or 0) + 1,
-                reply_key=r[4].decode(),
+                reply_key=K.reply_of_job(r[0].decode()) or r[4].decode(),  # never another rollout's
             )
             for r in rows
         ]
@@ -207,7 +321,7 @@ class Records:
     async def heartbeat(self, members: list[str], state: str) -> None:
         """Extend this worker's ownership of ``members`` (``job:exec``) and its own liveness
         (its RQ worker hash and its entry in :func:`rlmq.common.keys.serving`)."""
-        expires = time.time() + self.heartbeat_ttl
+        expires = await redis_time(self.redis) + self.heartbeat_ttl  # Redis's clock, never this host's
         async with self.redis.pipeline(transaction=False) as pipe:
             for i in range(0, len(members), 2000):
                 chunk = members[i : i + 2000]
@@ -222,15 +336,23 @@ class Records:
 
     async def expired_members(self, limit: int = 200) -> list[str]:
         """Started-registry members whose heartbeat has lapsed (oldest first)."""
-        raw = await self.redis.zrangebyscore(self.started_key, "-inf", time.time(), start=0, num=limit)
+        now = await redis_time(self.redis)
+        raw = await self.redis.zrangebyscore(self.started_key, "-inf", now, start=0, num=limit)
         return [m.decode() for m in cast(list[bytes], raw)]
 
-    async def reap(self, members: list[str], *, hand_back: bool = False) -> tuple[int, int]:
+    async def reap(
+        self, members: list[str], *, hand_back: bool = False, taken: list[tuple[str, int]] | None = None
+    ) -> tuple[int, int]:
         """Re-queue (or fail, when out of attempts) the executions ``members``.
 
         With ``hand_back`` the members are taken back whatever their heartbeat (graceful
         shutdown); otherwise only those whose heartbeat has lapsed. A job failed here gets
-        an error :class:`~common.schemas.SubLLMResult` on its reply stream.
+        its kind's error result on its reply stream (``abandoned_result``).
+
+        Args:
+            taken: when given, ``(job id, attempt)`` of each execution this call took back is
+                appended to it (the attempt it ran as, from 1): only those, never an execution
+                whose worker heartbeated again or that another reaper took first.
 
         Returns:
             ``(requeued, failed)``.
@@ -249,18 +371,19 @@ class Records:
         ]  # fmt: skip
         for member, jid, info in zip(members, job_ids, infos, strict=True):
             reply, meta_raw, worker = info if not isinstance(info, Exception) else (None, None, None)
-            rollout, batch, index = slot_of(jid, meta_raw)
             eid = member.rsplit(":", 1)[1]
-            err = SubLLMResult.failure(
-                rollout, batch, index, job_id=jid, kind="abandoned",
-                content="[error] sub-LLM call lost: its worker died and the retries are used up",
-                error="worker stopped heartbeating",
-            )  # fmt: skip
             wname = worker.decode() if worker else self.worker_name
             keys += [
                 K.rq_job(jid), K.rq_execution(jid, eid), K.rq_results(jid),
-                reply.decode() if reply else K.ORPHAN_REPLIES, K.rq_worker_executions(wname),
+                K.reply_of_job(jid) or (reply.decode() if reply else K.ORPHAN_REPLIES), K.rq_worker_executions(wname),
             ]  # fmt: skip
-            argv += [member, jid, err.model_dump_json()]
+            argv += [member, jid, self.abandoned_result(jid, meta_raw)]
         res = await self._reap(keys=keys, args=argv)
+        if taken is not None and len(res) > 2:
+            flat = res[2]
+            taken += [(_text(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2)]
         return int(res[0]), int(res[1])
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

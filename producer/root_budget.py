@@ -1,0 +1,133 @@
+"""A child rollout's root turns under its tree's budget: a :class:`~rlmq.producer.root.RootClient`
+wrapper that reserves before every root call (issue 22).
+
+Every root-model completion token of a child rollout (depth >= 2) counts against the tree's one
+budget, the top rollout's ledger, exactly like a sub-LLM turn: before each root turn the wrapper
+reserves a grant of kind :data:`~rlmq.common.ledger.ROOT` with the child's node chain (refused when
+the tree or an ancestor has ended), calls the root model with ``max_tokens`` = the grant, and
+settles with the completion tokens the server reported (the whole grant when it reported none, or
+when the call failed: the tokens may have been spent). Zero overshoot holds as for sub-LLM calls.
+
+A grant smaller than ``child_root_min_grant_tokens`` (the last remainder of a spent budget) would
+cut the root's tool call mid-code: the wrapper gives it back (settled at 0) and raises
+:class:`~rlmq.common.errors.RootBudgetSpent`, which the root loop turns into the stop reason
+``budget_spent`` with the child's best answer so far. A refusal by the tree (``tree_closed``,
+``parent_gone``) or a lost ledger ends the child the same way. A tree without a budget (a
+liveness-only ledger) gets no grant: the call runs as it would have, once its chain is found alive.
+
+The engine wraps a child's root client with :class:`TreeBudgetedRoot`; a top rollout's root turns
+are not charged (its own root limit is ``root_max_completion_tokens``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from rlmq.common.errors import RootBudgetSpent
+from rlmq.common.ledger import NO_LEDGER, ROOT, UNLIMITED, WAITED_OUT, BudgetLedger
+from rlmq.producer.root import RootClient
+
+
+class TreeBudgetedRoot:
+    """Root calls of one child rollout, each reserved from its tree's ledger first.
+
+    Args:
+        inner: the root model client.
+        ledger: the budget ledger client.
+        ledger_id: the tree's ledger (the top rollout's id).
+        nodes: the child's chain, top .. the child itself.
+        rollout_id: the child's id (names its reservations ``<rollout_id>:root:<turn>``).
+        min_grant: tokens; a smaller grant ends the child (``child_root_min_grant_tokens``).
+        deadline: Unix seconds, the child's deadline (its reservations are live until then).
+
+    Attributes:
+        grants / granted_tokens / used_tokens: reservations granted, tokens granted, tokens settled.
+    """
+
+    def __init__(
+        self,
+        inner: RootClient,
+        ledger: BudgetLedger,
+        ledger_id: str,
+        nodes: Sequence[str],
+        rollout_id: str,
+        *,
+        min_grant: int,
+        deadline: float,
+    ) -> None:
+        self.inner = inner
+        self.ledger = ledger
+        self.ledger_id = ledger_id
+        self.nodes = tuple(nodes)
+        self.rollout_id = rollout_id
+        self.min_grant = min_grant
+        self.deadline = deadline
+        self.turn = 0
+        self.grants = 0
+        self.granted_tokens = 0
+        self.used_tokens = 0
+
+    async def chat(self, **kwargs: Any) -> Any:
+        """Reserve, call the root model with ``max_tokens`` = the grant, settle.
+
+        Raises:
+            RootBudgetSpent: the grant is below ``min_grant`` (given back), the budget is spent,
+                the tree or an ancestor ended, the ledger is lost or unreachable.
+            PromptTooLongError / ModelError: as the inner client (the grant stays charged in full).
+        """
+        self.turn += 1
+        reservation = f"{self.rollout_id}:root:{self.turn}"
+        cap = kwargs.get("max_tokens")
+        margin = min(0.5, max(0.0, (self.deadline - time.time()) * 0.05))
+        try:
+            grant, _, _ = await self.ledger.acquire(
+                self.ledger_id,
+                reservation,
+                int(cap) if cap is not None else None,
+                self.deadline,
+                margin=margin,
+                kind=ROOT,
+                nodes=self.nodes,
+            )
+        except RedisError as exc:
+            raise RootBudgetSpent(f"the tree budget could not be reserved: {exc}") from exc
+        if grant.code == UNLIMITED:
+            return await self.inner.chat(**kwargs)
+        if grant.tree_refused:
+            raise RootBudgetSpent(f"root turn {self.turn} refused: {grant.refusal_message}")
+        if grant.code == NO_LEDGER:
+            raise RootBudgetSpent(f"root turn {self.turn} refused: the tree's budget ledger is gone (expired or lost)")
+        if not grant.granted:
+            waited = " (waited until its deadline)" if grant.code == WAITED_OUT else ""
+            raise RootBudgetSpent(
+                f"root turn {self.turn}: the tree budget is spent{waited}: {grant.charged}/{grant.limit} tokens"
+            )
+        if grant.tokens < self.min_grant:
+            await self._settle(reservation, 0)  # never called: the tokens go back to the tree
+            raise RootBudgetSpent(
+                f"root turn {self.turn}: the tree budget granted {grant.tokens} tokens, less than the "
+                f"{self.min_grant} a root turn needs ({grant.charged}/{grant.limit} tokens charged)"
+            )
+        self.grants += 1
+        self.granted_tokens += grant.tokens
+        kwargs["max_tokens"] = grant.tokens
+        used = grant.tokens  # a failed call may have spent them: charged in full
+        try:
+            resp = await self.inner.chat(**kwargs)
+            reported = getattr(getattr(resp, "usage", None), "completion_tokens", None)
+            if isinstance(reported, int) and reported >= 0:
+                used = reported
+            return resp
+        finally:
+            self.used_tokens += used
+            await self._settle(reservation, used)
+
+    async def _settle(self, reservation: str, used: int) -> None:
+        try:
+            await self.ledger.settle(self.ledger_id, reservation, used)
+        except RedisError:
+            pass  # the reservation stays open, i.e. charged in full: safe for the budget

@@ -1,0 +1,188 @@
+"""The root model's loop of one rollout: the RLM loop of the paper and of the verifiers ``RLMEnv``.
+
+The root model answers; each ``call_python_repl`` tool call runs in the rollout's REPL; the
+loop ends on ``answer["ready"]``, after ``max_turns`` root turns (none when ``max_turns <= 0``),
+when the root's completion-token limit is used up, on a root reply without a tool call, when
+the server refuses the prompt for its length (``prompt_too_long``), when a child rollout's tree
+budget cannot grant its next root turn (``budget_spent``, :mod:`rlmq.producer.root_budget`), or, with
+``abort_on_code_timeout``, when a cell times out (``code_timeout``). Once a reply's prompt
+reaches ``context_warning_threshold`` of ``root_context_tokens``, the next tool message tells
+the model to finish. The rollout's wall-clock deadline is the engine's.
+
+It reads only the rollout's options (:class:`~rlmq.common.settings.RolloutOptions`)
+and talks to the root model through :class:`~rlmq.producer.root.RootClient` and to the REPL
+through :class:`CellRunner`, so a test runs it against an in-memory model and REPL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Protocol
+
+from rlmq.common.errors import ModelError, PromptTooLongError, RootBudgetSpent
+from rlmq.common.schemas import StopReason
+from rlmq.producer.repl.cell import CellResult
+from rlmq.producer.rollout import Rollout
+from rlmq.producer.root import RootClient
+from rlmq.producer.scaffold import REPL_TOOL, context_warning
+
+
+class CellRunner(Protocol):
+    """Where the root model's code runs: the rollout's REPL (:class:`~rlmq.producer.repl.Repl`)."""
+
+    async def execute(self, code: str) -> CellResult:
+        """Run one cell; a timeout or a dead REPL is in the result, not an exception.
+
+        Raises:
+            ReplError: the REPL could not run the cell.
+        """
+        ...
+
+
+REPL_TOOL_NAME = "call_python_repl"
+
+
+def _repl_code(arguments: object) -> str | None:
+    """The ``code`` string of a ``call_python_repl`` call's JSON arguments, or ``None``."""
+    if not isinstance(arguments, str):
+        return None
+    try:
+        code = json.loads(arguments or "{}")["code"]
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+def _tool_call(tc: Any) -> tuple[str, str, object]:
+    """``(id, function name, arguments)`` of a tool call, tolerant of shapes a server may send:
+    a non-function ("custom") tool call has no ``function``; its name is taken from ``custom``."""
+    call_id = getattr(tc, "id", None) or ""
+    function = getattr(tc, "function", None)
+    if function is None:
+        custom = getattr(tc, "custom", None)
+        return call_id, str(getattr(custom, "name", None) or getattr(tc, "type", "") or "?"), None
+    return call_id, str(getattr(function, "name", "") or ""), getattr(function, "arguments", None)
+
+
+def _tokens(usage: Any, field: str) -> int:
+    value = getattr(usage, field, None) if usage is not None else None
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tuple[StopReason, str | None]:
+    """Run the root model's turns of ``rollout`` until it stops; returns (stop reason, final answer).
+
+    The final answer is ``answer["content"]`` of the cell that set ``answer["ready"]``; on the
+    other stops it is the last non-empty ``answer["content"]`` so far (or, for ``no_tool_call``
+    without one, the reply's text). Each root call carries ``sampling_args`` and gets
+    ``max_tokens`` = what is left of ``root_max_completion_tokens`` (tokens) when that is set,
+    at most the sampling arguments' ``max_tokens``. Tool calls other than
+    ``call_python_repl(code)`` and malformed arguments get an ``[error]`` tool message, not an
+    exception.
+
+    Raises:
+        ModelError: the root model failed past its retries (see :class:`RootModel
+            <rlmq.producer.root.RootModel>`) or answered without a choice; a prompt the server
+            refuses for its length is the stop ``prompt_too_long`` instead.
+        RlmqError: the REPL could not run a cell.
+    """
+    o = rollout.options
+    stats, trajectory, messages = rollout.stats, rollout.trajectory, rollout.messages
+    last_answer: str | None = None
+    warned = False
+    turn = 0
+    while o.max_turns <= 0 or turn < o.max_turns:
+        turn += 1
+        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [REPL_TOOL]}
+        sampling = dict(o.sampling_args)  # checked: never model, messages, tools, n, stream
+        per_call = sampling.pop("max_tokens", None)
+        if sampling:
+            kwargs["extra_body"] = sampling  # merged into the request body as they are
+        if per_call is not None:
+            kwargs["max_tokens"] = per_call
+        if o.root_max_completion_tokens is not None:
+            left = o.root_max_completion_tokens - stats.root_completion_tokens
+            if left <= 0:
+                trajectory.append({"type": "note", "text": "root completion-token limit reached"})
+                return "max_turns", last_answer
+            kwargs["max_tokens"] = left if per_call is None else min(left, int(per_call))
+        t0 = time.perf_counter()
+        try:
+            resp = await root.chat(**kwargs)
+        except PromptTooLongError as exc:
+            trajectory.append({"type": "note", "text": f"prompt_too_long: {exc}"})
+            return "prompt_too_long", last_answer
+        except RootBudgetSpent as exc:  # a child's root turn the tree budget cannot grant
+            trajectory.append({"type": "note", "text": f"budget_spent: {exc}"})
+            return "budget_spent", last_answer
+        stats.root_turns += 1
+        usage = getattr(resp, "usage", None)
+        prompt_tokens, completion_tokens = _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens")
+        stats.root_prompt_tokens += prompt_tokens
+        stats.root_completion_tokens += completion_tokens
+        choices = getattr(resp, "choices", None)
+        if not choices:
+            raise ModelError(f"the root model answered without a choice: {str(resp)[:200]}")
+        msg = choices[0].message
+        calls = [_tool_call(tc) for tc in (getattr(msg, "tool_calls", None) or [])]
+        content = getattr(msg, "content", None) or ""
+        assistant: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            assistant["tool_calls"] = [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else ""},
+                }
+                for call_id, name, arguments in calls
+            ]
+        messages.append(assistant)
+        trajectory.append(
+            {
+                "type": "root",
+                "content": content,
+                "tool_calls": assistant.get("tool_calls", []),
+                "seconds": round(time.perf_counter() - t0, 4),
+                "usage": {"prompt": prompt_tokens, "completion": completion_tokens},
+            }
+        )
+        if not calls:
+            return "no_tool_call", last_answer if last_answer else (content or None)
+        for call_id, name, arguments in calls:
+            if name != REPL_TOOL_NAME:
+                out = f"[error] unknown tool {name!r}; the only tool is call_python_repl(code)"
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+                continue
+            code = _repl_code(arguments)
+            if code is None:
+                out = '[error] call_python_repl takes one string argument: {"code": "..."}'
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+                continue
+            cell = await repl.execute(code)
+            stats.repl_times.append(cell.seconds)
+            trajectory.append(
+                {
+                    "type": "cell",
+                    "code": code,
+                    "output": cell.output,
+                    "seconds": round(cell.seconds, 4),
+                    "timed_out": cell.timed_out,
+                    "restarted": cell.restarted,
+                }
+            )
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": cell.output})
+            if cell.answer_content:
+                last_answer = cell.answer_content
+            if cell.answer_ready:
+                return "answer_ready", cell.answer_content
+            if cell.timed_out and o.abort_on_code_timeout:
+                trajectory.append({"type": "note", "text": "code_timeout: a cell ran past code_execution_timeout"})
+                return "code_timeout", last_answer
+        context = o.root_context_tokens
+        if not warned and context is not None and prompt_tokens >= o.context_warning_threshold * context:
+            warned = True
+            warning = context_warning(prompt_tokens, context)
+            messages[-1]["content"] = f"{messages[-1]['content']}\n\n{warning}"
+            trajectory.append({"type": "note", "text": warning})
+    return "max_turns", last_answer

@@ -1,0 +1,155 @@
+"""The rollout host of a worker that hosts child rollouts (``rlmq worker --repl-slots N``, issue 22).
+
+A child rollout (a task of a parent's ``rlm_batch``) runs on a worker with
+:func:`rlmq.producer.engine.run_rollout`, as a top rollout runs in ``RLMEnv``. What the worker
+lends it, built once per worker by :class:`ChildHost`:
+
+* the root model client: the worker's own model server (``base_url`` / ``api_key``): the child's
+  root model is the queue's model, the parent's sub-model, as in the RLM paper;
+* an :class:`~rlmq.producer.interception.InterceptionServer` in the worker, where the child's
+  REPL posts its ``llm_batch`` (and, once merged, ``rlm_batch``) calls;
+* the ``llm_batch`` service on the worker's Redis, which enqueues the child's sub-calls back on
+  the queues, and the live-rollout set (``rlmq status``), refreshed while the worker serves.
+
+Before the worker serves, :func:`probe_containment` starts one REPL exactly as a child's is
+started and reads what it is contained by: a worker holds Redis write rights and model keys, so
+it refuses to host (:class:`~rlmq.common.errors.UncontainedReplError`) unless that REPL runs
+under a uid of its own, without network and with a private file system, or the operator passed
+``--allow-uncontained-repl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from rlmq.common.errors import ConfigError, UncontainedReplError
+from rlmq.common.settings import RolloutOptions
+from rlmq.producer.engine import RolloutHost, sandbox_repl
+from rlmq.producer.interception import InterceptionServer
+from rlmq.producer.repl.containment import Containment
+from rlmq.producer.root import RootModel
+
+if TYPE_CHECKING:
+    from rlmq.workers.worker import SubLLMWorker
+
+log = logging.getLogger("rlmq.worker")
+
+
+def fully_contained(c: Containment) -> bool:
+    """Whether a REPL's containment is what a REPL host needs: a uid of its own, a network
+    namespace of its own, a private file system."""
+    return c.own_uid and c.network and c.private_fs
+
+
+async def probe_containment(server: InterceptionServer, options: RolloutOptions) -> Containment:
+    """Start one REPL as a child rollout's is started (same sandbox, an endpoint on ``server``
+    that answers nothing), read its containment, and close it.
+
+    Raises:
+        ReplStartupError: the REPL did not come up.
+    """
+
+    async def nothing(prompts: list[str]) -> tuple[list[str], str]:
+        return ["[error] containment probe" for _ in prompts], ""
+
+    token = server.register(nothing)
+    repl = sandbox_repl("", token, options, server, [])
+    try:
+        await repl.start()
+        assert repl.containment is not None  # set by a successful start
+        return repl.containment
+    finally:
+        try:
+            await repl.close()
+        finally:
+            server.unregister(token)
+
+
+class ChildHost:
+    """The worker-side :class:`~rlmq.producer.engine.RolloutHost` of one REPL-hosting worker.
+
+    Args:
+        worker: the worker (its settings, Redis client and metrics are read at :meth:`start`).
+    """
+
+    def __init__(self, worker: SubLLMWorker) -> None:
+        self.w = worker
+        self.server: InterceptionServer | None = None
+        self.root: RootModel | None = None
+        self._host: RolloutHost | None = None
+        self.containment: Containment | None = None
+        """What the probe REPL was contained by (after :meth:`start`)."""
+
+    @property
+    def host(self) -> RolloutHost:
+        """The rollout host (after :meth:`start`).
+
+        Raises:
+            RuntimeError: not started.
+        """
+        if self._host is None:
+            raise RuntimeError("the child-rollout host is not started")
+        return self._host
+
+    async def start(self) -> None:
+        """Start the interception server, build the host, probe the REPL's containment.
+
+        Raises:
+            ConfigError: the worker has no ``base_url`` (its model is the children's root model).
+            UncontainedReplError: the REPL is not fully contained and ``allow_uncontained_repl``
+                is off (everything started is stopped again).
+            ReplStartupError: the probe REPL did not come up.
+        """
+        s = self.w.settings
+        if not s.base_url:
+            raise ConfigError("a worker hosting child rollouts (--repl-slots) needs --base-url: its root model")
+        self.server = InterceptionServer(
+            max_batch_prompts=s.max_batch_prompts,
+            max_batch_bytes=s.max_batch_bytes,
+            max_tool_bytes=s.root_tool_max_args_bytes,
+        )
+        try:
+            await self.server.start()
+            self.root = RootModel(
+                str(s.base_url), s.api_key.get_secret_value(), retries=s.model_retries, timeout=s.model_timeout
+            )
+            self._host = RolloutHost.build(
+                self.w.redis, self.root, self.server, metrics=self.w.metrics, result_ttl=s.result_ttl
+            )
+            self.containment = c = await probe_containment(self.server, s.rollout_options())
+            if not fully_contained(c):
+                missing = "; ".join(c.not_contained) or "see the REPL's containment report"
+                if not s.allow_uncontained_repl:
+                    raise UncontainedReplError(
+                        f"worker {self.w.name} refuses to host child rollouts (--repl-slots {s.repl_slots}): the "
+                        f"REPL sandbox is not fully contained on this host (own uid: {c.own_uid}, no network: "
+                        f"{c.network}, private file system: {c.private_fs}). Run the worker as root where Linux "
+                        f"namespaces are allowed (see the README, 'Hosting child rollouts'), or pass "
+                        f"--allow-uncontained-repl to run the models' code with this worker's privileges. "
+                        f"NOT contained: {missing}"
+                    )
+                log.warning(
+                    "worker %s hosts child rollouts with an UNCONTAINED REPL (--allow-uncontained-repl): %s",
+                    self.w.name, missing,
+                )  # fmt: skip
+        except BaseException:
+            await self.close()
+            raise
+
+    async def refresh_forever(self) -> None:
+        """Keep the hosted rollouts' keys and ``rlmq status`` entries alive, until cancelled."""
+        await self.host.live.refresh_forever(self.w.settings.rollout_key_ttl / 3)
+
+    async def close(self) -> None:
+        """Stop the interception server and the root client; idempotent."""
+        self._host = None
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await self.server.stop()
+            self.server = None
+        if self.root is not None:
+            with contextlib.suppress(Exception):
+                await self.root.close()
+            self.root = None
