@@ -188,7 +188,7 @@ class ReleaseWaits:
         """Ask the ledger again until it grants or rejects, parking between asks.
 
         Args:
-            ledger: the ledger to ask (its :meth:`~rlmq.common.ledger.BudgetLedger.reserve`).
+            ledger: the ledger to ask (its :meth:`~rlmq.common.ledger.BudgetLedger.reserve_until`).
             rollout_id / reservation_id / cap / deadline: the reservation (tokens, Unix seconds).
             give_up: Unix time (seconds) at which to stop waiting.
             grant: the "wait" answer that brought the call here.
@@ -228,7 +228,7 @@ class ReleaseWaits:
                 # Read before asking: a wake that comes while the ask is out makes it ask again.
                 seen = self._seen.get(rollout_id, 0)
                 failures = self._failures
-                grant = await ledger.reserve(rollout_id, reservation_id, cap, deadline)
+                grant = await ledger.reserve_until(give_up, rollout_id, reservation_id, cap, deadline)
                 if grant.code != WAIT:
                     return grant, parks, parked_seconds
                 if self._abandoned:

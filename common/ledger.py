@@ -73,6 +73,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import NoPermissionError, RedisError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.ledger_script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
@@ -127,6 +129,13 @@ def node_ttl(rollout_key_ttl: int) -> int:
     """The TTL of a tree node's key for a rollout whose keys live ``rollout_key_ttl`` seconds:
     ``min(NODE_TTL, rollout_key_ttl)``, at least 1 (seconds)."""
     return max(1, min(NODE_TTL, rollout_key_ttl))
+
+
+def _refused_for_now(exc: BaseException) -> bool:
+    """Whether a failed reservation may succeed when asked again: any Redis error (a lost
+    connection, or an error reply such as ``READONLY`` in a failover, ``OOM``, ``LOADING``)
+    except ``NOPERM``, which asking again cannot change."""
+    return isinstance(exc, RedisError) and not isinstance(exc, NoPermissionError)
 
 
 UNBUDGETED_MEMORY = 60.0
@@ -458,6 +467,42 @@ class BudgetLedger:
             return Grant(0, out[1], out[2], out[3], gone_node=gone)
         return Grant(out[0], out[1], out[2], out[3], out[4] / 1000.0, out[5] if len(out) > 5 else 0)
 
+    async def reserve_until(
+        self,
+        until: float,
+        ledger_id: str,
+        reservation_id: str,
+        cap: int | None,
+        deadline: float | None = None,
+        **kwargs: Any,
+    ) -> Grant:
+        """:meth:`reserve`, asked again with backoff (50 ms doubling up to 1 s, jittered) while
+        Redis refuses for a moment, until the Unix time ``until`` (seconds). Asking again is
+        safe: a reservation still open returns the same grant.
+
+        Raises:
+            redis.RedisError: the last refusal at ``until``, or ``NOPERM`` at once.
+            ValueError / ConfigError: as :meth:`reserve`.
+        """
+        try:  # the fast path: no retry bookkeeping on a call that succeeds
+            return await self.reserve(ledger_id, reservation_id, cap, deadline, **kwargs)
+        except RedisError as exc:
+            if not _refused_for_now(exc) or time.time() >= until:
+                raise
+
+        def past_until(state: RetryCallState) -> bool:
+            return time.time() >= until
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(_refused_for_now),
+            wait=wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.05),
+            stop=past_until,
+            reraise=True,
+        ):
+            with attempt:
+                return await self.reserve(ledger_id, reservation_id, cap, deadline, **kwargs)
+        raise AssertionError("unreachable: tenacity re-raises the last refusal")  # pragma: no cover
+
     async def acquire(
         self,
         ledger_id: str,
@@ -486,13 +531,17 @@ class BudgetLedger:
             times the call parked, and the seconds it spent parked.
 
         Raises:
-            redis.RedisError: a reservation failed (waiting itself survives a lost pub/sub
-                connection: every waiter is woken to ask again).
+            redis.RedisError: Redis kept refusing the reservation until ``deadline - margin``
+                (a refusal or lost connection is asked again with backoff until then; waiting
+                itself survives a lost pub/sub connection: every waiter is woken to ask again),
+                or refused it with ``NOPERM``.
             asyncio.CancelledError: the worker is stopping (:meth:`abandon_waits`): a parked
                 call, or one granted after parking that has not called its model yet (its grant
                 is settled at 0 first), is handed back instead.
         """
-        grant = await self.reserve(ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes)
+        grant = await self.reserve_until(
+            deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes
+        )
         if grant.code != WAIT:
             return grant, 0, 0.0
         if self._waits is None:

@@ -100,6 +100,7 @@ class FaultProxy:
         self.stats = ProxyStats()
         self._rng = random.Random(seed)
         self._refuse_until = 0.0
+        self._refuse_containing: tuple[bytes, ...] = ()
         self._silent_pubsub = False
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -112,8 +113,10 @@ class FaultProxy:
         """``redis://127.0.0.1:<port>/0``."""
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def refuse_writes(self, seconds: float) -> None:
-        """Answer every write command ``-READONLY`` for the next ``seconds``."""
+    def refuse_writes(self, seconds: float, *, containing: tuple[bytes, ...] = ()) -> None:
+        """Answer every write command ``-READONLY`` for the next ``seconds``; with ``containing``,
+        only those whose raw command holds one of these byte strings (a script's SHA, say)."""
+        self._refuse_containing = containing
         self._refuse_until = time.monotonic() + seconds
 
     def silence_pubsub(self, silent: bool = True) -> None:
@@ -157,7 +160,11 @@ class FaultProxy:
                     await plan.put(("raw", b""))
                     await self._raw(creader, uwriter)
                     return
-                if name in WRITES and self._refusing():
+                if (
+                    name in WRITES
+                    and self._refusing()
+                    and (not self._refuse_containing or any(part in raw for part in self._refuse_containing))
+                ):
                     self.stats.refused += 1
                     await plan.put(("err", READONLY))
                     continue

@@ -14,6 +14,7 @@ twice, budget overshoot (tokens the model server served past a rollout's limit):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -30,7 +31,7 @@ from rlmq.cli.local import LocalFleet
 from rlmq.cli.status import collect
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
 from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
 from rlmq.common.schemas import SubCallOptions, SubLLMRequest, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher, job_id_for
@@ -176,6 +177,24 @@ async def test_dropped_connections_on_both_sides_lose_and_duplicate_nothing(
     assert len(delivered.reads) == 300
     # the fault really happened, on both sides
     assert proxy.stats.dropped >= 3 and producer_proxy.stats.dropped >= 3, (proxy.stats, producer_proxy.stats)
+
+
+async def test_reservations_refused_readonly_are_asked_again_not_failed(
+    proxy: FaultProxy, redis_url: str, tmp_path: Any
+) -> None:
+    """Every ledger script the workers run is answered -READONLY for the first 2 s of a run (a
+    failover just as calls reserve their grants): the calls ask again with backoff and are served,
+    none ends as "budget could not be reserved", and the budget holds."""
+    limit = 6000
+    sha = hashlib.sha1(LEDGER_LUA.encode()).hexdigest().encode()
+    with proxied_fleet(proxy, tmp_path) as fleet:
+        fleet.wait_for_workers(2, timeout=60)
+        proxy.refuse_writes(2.0, containing=(sha, LEDGER_LUA.encode()[:64]))
+        outs, rids = await asyncio.wait_for(run_rollouts(fleet, redis_url, redis_url, 3, 20, limit), 120)
+        assert proxy.stats.refused > 0
+        lost, wrong = check_slots(outs, 20)
+        over = await overshoot(redis_url, fleet, rids, limit)
+    assert (lost, wrong, over) == (0, 0, 0), [r.error for rs in outs for r in rs if r.status == "error"][:5]
 
 
 async def test_a_burst_of_readonly_replies_wedges_nothing(proxy: FaultProxy, redis_url: str, tmp_path: Any) -> None:

@@ -317,3 +317,51 @@ async def test_a_ledger_without_a_stored_ttl_keeps_its_own_expiry() -> None:
     grant = await BudgetLedger(r, ttl=10).reserve("old", "a", None, time.time() + 60)
     assert grant.tokens == 100
     assert 10 < await r.ttl(keys.reservations) <= 3000
+
+
+class _Refusing:
+    """Wraps a ledger's ``_submit``: the first ``n`` calls fail with ``error`` before reaching Redis."""
+
+    def __init__(self, ledger: BudgetLedger, n: int, error: Exception) -> None:
+        self.inner, self.left, self.error, self.calls = ledger._submit, n, error, 0
+        ledger._submit = self  # type: ignore[method-assign]
+
+    async def __call__(self, *args: object) -> list[int]:
+        self.calls += 1
+        if self.left > 0:
+            self.left -= 1
+            raise self.error
+        return await self.inner(*args)  # type: ignore[arg-type]
+
+
+async def test_acquire_asks_again_through_a_burst_of_readonly_replies() -> None:
+    """A failover's READONLY replies (or OOM, LOADING) are asked again with backoff until the
+    call's deadline: the call is granted once Redis takes writes again, reserved once."""
+    from redis.exceptions import ReadOnlyError
+
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    refusing = _Refusing(ledger, 4, ReadOnlyError("You can't write against a read only replica."))
+    grant, _, _ = await ledger.acquire("r1", "a", 30, time.time() + 30)
+    assert (grant.code, grant.tokens) == (GRANTED, 30)
+    assert refusing.calls == 5
+    snap = await ledger.snapshot("r1")
+    assert snap is not None and (snap.grants, snap.held) == (1, 30)
+
+
+async def test_acquire_gives_up_at_its_deadline_and_at_once_on_noperm() -> None:
+    from redis.exceptions import NoPermissionError, ReadOnlyError
+
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    _Refusing(ledger, 10**6, ReadOnlyError("READONLY"))
+    t0 = time.monotonic()
+    with pytest.raises(ReadOnlyError):
+        await ledger.acquire("r1", "a", 30, time.time() + 0.6, margin=0.1)
+    assert 0.4 <= time.monotonic() - t0 < 3.0  # asked again until deadline - margin, then raised
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    refusing = _Refusing(ledger, 10**6, NoPermissionError("NOPERM"))
+    with pytest.raises(NoPermissionError):
+        await ledger.acquire("r1", "a", 30, time.time() + 30)
+    assert refusing.calls == 1  # asking again cannot change an ACL
