@@ -859,12 +859,14 @@ def test_when_the_producer_is_killed_no_process_of_the_repl_lives_on(namespaces:
             return found
 
         wait_until(lambda: len(of_uid()) >= 2, 20, "the cell's escaped process to start")
+        # Its cgroup, read while the REPL lives (later, another test's REPL made meanwhile on this
+        # host, under pytest-xdist, may already have removed it, as the next REPL made does).
+        left = glob.glob(f"/sys/fs/cgroup/*/**/rlmq-repl-{proc.pid}-*", recursive=True)
+        assert left, "the producer's REPL has no cgroup"
         proc.kill()  # the producer dies of SIGKILL: no close(), no cleanup of its own
         proc.wait(10)
         wait_until(lambda: of_uid() == [], 20, f"every process of the REPL's uid {uid} to be gone")
         # its cgroup (empty now) is left, and the next REPL cgroup made on this host removes it
-        left = glob.glob(f"/sys/fs/cgroup/*/**/rlmq-repl-{proc.pid}-*", recursive=True)
-        assert left, "the killed producer's REPL had no cgroup"
         fresh, why = cgroup_module.create(64 * MiB, 8)
         assert fresh is not None, why
         assert fresh.remove()
