@@ -24,6 +24,42 @@ TRAJECTORY_PROMPTS = 64
 """A batch event in the trajectory keeps at most this many of its prompts."""
 
 
+async def refused_results(
+    rollout: Rollout, batch_id: str, n: int, refused: tuple[str, bool], metrics: Metrics | None
+) -> list[SubLLMResult]:
+    """``n`` ``rejected`` results of a batch refused up front (``refused``: its message, and
+    whether the budget is spent, in which case the ledger counts the ``n`` rejections); counted
+    in ``metrics`` here, as workers count only what they run."""
+    message, spent = refused
+    results = [
+        SubLLMResult(rollout_id=rollout.id, batch_id=batch_id, index=i, job_id="", status="rejected", content=message)
+        for i in range(n)
+    ]
+    if spent and rollout.ledger is not None:
+        with contextlib.suppress(RedisError, OSError):
+            await rollout.ledger.count_rejections(n)  # the ledger counts every refusal
+    if metrics:
+        for r in results:
+            metrics.observe_result(r)
+    return results
+
+
+def redis_failures(rollout_id: str, batch_id: str, n: int, what: str, exc: BaseException) -> list[SubLLMResult]:
+    """``n`` ``error`` results (``error_kind="redis"``) of a batch (``what``: "sub-LLM batch",
+    "child rollout") that Redis, gone past the client's reconnect backoff, failed."""
+    return [
+        SubLLMResult.failure(
+            rollout_id,
+            batch_id,
+            i,
+            kind="redis",
+            content=f"[error] {what} failed: Redis unavailable ({exc})",
+            error=str(exc),
+        )  # fmt: skip
+        for i in range(n)
+    ]
+
+
 class LlmBatchService:
     """Runs the ``llm_batch`` calls of the rollouts of one host.
 
@@ -111,34 +147,12 @@ class LlmBatchService:
         batch_id = rollout.start_batch(len(prompts))
         refused = await self.refusal(rollout)
         if refused is not None:
-            message, spent = refused
-            results = [
-                SubLLMResult(
-                    rollout_id=rollout.id, batch_id=batch_id, index=i, job_id="", status="rejected", content=message
-                )
-                for i in range(len(prompts))
-            ]
-            if spent and rollout.ledger is not None:
-                with contextlib.suppress(RedisError, OSError):
-                    await rollout.ledger.count_rejections(len(results))  # the ledger counts every refusal
-            if self.metrics:  # workers count what they run; calls refused here are counted here
-                for r in results:
-                    self.metrics.observe_result(r)
+            results = await refused_results(rollout, batch_id, len(prompts), refused, self.metrics)
         else:
             try:
                 results = await self.dispatcher.run_batch(self.spec(rollout, batch_id), prompts)
             except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
-                results = [
-                    SubLLMResult.failure(
-                        rollout.id,
-                        batch_id,
-                        i,
-                        kind="redis",
-                        content=f"[error] sub-LLM batch failed: Redis unavailable ({exc})",
-                        error=str(exc),
-                    )  # fmt: skip
-                    for i in range(len(prompts))
-                ]
+                results = redis_failures(rollout.id, batch_id, len(prompts), "sub-LLM batch", exc)
         rollout.stats.sub.extend(results)
         seconds = time.perf_counter() - t0
         if self.metrics:

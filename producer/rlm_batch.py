@@ -21,7 +21,6 @@ per depth and tree-wide).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
@@ -37,7 +36,7 @@ from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
 from rlmq.common.schemas import ChildRolloutRequest, RlmTask, SubLLMResult
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for
-from rlmq.producer.llm_batch import TRAJECTORY_PROMPTS, LlmBatchService
+from rlmq.producer.llm_batch import TRAJECTORY_PROMPTS, LlmBatchService, redis_failures, refused_results
 from rlmq.producer.rollout import Rollout
 
 RENDERED_CONTEXT_CHARS = 200_000
@@ -213,36 +212,12 @@ class RlmBatchService:
         if refused is None and not await self.tree_open(rollout, tree):
             refused = TREE_CLOSED, False
         if refused is not None:
-            message, spent = refused
-            results = [
-                SubLLMResult(
-                    rollout_id=rollout.id, batch_id=batch_id, index=i, job_id="", status="rejected", content=message
-                )
-                for i in range(len(tasks))
-            ]
-            if spent and rollout.ledger is not None:
-                with contextlib.suppress(RedisError, OSError):
-                    await rollout.ledger.count_rejections(len(results))
-            if self.metrics:
-                for r in results:
-                    self.metrics.observe_result(r)
-            return results
+            return await refused_results(rollout, batch_id, len(tasks), refused, self.metrics)
         spec = self.spec(rollout, tree, batch_id, tasks, seconds)
         try:
-            results = await self.batches.dispatcher.run_batch(spec, [t.prompt for t in tasks])
+            return await self.batches.dispatcher.run_batch(spec, [t.prompt for t in tasks])
         except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
-            results = [
-                SubLLMResult.failure(
-                    rollout.id,
-                    batch_id,
-                    i,
-                    kind="redis",
-                    error=str(exc),
-                    content=f"[error] child rollout failed: Redis unavailable ({exc})",
-                )  # fmt: skip
-                for i in range(len(tasks))
-            ]
-        return results
+            return redis_failures(rollout.id, batch_id, len(tasks), "child rollout", exc)
 
     async def tree_open(self, rollout: Rollout, tree: TreePosition) -> bool:
         """Whether every node of the chain, top .. ``rollout``, is alive (one ``EXISTS``): once

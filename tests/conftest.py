@@ -2,7 +2,8 @@
 
 Unit tests run on fakeredis. Integration and end-to-end tests need a real Redis: a private,
 embedded ``redis-server`` on a free port, started for the session (the same default
-``rlmq demo`` uses), or the one named by ``RLMQ_TEST_REDIS_URL``. No other Redis is ever
+``rlmq demo`` uses), or the one named by ``RLMQ_TEST_REDIS_URL`` (each pytest-xdist process on a
+database of its own: the URL's, plus the process index). No other Redis is ever
 touched: a Redis on 127.0.0.1:6379 may be someone's own, and the tests flush their database.
 When none can be had the tests fail loudly; they never skip.
 """
@@ -19,11 +20,25 @@ import redis
 from rlmq.common.redis_server import EmbeddedRedis, redis_answers
 
 
+def _database_of_this_process(url: str) -> str:
+    """``url`` with its database number raised by this pytest-xdist process's index (``gw2``:
+    +2), so the suite's processes, which flush their database per test, never share one."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return url
+    parts = urlsplit(url)
+    base = int(parts.path.strip("/") or 0)
+    return urlunsplit(parts._replace(path=f"/{base + int(worker[2:])}"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """URL of a real Redis server for this test session (its database is flushed per test)."""
     url = os.environ.get("RLMQ_TEST_REDIS_URL")
     if url:
+        url = _database_of_this_process(url)
         if not redis_answers(url):
             pytest.fail(f"RLMQ_TEST_REDIS_URL={url} does not answer")
         yield url

@@ -21,7 +21,7 @@ from pydantic_core import PydanticSerializationError
 from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
-from rlmq.common.errors import PayloadError, validation_summary
+from rlmq.common.errors import ConfigError, PayloadError, validation_summary
 from rlmq.common.jobstore import StartedJob, slot_of
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, decode_job_data
 from rlmq.common.schemas import ChildOutcome, ChildRolloutRequest, DatasetRow, SubLLMResult, load_child_request
@@ -125,6 +125,8 @@ class ChildKind:
         )
         row = DatasetRow(id=req.child_id, question=req.prompt, context=req.context if req.context is not None else "")
         try:
+            if self.w.child_host is None:
+                raise ConfigError("this worker hosts no child rollout (--repl-slots 0)")
             res = await run_rollout(
                 self.w.child_host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree
             )

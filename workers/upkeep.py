@@ -133,7 +133,7 @@ class Upkeep:
                 continue
             taken: list[tuple[str, int]] = []
             requeued, failed = await rec.reap(expired, taken=taken)
-            if K.parse_child_queue(queue) is not None:  # a dead child attempt's subtree stops now
+            if w.children is not None and K.parse_child_queue(queue) is not None:  # its subtree stops now
                 await w.children.end_dead_attempts(taken)
             total += requeued + failed
             if requeued or failed:

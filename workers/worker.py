@@ -41,6 +41,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -57,8 +58,6 @@ from rlmq.common.schemas import ChildRolloutRequest
 from rlmq.common.settings import Settings
 from rlmq.common.supervise import supervised
 from rlmq.workers.capacity import MODEL_CALLS, Capacity, PoolSpec, hosted_depths, pool_family, pool_of_queue, repl_pool
-from rlmq.workers.child_host import ChildHost
-from rlmq.workers.child_kind import ChildKind
 from rlmq.workers.fetch import Fetcher
 from rlmq.workers.inflight import InFlight
 from rlmq.workers.kinds import JobKind, KindRegistry, Outcome, check_slot
@@ -67,6 +66,10 @@ from rlmq.workers.subllm import SubLLMContext
 from rlmq.workers.subllm_kind import SubLLMKind
 from rlmq.workers.tools import ToolRegistry
 from rlmq.workers.upkeep import Upkeep
+
+if TYPE_CHECKING:
+    from rlmq.workers.child_host import ChildHost
+    from rlmq.workers.child_kind import ChildKind
 
 log = logging.getLogger("rlmq.worker")
 
@@ -130,10 +133,18 @@ class SubLLMWorker:
         self.kinds.register(self.sub_llm.kind(max_attempts=settings.job_max_attempts))
         self.repl_slots = settings.repl_slots
         """Child rollouts hosted at once per depth (0: this worker hosts none)."""
-        self.child_host = ChildHost(self)
-        """The rollout host of the child rollouts (started by :meth:`run` when ``repl_slots`` > 0)."""
-        self.children = ChildKind(self)
+        self.child_host: ChildHost | None = None
+        """The rollout host of the child rollouts (``repl_slots`` > 0; started by :meth:`run`)."""
+        self.children: ChildKind | None = None
+        """The child-rollout kind (``repl_slots`` > 0)."""
         if self.repl_slots > 0:
+            # Imported here: the rollout engine brings the root model's client (openai), which a
+            # worker that hosts no REPL never needs (it would double its start-up time and memory).
+            from rlmq.workers.child_host import ChildHost
+            from rlmq.workers.child_kind import ChildKind
+
+            self.child_host = ChildHost(self)
+            self.children = ChildKind(self)
             for depth in self.child_depths:
                 self.capacity.add_pool(repl_pool(depth), PoolSpec(self.repl_slots))
             self.kinds.register(self.children.kind(max_attempts=settings.job_max_attempts))
@@ -214,7 +225,7 @@ class SubLLMWorker:
         try:
             await check_eviction_policy(self.redis, allow=s.allow_evicting_redis)
             await report_clock(self.redis, f"worker {self.name}")
-            if self.repl_slots > 0:
+            if self.child_host is not None:
                 await self.child_host.start()  # refuses an uncontained REPL (UncontainedReplError)
         except BaseException:
             await self.redis.aclose()
@@ -248,7 +259,7 @@ class SubLLMWorker:
             keep("heartbeat", self.upkeep.heartbeat_loop),
             keep("reaper", self.upkeep.reaper_loop),
         ]
-        if self.repl_slots > 0:
+        if self.child_host is not None:
             aux.append(keep("children", self.child_host.refresh_forever))
         try:
             await supervised("fetch", lambda: self.fetcher.fetch_loop(burst), on_give_up=self._give_up)
@@ -261,7 +272,8 @@ class SubLLMWorker:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
             await self.ctx.client.close()
-            await self.child_host.close()
+            if self.child_host is not None:
+                await self.child_host.close()
             await self.ledger.aclose()
             self.upkeep.register_death(rq_worker)
             await self.redis.aclose()
@@ -333,7 +345,9 @@ class SubLLMWorker:
                 result_ttl=st.result_ttl,
                 max_attempts=kind.max_attempts,
                 ledger=self.ledger,
-                abandoned_result=self.sub_llm.abandoned if kind is self.kinds.default else self.children.abandoned,
+                abandoned_result=self.sub_llm.abandoned
+                if self.children is None or kind is self.kinds.default
+                else self.children.abandoned,
             )
         return rec
 

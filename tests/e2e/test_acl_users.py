@@ -42,7 +42,7 @@ def _users(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]]:
         name, password = f"rlmq-{role}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
         real_redis.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}", *acl_rules(role))
         names.append(name)
-        urls[role] = f"redis://{name}:{password}@{u.hostname}:{u.port}/0"
+        urls[role] = f"redis://{name}:{password}@{u.hostname}:{u.port}{u.path or '/0'}"
     try:
         yield urls
     finally:
@@ -132,7 +132,7 @@ async def test_a_tenant_producer_cannot_reach_another_tenants_rollout(
         name, password = f"rlmq-{key}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
         real_redis.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}", *acl_rules(role, tenant))
         names.append(name)
-        urls[key] = f"redis://{name}:{password}@{u.hostname}:{u.port}/0"
+        urls[key] = f"redis://{name}:{password}@{u.hostname}:{u.port}{u.path or '/0'}"
     model = f"acl-tenant-{uuid.uuid4().hex[:6]}"
     base = K.queue_name_for_model(model)
     a, b = async_client(urls["a"]), async_client(urls["b"])

@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 WRITES = frozenset(
     b"EVAL EVALSHA HSET HMSET HINCRBY HDEL RPUSH LPUSH LTRIM LREM XADD XTRIM ZADD ZREM ZREMRANGEBYSCORE "
@@ -86,16 +87,19 @@ async def _read_reply(reader: asyncio.StreamReader) -> bytes:
 
 
 class FaultProxy:
-    """Listens on 127.0.0.1 (a free port) and forwards to the Redis at ``target_port``.
+    """Listens on 127.0.0.1 (a free port) and forwards to the Redis at ``target_url``.
 
     Args:
-        target_port: the real Redis's port on 127.0.0.1.
+        target_url: the real Redis (``redis://[user:password@]host:port/db``).
         drop_rate: probability (0..1) that a command's connection is dropped after Redis ran it.
         seed: random seed of the drop decisions.
     """
 
-    def __init__(self, target_port: int, *, drop_rate: float = 0.0, seed: int | None = None) -> None:
-        self.target_port = target_port
+    def __init__(self, target_url: str, *, drop_rate: float = 0.0, seed: int | None = None) -> None:
+        target = urlsplit(target_url)
+        assert target.port is not None, target_url
+        self.target = target
+        self.target_host, self.target_port = target.hostname or "127.0.0.1", target.port
         self.drop_rate = drop_rate
         self.stats = ProxyStats()
         self._rng = random.Random(seed)
@@ -110,8 +114,10 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:<port>/0``."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The target URL with ``127.0.0.1:<proxy port>`` as its host and port."""
+        userinfo = self.target.netloc.rpartition("@")[0]
+        netloc = f"{userinfo}@127.0.0.1:{self.port}" if userinfo else f"127.0.0.1:{self.port}"
+        return urlunsplit(self.target._replace(netloc=netloc))
 
     def refuse_writes(self, seconds: float, *, containing: tuple[bytes, ...] = ()) -> None:
         """Answer every write command ``-READONLY`` for the next ``seconds``; with ``containing``,
@@ -137,7 +143,7 @@ class FaultProxy:
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         self.stats.connections += 1
         try:
-            ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.target_port)
+            ureader, uwriter = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
             cwriter.close()
             return

@@ -20,7 +20,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -42,12 +41,6 @@ from tests.replies import reply_results
 pytestmark = pytest.mark.e2e
 
 
-def port_of(url: str) -> int:
-    port = urlparse(url).port
-    assert port is not None
-    return port
-
-
 class Delivered:
     """Counts every result the producer reads per slot (a re-read after a dropped reply
     included); what reaches the caller is checked separately (exactly one per slot)."""
@@ -67,7 +60,7 @@ REAL_LOAD = dispatch_mod.load_result
 
 @pytest.fixture
 def proxy(redis_url: str, real_redis: redis.Redis) -> Iterator[FaultProxy]:
-    with FaultProxy(port_of(redis_url), seed=13) as p:
+    with FaultProxy(redis_url, seed=13) as p:
         yield p
 
 
@@ -159,7 +152,7 @@ async def test_dropped_connections_on_both_sides_lose_and_duplicate_nothing(
     delivered = Delivered()
     monkeypatch.setattr(dispatch_mod, "load_result", delivered)
     limit = 6000
-    with FaultProxy(port_of(redis_url), seed=31) as producer_proxy, proxied_fleet(proxy, tmp_path) as fleet:
+    with FaultProxy(redis_url, seed=31) as producer_proxy, proxied_fleet(proxy, tmp_path) as fleet:
         fleet.wait_for_workers(2, timeout=60)
         proxy.drop_rate = producer_proxy.drop_rate = 0.03
         outs, rids = await asyncio.wait_for(

@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlparse
 
 import pytest
 import redis
@@ -38,9 +37,7 @@ WOKEN_WITHIN = 30.0  # seconds after the release: the parked call must have its 
 
 @pytest.fixture
 def proxy(redis_url: str, real_redis: redis.Redis) -> Iterator[FaultProxy]:
-    port = urlparse(redis_url).port
-    assert port is not None
-    with FaultProxy(port) as p:
+    with FaultProxy(redis_url) as p:
         yield p
 
 

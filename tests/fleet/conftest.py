@@ -25,7 +25,7 @@ def acl_urls(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]
         name, password = f"fleet-{role}-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
         real_redis.execute_command("ACL", "SETUSER", name, "reset", "on", f">{password}", *acl_rules(role, tenant))
         names.append(name)
-        urls[key] = f"redis://{name}:{password}@{u.hostname}:{u.port}/0"
+        urls[key] = f"redis://{name}:{password}@{u.hostname}:{u.port}{u.path or '/0'}"
     try:
         yield urls
     finally:

@@ -81,8 +81,7 @@ async def test_results_redis_keeps_refusing_are_left_to_the_reaper(
     from tests.faults.proxy import FaultProxy
 
     monkeypatch.setattr(worker_mod, "FLUSH_GIVE_UP", 1.0)
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    with FaultProxy(port) as proxy:
+    with FaultProxy(redis_url) as proxy:
         settings = load_settings(redis_url=proxy.url, base_url=model.url, model=MODEL, job_heartbeat_ttl=2)
         w = SubLLMWorker(settings, name="giveup-w", metrics=Metrics())
         run = asyncio.create_task(w.run(grace=1))
