@@ -73,7 +73,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoPermissionError, RedisError
+from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
 from rlmq.common.keys import LedgerKeys
@@ -131,11 +133,22 @@ def node_ttl(rollout_key_ttl: int) -> int:
     return max(1, min(NODE_TTL, rollout_key_ttl))
 
 
+_PASSING_REPLIES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
+"""Error replies of a Redis that will take the same command again soon: a failover, a full
+memory that eviction or expiry frees, a start-up, a busy script, a failed snapshot."""
+
+
 def _refused_for_now(exc: BaseException) -> bool:
-    """Whether a failed reservation may succeed when asked again: any Redis error (a lost
-    connection, or an error reply such as ``READONLY`` in a failover, ``OOM``, ``LOADING``)
-    except ``NOPERM``, which asking again cannot change."""
-    return isinstance(exc, RedisError) and not isinstance(exc, NoPermissionError)
+    """Whether a failed reservation may succeed when asked again: a lost connection or a
+    timeout, or an error reply of :data:`_PASSING_REPLIES`. Not ``NOPERM``, a key of the wrong
+    type or a script error, which asking again cannot change."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, ReadOnlyError, BusyLoadingError)):
+        return True
+    return (
+        isinstance(exc, ResponseError)
+        and not isinstance(exc, NoPermissionError)
+        and (str(exc).split(" ", 1)[0].upper() in _PASSING_REPLIES)
+    )
 
 
 UNBUDGETED_MEMORY = 60.0
@@ -477,11 +490,13 @@ class BudgetLedger:
         **kwargs: Any,
     ) -> Grant:
         """:meth:`reserve`, asked again with backoff (50 ms doubling up to 1 s, jittered) while
-        Redis refuses for a moment, until the Unix time ``until`` (seconds). Asking again is
-        safe: a reservation still open returns the same grant.
+        Redis refuses for a moment (a lost connection, ``READONLY`` in a failover, ``OOM``,
+        ``LOADING``, ...), until the Unix time ``until`` (seconds). Asking again is safe: a
+        reservation still open returns the same grant.
 
         Raises:
-            redis.RedisError: the last refusal at ``until``, or ``NOPERM`` at once.
+            redis.RedisError: the last passing refusal at ``until``; any other error at once
+                (``NOPERM``, a key of the wrong type, a script error).
             ValueError / ConfigError: as :meth:`reserve`.
         """
         try:  # the fast path: no retry bookkeeping on a call that succeeds

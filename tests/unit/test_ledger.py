@@ -350,7 +350,7 @@ async def test_acquire_asks_again_through_a_burst_of_readonly_replies() -> None:
 
 
 async def test_acquire_gives_up_at_its_deadline_and_at_once_on_noperm() -> None:
-    from redis.exceptions import NoPermissionError, ReadOnlyError
+    from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 
     _, ledger = make()
     await ledger.open("r1", 100)
@@ -365,3 +365,14 @@ async def test_acquire_gives_up_at_its_deadline_and_at_once_on_noperm() -> None:
     with pytest.raises(NoPermissionError):
         await ledger.acquire("r1", "a", 30, time.time() + 30)
     assert refusing.calls == 1  # asking again cannot change an ACL
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    refusing = _Refusing(ledger, 10**6, ResponseError("WRONGTYPE Operation against a key holding the wrong kind"))
+    with pytest.raises(ResponseError):
+        await ledger.acquire("r1", "b", 30, time.time() + 30)
+    assert refusing.calls == 1  # nor a key of the wrong type
+    _, ledger = make()
+    await ledger.open("r1", 100)
+    refusing = _Refusing(ledger, 3, ResponseError("OOM command not allowed when used memory > 'maxmemory'."))
+    grant, _, _ = await ledger.acquire("r1", "c", 30, time.time() + 30)
+    assert grant.code == GRANTED and refusing.calls == 4  # a full memory frees up: asked again
