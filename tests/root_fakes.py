@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from openai.types.chat import ChatCompletion
+from redis.asyncio import Redis
 
 from rlmq.common.settings import RolloutOptions
+from rlmq.producer.engine import RolloutHost
 from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandler
 from rlmq.producer.repl import CellResult
 
@@ -165,3 +167,11 @@ def fake_repl_factory(
         return repl
 
     return make
+
+
+def host_for(redis: Redis, root: Any, repls: list[FakeRepl]) -> RolloutHost:
+    """A rollout host on ``redis`` with the root model ``root`` (a :class:`FakeRoot`) whose REPLs
+    are fakes, appended to ``repls`` as they are made."""
+    host = RolloutHost.build(redis, root, FakeInterception())
+    host.make_repl = fake_repl_factory(repls)
+    return host

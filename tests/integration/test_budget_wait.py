@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -18,31 +17,9 @@ import redis
 from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import GRANTED, REJECTED, WAIT, WAITED_OUT, BudgetLedger
+from tests.integration.conftest import parked
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def two(redis_url: str) -> AsyncIterator[tuple[BudgetLedger, BudgetLedger]]:
-    a, b = async_client(redis_url), async_client(redis_url)
-    la, lb = BudgetLedger(a, ttl=60), BudgetLedger(b, ttl=60)
-    try:
-        yield la, lb
-    finally:
-        await la.aclose()
-        await lb.aclose()
-        await a.aclose()
-        await b.aclose()
-
-
-async def parked(ledger: BudgetLedger, n: int, timeout: float = 10.0) -> None:
-    """Wait (event-driven, bounded) until ``ledger`` has ``n`` parked calls."""
-    changed = asyncio.Event()
-    ledger.on_park = changed.set
-    async with asyncio.timeout(timeout):
-        while ledger.parked != n:
-            await changed.wait()
-            changed.clear()
 
 
 async def test_a_parked_call_is_granted_when_another_process_settles(

@@ -21,6 +21,7 @@ from rlmq.common.errors import ModelError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv, RolloutResult
+from tests.suspension import where
 
 pytestmark = pytest.mark.integration
 
@@ -68,19 +69,6 @@ class SwallowingRoot:
 
     async def close(self) -> None:
         return None
-
-
-def where(task: asyncio.Task[Any]) -> tuple[tuple[str, int], ...]:
-    """Where ``task`` is suspended: (file, line) of each frame of its coroutine chain."""
-    out: list[tuple[str, int]] = []
-    coro: Any = task.get_coro()
-    while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
-        if frame is None:
-            break
-        out.append((frame.f_code.co_filename, frame.f_lineno))
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
-    return tuple(out)
 
 
 async def rollout_cancelled_at(env: RLMEnv, point: int) -> tuple[bool, str]:

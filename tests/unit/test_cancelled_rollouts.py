@@ -18,6 +18,7 @@ import uvloop
 from rlmq.common.errors import ReplStartupError
 from rlmq.producer.env import raise_if_cancelled
 from rlmq.producer.repl import Repl
+from tests.suspension import where
 
 MAX_POINTS = 200
 """More suspension points than a REPL's start has (it has a few dozen)."""
@@ -25,19 +26,6 @@ MAX_POINTS = 200
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def where(task: asyncio.Task[Any]) -> tuple[tuple[str, int], ...]:
-    """Where ``task`` is suspended: the (file, line) of every frame of its coroutine chain."""
-    out: list[tuple[str, int]] = []
-    coro: Any = task.get_coro()
-    while coro is not None:
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
-        if frame is None:
-            break
-        out.append((frame.f_code.co_filename, frame.f_lineno))
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
-    return tuple(out)
 
 
 async def start_cancelled_at(point: int) -> tuple[str, tuple[tuple[str, int], ...]]:

@@ -16,9 +16,8 @@ from rlmq.common import keys as K
 from rlmq.common.errors import ModelError, ReplStartupError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
-from rlmq.producer.engine import RolloutHost, run_rollout
-from rlmq.producer.root import RootClient
-from tests.root_fakes import FakeInterception, FakeRepl, FakeRoot, code_turn, completion, fake_repl_factory
+from rlmq.producer.engine import run_rollout
+from tests.root_fakes import FakeInterception, FakeRepl, FakeRoot, code_turn, completion, host_for
 
 ROW = DatasetRow(id="row-1", question="What is the code?", context="The code is 7.", answer="7")
 
@@ -28,12 +27,6 @@ async def redis() -> AsyncIterator[Redis]:
     client = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer())
     yield client
     await client.aclose()
-
-
-def host_for(redis: Redis, root: RootClient, repls: list[FakeRepl]) -> RolloutHost:
-    host = RolloutHost.build(redis, root, FakeInterception())
-    host.make_repl = fake_repl_factory(repls)
-    return host
 
 
 async def test_a_rollout_from_its_options_alone(redis: Redis) -> None:

@@ -17,10 +17,9 @@ from rlmq.common.ledger import ROOT, TREE_CLOSED, BudgetLedger
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.common.tree import TreePosition
-from rlmq.producer.engine import RolloutHost, run_rollout
+from rlmq.producer.engine import run_rollout
 from rlmq.producer.rollout import Rollout
-from rlmq.producer.root import RootClient
-from tests.root_fakes import FakeInterception, FakeRepl, FakeRoot, code_turn, fake_repl_factory
+from tests.root_fakes import FakeRoot, code_turn, host_for
 
 ROW = DatasetRow(id="row-1", question="Find the code.", context="The code is 7.", answer="7")
 
@@ -30,12 +29,6 @@ async def redis() -> AsyncIterator[Redis]:
     client = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer())
     yield client
     await client.aclose()
-
-
-def host_for(redis: Redis, root: RootClient, repls: list[FakeRepl]) -> RolloutHost:
-    host = RolloutHost.build(redis, root, FakeInterception())
-    host.make_repl = fake_repl_factory(repls)
-    return host
 
 
 async def test_a_top_opens_its_node_and_closes_its_tree_when_it_ends(redis: Redis) -> None:

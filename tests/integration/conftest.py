@@ -1,0 +1,35 @@
+"""Fixtures and waits the integration tests share."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from rlmq.common.connection import async_client
+from rlmq.common.ledger import BudgetLedger
+
+
+@pytest.fixture
+async def two(redis_url: str) -> AsyncIterator[tuple[BudgetLedger, BudgetLedger]]:
+    """Two budget ledgers on the session's Redis, each on its own client (two processes' view)."""
+    a, b = async_client(redis_url), async_client(redis_url)
+    la, lb = BudgetLedger(a, ttl=60), BudgetLedger(b, ttl=60)
+    try:
+        yield la, lb
+    finally:
+        await la.aclose()
+        await lb.aclose()
+        await a.aclose()
+        await b.aclose()
+
+
+async def parked(ledger: BudgetLedger, n: int, timeout: float = 10.0) -> None:
+    """Wait (event-driven, bounded by ``timeout`` seconds) until ``ledger`` has ``n`` parked calls."""
+    changed = asyncio.Event()
+    ledger.on_park = changed.set
+    async with asyncio.timeout(timeout):
+        while ledger.parked != n:
+            await changed.wait()
+            changed.clear()
