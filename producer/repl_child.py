@@ -661,6 +661,15 @@ def _batch_results(raw: bytes, n: int, name: str, service: str) -> list[str]:
     return list(results)
 
 
+def _opener(unix_socket: str | None) -> urllib.request.OpenerDirector:
+    """The HTTP opener of the REPL's calls to the interception endpoint: no proxy from the
+    environment, and over ``unix_socket`` when the endpoint is one."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if unix_socket:
+        handlers.append(_UnixHandler(unix_socket))
+    return urllib.request.build_opener(*handlers)
+
+
 def _make_llm_batch(
     url: str,
     token: str,
@@ -669,10 +678,7 @@ def _make_llm_batch(
     max_batch_bytes: int = 64 * 1024 * 1024,
     max_batch_prompts: int = 10_000,
 ) -> Callable[[list[str]], list[str]]:
-    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
-    if unix_socket:
-        handlers.append(_UnixHandler(unix_socket))
-    opener = urllib.request.build_opener(*handlers)
+    opener = _opener(unix_socket)
     # The producer serves one batch of a rollout at a time and keeps a bounded number of its
     # connections open (closing extras at once): threads of a cell wait here, not there.
     in_flight = threading.BoundedSemaphore(8)
@@ -740,10 +746,7 @@ def _make_rlm_batch(
     max_batch_prompts: int = 10_000,
 ) -> Callable[[list[Any]], list[str]]:
     """The REPL global ``rlm_batch``: posts its tasks to ``<url's folder>/rlm_batch``."""
-    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
-    if unix_socket:
-        handlers.append(_UnixHandler(unix_socket))
-    opener = urllib.request.build_opener(*handlers)
+    opener = _opener(unix_socket)
     rlm_url = url.rsplit("/", 1)[0] + "/rlm_batch"
     in_flight = threading.BoundedSemaphore(8)
 
@@ -822,10 +825,7 @@ def _make_root_tool(
     spec: dict[str, Any], url: str, token: str, timeout: float, unix_socket: str | None, max_bytes: int
 ) -> Callable[..., Any]:
     """The REPL global of one root tool: posts its JSON arguments to ``<endpoint>/root_tool``."""
-    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
-    if unix_socket:
-        handlers.append(_UnixHandler(unix_socket))
-    opener = urllib.request.build_opener(*handlers)
+    opener = _opener(unix_socket)
     name = str(spec["name"])
     tool_url = url.rsplit("/", 1)[0] + "/root_tool"
 
