@@ -82,7 +82,7 @@ def wait_for_redis(
         RedisUnavailableError: the credentials were refused (waiting would not help), or
             ``max_wait`` passed.
     """
-    from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential_jitter
+    from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential, wait_random
 
     def retryable(exc: BaseException) -> bool:
         return isinstance(exc, RedisUnavailableError) and not exc.auth
@@ -95,7 +95,7 @@ def wait_for_redis(
 
     for attempt in Retrying(
         retry=retry_if_exception(retryable),
-        wait=wait_exponential_jitter(initial=0.5, max=max_backoff, jitter=0.25),
+        wait=wait_exponential(multiplier=0.5, max=max_backoff) + wait_random(0, 0.25),
         stop=stop_never if max_wait is None else stop_after_delay(max_wait),
         before_sleep=before_sleep,
         reraise=True,

@@ -76,7 +76,7 @@ from redis.asyncio import Redis
 from redis.exceptions import BusyLoadingError, NoPermissionError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.ledger_script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
@@ -510,7 +510,7 @@ class BudgetLedger:
 
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(_refused_for_now),
-            wait=wait_exponential_jitter(initial=0.05, max=1.0, jitter=0.05),
+            wait=wait_exponential(multiplier=0.05, max=1.0) + wait_random(0, 0.05),
             stop=past_until,
             reraise=True,
         ):

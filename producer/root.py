@@ -3,7 +3,7 @@
 Retried: HTTP 408, 409, 429 and 5xx, connection errors and timeouts, and a 2xx body that
 is not a chat completion (an HTML page: then :class:`~rlmq.common.errors.ModelError` says
 so, as the sub-LLM client does); waits grow
-exponentially with jitter (``wait_exponential_jitter(multiplier=0.5, max=20)``: seconds).
+exponentially with jitter (0.5 s doubling up to 20 s, plus up to 1 s at random).
 A ``Retry-After`` header is *not* read here (the sub-LLM client,
 :mod:`rlmq.workers.model`, does honour it). The openai client's own retries are set to
 zero, so a call makes at most ``retries + 1`` attempts, never a product of two layers.
@@ -15,7 +15,7 @@ import re
 from typing import Any, Protocol
 
 import openai
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ModelError, PromptTooLongError
@@ -121,7 +121,7 @@ class RootModel:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(_retryable),
                 stop=stop_after_attempt(self.retries + 1),
-                wait=wait_exponential_jitter(multiplier=0.5, max=20.0),
+                wait=wait_exponential(multiplier=0.5, max=20.0) + wait_random(0, 1.0),
                 reraise=True,
             ):
                 with attempt:
