@@ -120,7 +120,10 @@ async def test_first_waits_of_several_rollouts_on_a_busy_worker_are_all_woken(re
             while waits.parked < len(rids):
                 await changed.wait()
                 changed.clear()
-        subscribers = [c for c in admin.client_list() if c.get("sub", "0") != "0"]
+        # This test's subscriber: on its database (a shared RLMQ_TEST_REDIS_URL serves the other
+        # pytest-xdist processes' subscribers too, each on a database of its own)
+        db = str(admin.connection_pool.connection_kwargs.get("db", 0))
+        subscribers = [c for c in admin.client_list() if c.get("sub", "0") != "0" and str(c.get("db")) == db]
         assert len(subscribers) == 1 and subscribers[0]["sub"] == str(len(rids))
         for rid in rids:
             await other.settle(rid, "running", 2)  # 18 free, nothing running
