@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -128,10 +129,22 @@ async def test_an_evicting_redis_is_refused_by_worker_and_producer(tmp_path: Any
         server.stop()
 
 
-async def test_a_long_run_keeps_registries_to_live_members_and_memory_flat(redis_url: str, tmp_path: Any) -> None:
+@pytest.fixture
+def own_redis_url() -> Iterator[str]:
+    """A private Redis for a test that reads the whole server's memory (``RLMQ_TEST_REDIS_URL``
+    may be shared with the suite's other processes)."""
+    server = EmbeddedRedis().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+async def test_a_long_run_keeps_registries_to_live_members_and_memory_flat(own_redis_url: str, tmp_path: Any) -> None:
     """Rounds of the main job, at least 1.5 s apart, with a 1-second result TTL: the finished
     registries of every tenant queue hold only jobs that still exist, and Redis's key count and
     memory do not grow from round to round."""
+    redis_url = own_redis_url
     model = f"fleet-long-{uuid.uuid4().hex[:6]}"
     logs = str(tmp_path / "logs")
     admin = redis.Redis.from_url(redis_url)
