@@ -549,7 +549,8 @@ class BudgetLedger:
             redis.RedisError: Redis kept refusing the reservation until ``deadline - margin``
                 (a refusal or lost connection is asked again with backoff until then; waiting
                 itself survives a lost pub/sub connection: every waiter is woken to ask again),
-                or refused it with ``NOPERM``.
+                or refused it in a way asking again cannot change (``NOPERM``, a key of the wrong
+                type, a script error; see :meth:`reserve_until`).
             asyncio.CancelledError: the worker is stopping (:meth:`abandon_waits`): a parked
                 call, or one granted after parking that has not called its model yet (its grant
                 is settled at 0 first), is handed back instead.

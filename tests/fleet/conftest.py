@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from rlmq.common.acl import acl_rules
+from rlmq.common.redis_server import EmbeddedRedis
 
 
 @pytest.fixture
@@ -31,3 +32,27 @@ def acl_urls(real_redis: redis.Redis, redis_url: str) -> Iterator[dict[str, str]
     finally:
         for name in names:
             real_redis.execute_command("ACL", "DELUSER", name)
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis of the test's own: one whose configuration the test changes, or whose whole
+    server it measures (``RLMQ_TEST_REDIS_URL`` may be shared with the suite's other processes)."""
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def evicting_redis(private_redis: EmbeddedRedis) -> Iterator[tuple[str, redis.Redis]]:
+    """A private Redis with ``maxmemory`` 64 MiB and ``allkeys-lru`` (as managed services often
+    ship): its URL and an admin client."""
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.config_set("maxmemory", str(64 * 1024 * 1024))
+    admin.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        yield private_redis.url, admin
+    finally:
+        admin.close()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -83,68 +82,54 @@ async def test_a_worker_whose_clock_runs_15_s_ahead_takes_back_no_live_job(redis
     assert out.usable >= 0.95, out.summary()
 
 
-async def test_an_evicting_redis_is_refused_by_worker_and_producer(tmp_path: Any) -> None:
-    server = EmbeddedRedis().start()
+async def test_an_evicting_redis_is_refused_by_worker_and_producer(
+    evicting_redis: tuple[str, redis.Redis], tmp_path: Any
+) -> None:
+    url, admin = evicting_redis
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlmq", "worker", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+         "--redis-url", url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "maxmemory-policy allkeys-lru" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert admin.scard(K.RQ_WORKERS) == 0  # it never registered
+    settings = load_settings(redis_url=url, base_url="http://127.0.0.1:9/v1", model="m")
+    with pytest.raises(ConfigError, match="noeviction"):
+        async with RLMEnv(settings=settings):
+            pass
+    ok = load_settings(redis_url=url, base_url="http://127.0.0.1:9/v1", model="m", allow_evicting_redis=True)
+    async with RLMEnv(settings=ok):
+        pass  # the documented override
+    # rlmq run: refused in one line (exit 2); with --allow-evicting-redis it runs, saying so
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "a", "question": "What is 2+2?", "context": "c"}) + "\n")
+    group = ProcessGroup(None)
     try:
-        admin = redis.Redis.from_url(server.url)
-        admin.config_set("maxmemory", str(64 * 1024 * 1024))
-        admin.config_set("maxmemory-policy", "allkeys-lru")
-        proc = subprocess.run(
-            [sys.executable, "-m", "rlmq", "worker", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
-             "--redis-url", server.url],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert proc.returncode != 0
-        assert "maxmemory-policy allkeys-lru" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        assert admin.scard(K.RQ_WORKERS) == 0  # it never registered
-        settings = load_settings(redis_url=server.url, base_url="http://127.0.0.1:9/v1", model="m")
-        with pytest.raises(ConfigError, match="noeviction"):
-            async with RLMEnv(settings=settings):
-                pass
-        ok = load_settings(redis_url=server.url, base_url="http://127.0.0.1:9/v1", model="m", allow_evicting_redis=True)
-        async with RLMEnv(settings=ok):
-            pass  # the documented override
-        # rlmq run: refused in one line (exit 2); with --allow-evicting-redis it runs, saying so
-        rows = tmp_path / "rows.jsonl"
-        rows.write_text(json.dumps({"id": "a", "question": "What is 2+2?", "context": "c"}) + "\n")
-        group = ProcessGroup(None)
-        try:
-            root = start_mock_llm(group)
-            for extra in ([], ["--allow-evicting-redis"]):
-                run = subprocess.run(
-                    [sys.executable, "-m", "rlmq", "run", str(rows), "--base-url", root, "--model", "m",
-                     "--redis-url", server.url, "--run-dir", str(tmp_path / f"run{len(extra)}"), "--no-preflight",
-                     "--sub-call-timeout", "3", *extra],
-                    capture_output=True, text=True, timeout=120,
-                )  # fmt: skip
-                assert "maxmemory-policy allkeys-lru" in run.stderr and "Traceback" not in run.stderr, run.stderr
-                if extra:
-                    assert "(accepted: --allow-evicting-redis)" in run.stderr and "100%" in run.stderr, run.stderr
-                else:
-                    assert run.returncode == 2 and "0/1" in run.stderr and "1/1" not in run.stderr, run.stderr
-        finally:
-            group.stop()
-        admin.close()
+        root = start_mock_llm(group)
+        for extra in ([], ["--allow-evicting-redis"]):
+            run = subprocess.run(
+                [sys.executable, "-m", "rlmq", "run", str(rows), "--base-url", root, "--model", "m",
+                 "--redis-url", url, "--run-dir", str(tmp_path / f"run{len(extra)}"), "--no-preflight",
+                 "--sub-call-timeout", "3", *extra],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert "maxmemory-policy allkeys-lru" in run.stderr and "Traceback" not in run.stderr, run.stderr
+            if extra:
+                assert "(accepted: --allow-evicting-redis)" in run.stderr and "100%" in run.stderr, run.stderr
+            else:
+                assert run.returncode == 2 and "0/1" in run.stderr and "1/1" not in run.stderr, run.stderr
     finally:
-        server.stop()
+        group.stop()
 
 
-@pytest.fixture
-def own_redis_url() -> Iterator[str]:
-    """A private Redis for a test that reads the whole server's memory (``RLMQ_TEST_REDIS_URL``
-    may be shared with the suite's other processes)."""
-    server = EmbeddedRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-async def test_a_long_run_keeps_registries_to_live_members_and_memory_flat(own_redis_url: str, tmp_path: Any) -> None:
+async def test_a_long_run_keeps_registries_to_live_members_and_memory_flat(
+    private_redis: EmbeddedRedis, tmp_path: Any
+) -> None:
     """Rounds of the main job, at least 1.5 s apart, with a 1-second result TTL: the finished
     registries of every tenant queue hold only jobs that still exist, and Redis's key count and
-    memory do not grow from round to round."""
-    redis_url = own_redis_url
+    memory do not grow from round to round (on a Redis of its own: it reads the whole server's memory)."""
+    redis_url = private_redis.url
     model = f"fleet-long-{uuid.uuid4().hex[:6]}"
     logs = str(tmp_path / "logs")
     admin = redis.Redis.from_url(redis_url)

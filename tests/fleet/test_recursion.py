@@ -25,6 +25,7 @@ from rlmq.common.connection import async_client
 from rlmq.common.jobs_lua import ENQUEUE_LUA
 from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.redis_server import EmbeddedRedis
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, utcnow_str
 from rlmq.common.schemas import ChildRolloutRequest, SubLLMResult
 from tests.fleet.harness import log_text, tree_job
@@ -278,31 +279,25 @@ async def test_a_repl_host_whose_clock_runs_15_s_ahead_takes_back_no_live_child(
     assert set(out.depths) == {2} and "took back" not in text, (out.summary(), text[-3000:])
 
 
-async def test_an_evicting_redis_is_refused_by_a_repl_host_and_a_recursive_producer(tmp_path: Any) -> None:
+async def test_an_evicting_redis_is_refused_by_a_repl_host_and_a_recursive_producer(
+    evicting_redis: tuple[str, redis.Redis],
+) -> None:
     from rlmq.common.errors import ConfigError
-    from rlmq.common.redis_server import EmbeddedRedis
     from rlmq.common.settings import load_settings
     from rlmq.producer.env import RLMEnv
 
-    server = EmbeddedRedis().start()
-    try:
-        admin = redis.Redis.from_url(server.url)
-        admin.config_set("maxmemory", str(64 * 1024 * 1024))
-        admin.config_set("maxmemory-policy", "allkeys-lru")
-        proc = subprocess.run(
-            [sys.executable, "-m", "rlmq", "worker", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
-             "--redis-url", server.url, "--repl-slots", "1"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert proc.returncode != 0 and admin.scard(K.RQ_WORKERS) == 0
-        assert "maxmemory-policy allkeys-lru" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        s = load_settings(redis_url=server.url, base_url="http://127.0.0.1:9/v1", model="m", max_depth=3)
-        with pytest.raises(ConfigError, match="noeviction"):
-            async with RLMEnv(settings=s):
-                pass
-        admin.close()
-    finally:
-        server.stop()
+    url, admin = evicting_redis
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlmq", "worker", "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+         "--redis-url", url, "--repl-slots", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and admin.scard(K.RQ_WORKERS) == 0
+    assert "maxmemory-policy allkeys-lru" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    s = load_settings(redis_url=url, base_url="http://127.0.0.1:9/v1", model="m", max_depth=3)
+    with pytest.raises(ConfigError, match="noeviction"):
+        async with RLMEnv(settings=s):
+            pass
 
 
 CHILD_SLOW = "out = llm_batch(['Slow leaf A. [[mock:sleep:4]]', 'Slow leaf B. [[mock:sleep:4]]'])\n" + (
@@ -310,59 +305,57 @@ CHILD_SLOW = "out = llm_batch(['Slow leaf A. [[mock:sleep:4]]', 'Slow leaf B. [[
 )
 
 
-async def test_redis_restarted_mid_tree_ends_every_slot_with_an_error_and_nothing_hangs(tmp_path: Any) -> None:
+async def test_redis_restarted_mid_tree_ends_every_slot_with_an_error_and_nothing_hangs(
+    private_redis: EmbeddedRedis, tmp_path: Any
+) -> None:
     """A depth-2 tree whose children wait on slow leaf calls when Redis restarts empty: the top's
     ``rlm_batch`` slots end with errors within seconds (not at the 120 s deadline), the REPL host
     survives and registers again."""
-    from rlmq.common.redis_server import EmbeddedRedis
     from rlmq.common.schemas import DatasetRow
     from rlmq.common.settings import load_settings
     from rlmq.producer.env import RLMEnv
     from rlmq.scripted.server import root_code_directive
 
-    server = EmbeddedRedis().start()
+    server = private_redis
     model = f"fleet-trestart-{uuid.uuid4().hex[:6]}"
-    try:
-        with LocalFleet(
-            redis_url=server.url, model=model, workers=1, worker_concurrency=8, repl_slots=2,
-            worker_args=["--heartbeat-ttl", "2"], log_dir=str(tmp_path / "logs"),
-        ) as f:  # fmt: skip
-            sync = redis.Redis.from_url(server.url, socket_connect_timeout=0.5, socket_timeout=2)
-            task = {"prompt": "Child. " + root_code_directive(CHILD_SLOW), "context": "x"}
-            top = f"out = rlm_batch([{task!r}, {task!r}])\nanswer['content'] = '|'.join(out)\nanswer['ready'] = True"
-            row = DatasetRow(id="restart", question="Top. " + root_code_directive(top), context="x")
-            s = load_settings(
-                redis_url=server.url, base_url=str(f.base_url), model=model, tenant="r", max_depth=2,
-                sub_call_timeout=120, rollout_timeout=120,
-            )  # fmt: skip
-            leaves = K.rq_started(f"{K.queue_name_for_model(model)}@r")
-            async with RLMEnv(settings=s) as env:
-                run = asyncio.create_task(env.rollout(row, model=model, rollout_id="r_top" + uuid.uuid4().hex[:6]))
-                deadline = time.monotonic() + 40
-                while sync.zcard(leaves) < 4:  # both children's leaf calls in flight
-                    assert time.monotonic() < deadline and not run.done(), "the leaves never started"
-                    await asyncio.sleep(0.05)  # polling the fleet's state, bounded by the deadline
-                t0 = time.monotonic()
-                server.stop()
-                server.start()  # same port, empty
-                res = await asyncio.wait_for(run, 40)
-                waited = time.monotonic() - t0
-            assert waited < 20, waited
-            event = next(e for e in res.trajectory if e["type"] == "rlm_batch")
-            assert [r["status"] for r in event["results"]] == ["error", "error"], event["results"]
-            deadline = time.monotonic() + 20
-            while True:  # the REPL host reconnects and registers again
-                try:
-                    if sync.scard(K.rq_workers_of_queue(K.queue_name_for_model(model))) == 1:
-                        break
-                except redis.ConnectionError:
-                    pass
-                assert time.monotonic() < deadline, "the REPL host did not register again"
-                time.sleep(0.1)  # polling the worker's registration, bounded by the deadline
-            assert all(p.poll() is None for p in f.group.procs)
-            sync.close()
-    finally:
-        server.stop()
+    with LocalFleet(
+        redis_url=server.url, model=model, workers=1, worker_concurrency=8, repl_slots=2,
+        worker_args=["--heartbeat-ttl", "2"], log_dir=str(tmp_path / "logs"),
+    ) as f:  # fmt: skip
+        sync = redis.Redis.from_url(server.url, socket_connect_timeout=0.5, socket_timeout=2)
+        task = {"prompt": "Child. " + root_code_directive(CHILD_SLOW), "context": "x"}
+        top = f"out = rlm_batch([{task!r}, {task!r}])\nanswer['content'] = '|'.join(out)\nanswer['ready'] = True"
+        row = DatasetRow(id="restart", question="Top. " + root_code_directive(top), context="x")
+        s = load_settings(
+            redis_url=server.url, base_url=str(f.base_url), model=model, tenant="r", max_depth=2,
+            sub_call_timeout=120, rollout_timeout=120,
+        )  # fmt: skip
+        leaves = K.rq_started(f"{K.queue_name_for_model(model)}@r")
+        async with RLMEnv(settings=s) as env:
+            run = asyncio.create_task(env.rollout(row, model=model, rollout_id="r_top" + uuid.uuid4().hex[:6]))
+            deadline = time.monotonic() + 40
+            while sync.zcard(leaves) < 4:  # both children's leaf calls in flight
+                assert time.monotonic() < deadline and not run.done(), "the leaves never started"
+                await asyncio.sleep(0.05)  # polling the fleet's state, bounded by the deadline
+            t0 = time.monotonic()
+            server.stop()
+            server.start()  # same port, empty
+            res = await asyncio.wait_for(run, 40)
+            waited = time.monotonic() - t0
+        assert waited < 20, waited
+        event = next(e for e in res.trajectory if e["type"] == "rlm_batch")
+        assert [r["status"] for r in event["results"]] == ["error", "error"], event["results"]
+        deadline = time.monotonic() + 20
+        while True:  # the REPL host reconnects and registers again
+            try:
+                if sync.scard(K.rq_workers_of_queue(K.queue_name_for_model(model))) == 1:
+                    break
+            except redis.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the REPL host did not register again"
+            time.sleep(0.1)  # polling the worker's registration, bounded by the deadline
+        assert all(p.poll() is None for p in f.group.procs)
+        sync.close()
 
 
 async def test_trees_answer_on_repl_hosts_whose_cpus_are_saturated(redis_url: str, tmp_path: Any) -> None:
