@@ -92,7 +92,9 @@ class RolloutBudget:
     async def metrics(self) -> dict[str, float | int]:
         """The result row's budget figures (``sub_llm_budget_limit``, ``..._charged``, ``..._used``,
         ``sub_llm_grants``, ``sub_llm_budget_rejections``, ``sub_llm_released_tokens``; tokens and
-        counts), or ``{}`` when the ledger is gone.
+        counts), or ``{}`` when the ledger is gone. ``tree_charged_completion_tokens`` is the
+        ledger's ``charged`` too: what the tree's budget was charged, also for calls whose results
+        never reached the trajectory (a child host killed after its calls were served).
 
         Raises:
             redis.RedisError: Redis refused or is gone.
@@ -103,6 +105,7 @@ class RolloutBudget:
         return {
             "sub_llm_budget_limit": snap.limit,
             "sub_llm_budget_charged": snap.charged,
+            "tree_charged_completion_tokens": snap.charged,
             "sub_llm_budget_used": snap.used,
             "sub_llm_grants": snap.grants,
             "sub_llm_budget_rejections": snap.rejections,

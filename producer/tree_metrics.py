@@ -34,7 +34,10 @@ Tree-wide (the rollout and its whole subtree):
   ``tree_sub_llm_completion_tokens``: the sums over the depths;
 * ``tree_charged_completion_tokens``: what the tree's budget is charged with: every sub-LLM
   completion token of the tree plus the root completion tokens of the rollouts at depth >= 2
-  (the top rollout's own root turns are not charged).
+  (the top rollout's own root turns are not charged). Summed here from the trajectory; a top
+  rollout with a budget reports its ledger's ``charged`` instead
+  (:meth:`rlmq.producer.budget.RolloutBudget.metrics`), which also holds what was served to
+  attempts whose results never came back (a child host killed mid-tree).
 
 Verifiers' names (``main_rlm_turns``, ``sub_llm_call_count``, ...) keep their meaning: the
 top rollout's own figures; only the names above are tree-wide or per depth.

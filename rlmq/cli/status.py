@@ -9,8 +9,9 @@ Three tables:
   set keeps workers killed with ``kill -9``, so it is not counted);
 * workers (RQ's ``rq:workers`` set): state, sub-calls in flight (the size of the
   worker's ``rq:worker:<name>:executions`` set), concurrency, age of the last heartbeat;
-* live rollouts (``rlmq:rollouts`` plus each rollout's ``info`` and ``budget`` hashes):
-  depth and parent (a child rollout of ``rlm_batch``, hosted by a worker: depth >= 2),
+* live rollouts (entries of ``rlmq:rollouts`` whose lease has not lapsed by Redis's clock: their
+  host refreshes it every few seconds, so a killed host's rollouts drop out within the lease, as
+  a killed worker does; plus each rollout's ``info`` and ``budget`` hashes): depth and parent (a child rollout of ``rlm_batch``, hosted by a worker: depth >= 2),
   model, age, sub-LLM budget used / limit.
 
 :func:`collect` reads a snapshot (a JSON-able dict, what ``--json`` prints),
@@ -137,9 +138,9 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
             }
         )
 
-    total = int(redis.zcard(K.LIVE_ROLLOUTS))
+    total = int(redis.zcount(K.LIVE_ROLLOUTS, server_now, "+inf"))
     rollouts: list[dict[str, Any]] = []
-    entries = redis.zrevrange(K.LIVE_ROLLOUTS, 0, max_rollouts - 1, withscores=True)
+    entries = redis.zrevrangebyscore(K.LIVE_ROLLOUTS, "+inf", server_now, 0, max_rollouts, withscores=True)
     for member, expires in entries:
         rid = _s(member)
         try:
@@ -162,7 +163,7 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
                 "depth": _int(info.get("depth"), 1),
                 "parent": info.get("parent") or None,
                 "age": None if not started else max(0.0, now - float(started)),
-                "expires_in": float(expires) - now,
+                "expires_in": float(expires) - server_now,
                 "budget_limit": _int(budget.get("limit")),
                 "budget_used": _int(budget.get("used"), 0) if budget else None,
                 "budget_charged": _int(budget.get("charged"), 0) if budget else None,

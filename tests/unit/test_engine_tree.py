@@ -149,5 +149,5 @@ async def test_the_live_set_refreshes_node_keys_and_never_revives_a_gone_one(red
     assert not await redis.exists(K.LedgerKeys("top").node("b"))
     await host.live.leave("a")
     await redis.expire(K.LedgerKeys("top").node("a"), 3)
-    await host.live.refresh_nodes()
+    await host.live.refresh_leases()
     assert await redis.ttl(K.LedgerKeys("top").node("a")) <= 3  # a rollout that left is not refreshed
