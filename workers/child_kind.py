@@ -193,8 +193,9 @@ class ChildKind:
     async def end_dead_attempts(self, taken: list[tuple[str, int]]) -> int:
         """End the tree nodes of child-rollout executions a reaper took back (``(job id, attempt)``,
         from :meth:`~rlmq.common.jobstore.JobStore.reap`): the dead attempt's descendants are refused
-        (``parent_gone``) at their next model call now, not when the node's TTL runs out. A job whose
-        payload cannot be read is skipped (its node expires). Returns the nodes ended.
+        (``parent_gone``) at their next model call now, not when the node's TTL runs out, and
+        ``rlmq status`` stops listing the dead attempt now, not when its lease lapses. A job whose
+        payload cannot be read is skipped (its node and lease expire). Returns the nodes ended.
 
         Raises:
             redis.RedisError: Redis away (the nodes then expire within their TTL).
@@ -214,6 +215,7 @@ class ChildKind:
                 continue
             node = child_node(req.child_id, attempt)
             await self.w.ledger.close_node(req.ledger_id, node)
+            await self.w.redis.zrem(K.LIVE_ROLLOUTS, node)
             log.warning("worker %s: ended tree node %s of dead child rollout job %s", self.w.name, node, jid)
             ended += 1
         return ended

@@ -26,6 +26,7 @@ import pytest
 import redis
 
 from rlmq.cli.local import LocalFleet
+from rlmq.cli.status import collect
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger, BudgetSnapshot
@@ -110,6 +111,8 @@ def test_kill_9_of_the_worker_hosting_a_mid_tree_child(tree_fleet: LocalFleet) -
         wait_until(lambda: not r.exists(K.LedgerKeys(rid).node(dead)), 30, "the dead attempt's node to go")
         t_node = time.monotonic() - t_kill
         assert t_node < 15, f"the dead attempt's node outlived the reaper ({t_node:.1f} s; its TTL is 30 s)"
+        # ...and `rlmq status` no longer lists it as live (its lease would last 30 s)
+        wait_until(lambda: dead not in listed_live(r), 5, "rlmq status to drop the dead attempt")
         # every grandchild of the dead attempt ends soon after (refused at its next model call)
         wait_until(lambda: all(s in DONE for s in jobs_of(r, dead).values()), 30, "the dead attempt's grandchildren")
         t_stop = time.monotonic() - t_kill
@@ -147,6 +150,11 @@ def test_kill_9_of_the_worker_hosting_a_mid_tree_child(tree_fleet: LocalFleet) -
     )
 
 
+def listed_live(r: redis.Redis) -> set[str]:
+    """The rollout ids ``rlmq status`` lists as live now."""
+    return {x["id"] for x in collect(r)["rollouts"]}
+
+
 def tree_ids(r: redis.Redis, rid: str) -> set[str]:
     """The rollout ids of the tree under top ``rid`` whose jobs Redis still holds (top, children, ...)."""
     ids, todo = {rid}, [rid]
@@ -181,6 +189,9 @@ def test_kill_9_of_the_top_rollout_mid_tree_stops_its_subtree_and_every_key_expi
             top.kill()
             top.wait()
     wait_until(lambda: all(process_gone(p) for p in doomed), 15, "the top's REPL to exit")
+    assert rid in listed_live(r) or time.monotonic() - t_kill > key_ttl  # listed while its lease runs
+    # `rlmq status` drops the killed top within its lease (min(30, key TTL) s), not its keys' TTL
+    wait_until(lambda: rid not in listed_live(r), key_ttl + 5, "rlmq status to drop the killed top")
     # the subtree stops at its next model call once the top's node expires: nothing started or queued
     ids = tree_ids(r, rid)
     assert len(ids) >= 5, ids  # top, child id and node, two grandchildren's ids and nodes
