@@ -94,6 +94,7 @@ class _State:
         self.per_user: dict[str, _Counts] = {}
         self.per_model: dict[str, _Counts] = {}
         self.per_role: dict[str, _Counts] = {"root": _Counts(), "sub": _Counts()}
+        self.per_tag: dict[str, _Counts] = {}
         self.system_prompts: list[str] = []
         self.root_requests_by_depth: dict[str, int] = {}
         self.attempts.clear()
@@ -130,6 +131,7 @@ class _State:
             "per_user": {k: v.as_dict() for k, v in self.per_user.items()},
             "per_model": {k: v.as_dict() for k, v in self.per_model.items()},
             "per_role": {k: v.as_dict() for k, v in self.per_role.items()},
+            "per_tag": {k: v.as_dict() for k, v in self.per_tag.items()},
             "root_system_prompts": list(self.system_prompts),
             "root_requests_by_depth": dict(self.root_requests_by_depth),
             "params": list(self.params),

@@ -31,6 +31,23 @@ _SLEEP_RE = re.compile(r"\[\[mock:sleep:(\d+(?:\.\d+)?)\]\]")
 _FAIL_TIMES_RE = re.compile(r"\[\[mock:fail-times:(\d+)\]\]")
 _TOKENS_RE = re.compile(r"\[\[mock:tokens:(\d+)(?:-(\d+))?\]\]")
 _CONTEXT_RE = re.compile(r"\[\[mock:context-tokens:(\d+)\]\]")
+_TPS_RE = re.compile(r"\[\[mock:tps:(\d+(?:\.\d+)?)\]\]")
+_TAG_RE = re.compile(r"\[\[mock:tag:([A-Za-z0-9_.\-]{1,64})\]\]")
+
+
+def decode_seconds(text: str, completion_tokens: int) -> float:
+    """Seconds a ``[[mock:tps:<n>]]`` directive in ``text`` makes the answer take: a server that
+    decodes ``n`` tokens per second per request (``completion_tokens / n``); 0 without one."""
+    match = _TPS_RE.search(text)
+    rate = float(match.group(1)) if match else 0.0
+    return completion_tokens / rate if rate > 0 else 0.0
+
+
+def tag_of(text: str) -> str | None:
+    """The accounting tag a ``[[mock:tag:<name>]]`` directive in ``text`` gives (``GET /stats``
+    counts served tokens per tag, ``per_tag``: e.g. one tag per tree, on every prompt of it)."""
+    match = _TAG_RE.search(text)
+    return match.group(1) if match else None
 
 
 def context_tokens(first_user: str) -> int | None:

@@ -24,6 +24,7 @@ from rlmq.scripted.completions import (
     _JSON,
     _STATE,
     _completion,
+    _Counts,
     _error,
     _limit_of,
     _Reply,
@@ -46,7 +47,9 @@ from rlmq.scripted.markers import (
     answer_tokens,
     context_length_message,
     context_tokens,
+    decode_seconds,
     root_code_directive,
+    tag_of,
 )
 from rlmq.scripted.recursion import is_rlm_format_root, recursion_of, rlm_format_reply
 from rlmq.scripted.root_script import root_code_for
@@ -123,6 +126,7 @@ async def _answer(
 
     no_usage = False
     spend_all = False
+    first_user = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
     if ROOT_TOOL_NAME in tool_names:
         first = messages[0]
         if first.get("role") == "system":  # what the root model was told, for tests (the last 64)
@@ -131,7 +135,6 @@ async def _answer(
             depth = recursion_of(system).depth if "rlm_batch" in system else None
             key = "" if depth is None else str(depth)
             state.root_requests_by_depth[key] = state.root_requests_by_depth.get(key, 0) + 1
-        first_user = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
         window = context_tokens(first_user) if "[[mock:context-tokens:" in first_user else None
         if window is not None:
             used = sum(_words(_text(m.get("content"))) for m in messages)
@@ -172,6 +175,13 @@ async def _answer(
 
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
+    if "[[mock:t" in first_user:  # paced like a real server, and counted per tag
+        await asyncio.sleep(decode_seconds(first_user, completion_tokens))  # decoding time
+        tag = tag_of(first_user)
+        if tag is not None:
+            tagged = state.per_tag.setdefault(tag, _Counts())
+            tagged.requests += 1
+            counted = (*counted, tagged)
     for counts in counted:
         counts.completions += 1
         counts.prompt_tokens += prompt_tokens
@@ -332,6 +342,8 @@ class ScriptedModelServer:
         ``invalid_requests`` (answered 400), and ``per_user`` / ``per_model``: the same five
         counters per ``user`` field value (``""`` when absent) and per requested model name;
         ``per_role``: the same per role, ``root`` (requests offering ``call_python_repl``) and ``sub``;
+        ``per_tag``: the same per ``[[mock:tag:<name>]]`` of the first user message (counted
+        when a completion is served: no faults);
         ``root_requests_by_depth``: root requests (with a system message) by the depth ``D`` of their
         scaffold line ``rlm_batch: ... (depth D of M)`` (:mod:`rlmq.scripted.recursion`; ``""``: no such line);
         ``root_system_prompts``: the system message of the last 64 root-model requests.

@@ -63,3 +63,20 @@ async def test_stats_count_the_requests_in_flight_at_once_and_when_the_last_arri
     assert server.stats["in_flight_peak"] == 7  # a high-water mark
     server.reset_stats()
     assert (server.stats["in_flight_peak"], server.stats["last_request_at"]) == (0, None)
+
+
+async def test_a_paced_answer_takes_its_decoding_time_and_is_counted_under_its_tag(server: ScriptedModelServer) -> None:
+    import time
+
+    t0 = time.monotonic()
+    body = await completion(server, "Item 1. [[mock:tokens:60]] [[mock:tps:200]] [[mock:tag:tree-a]]", max_tokens=100)
+    took = time.monotonic() - t0
+    assert body["usage"]["completion_tokens"] == 60 and 0.3 <= took < 5  # 60 tokens at 200 tokens/s
+    await completion(server, "Item 2. [[mock:tokens:5]] [[mock:tag:tree-b]]", max_tokens=100)
+    cut = await completion(server, "Item 3. [[mock:tokens:50]] [[mock:tag:tree-a]]", max_tokens=20)
+    assert cut["usage"]["completion_tokens"] == 20
+    per_tag = server.stats["per_tag"]
+    assert {k: (v["requests"], v["completion_tokens"]) for k, v in per_tag.items()} == {
+        "tree-a": (2, 80),
+        "tree-b": (1, 5),
+    }
