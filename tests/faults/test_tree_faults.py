@@ -142,6 +142,9 @@ def test_kill_9_of_the_worker_hosting_a_mid_tree_child(tree_fleet: LocalFleet) -
     served = stats["completion_tokens"] - int(row["metrics"]["main_rlm_completion_tokens"])
     snap = snapshot(str(fleet.redis_url), rid)
     assert snap is not None and served <= snap.limit == BUDGET and snap.charged >= served, (served, snap)
+    # the row reports what the ledger charged, also the tokens served to the dead attempt's calls
+    metrics = row["metrics"]
+    assert metrics["tree_charged_completion_tokens"] == metrics["sub_llm_budget_charged"] == snap.charged, metrics
     assert all(p.poll() is None for n, p in workers.items() if n != victim_name)
     print(
         f"kill -9 mid-tree: REPLs gone {t_repl:.2f} s, dead node deleted {t_node:.2f} s, dead attempt's "
