@@ -11,8 +11,9 @@ Three tables:
   worker's ``rq:worker:<name>:executions`` set), concurrency, age of the last heartbeat;
 * live rollouts (entries of ``rlmq:rollouts`` whose lease has not lapsed by Redis's clock: their
   host refreshes it every few seconds, so a killed host's rollouts drop out within the lease, as
-  a killed worker does; plus each rollout's ``info`` and ``budget`` hashes): depth and parent (a child rollout of ``rlm_batch``, hosted by a worker: depth >= 2),
-  model, age, sub-LLM budget used / limit.
+  a killed worker does; plus each rollout's ``info`` and ``budget`` hashes): depth and parent
+  (a child rollout of ``rlm_batch``, hosted by a worker: depth >= 2), model, age, sub-LLM budget
+  used / limit.
 
 :func:`collect` reads a snapshot (a JSON-able dict, what ``--json`` prints),
 :func:`render` turns it into plain text tables; both are pure enough to test on fakeredis.
