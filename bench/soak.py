@@ -74,6 +74,21 @@ DIRECTIVES = [
 ]
 
 
+def memory_flat(samples: list[dict[str, float]], slacks: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+    """Whether each sampled figure stays flat: the last third of ``samples`` peaks within 20 % of
+    the middle third's peak plus its slack (``(figure, slack)`` pairs: bytes, keys, members)."""
+    n = len(samples)
+    if n < 6:
+        return {"flat": None, "why": f"{n} samples"}
+    mid, last = samples[n // 3 : 2 * n // 3], samples[2 * n // 3 :]
+    out: dict[str, Any] = {}
+    for key, slack in slacks:
+        a, b = max(x[key] for x in mid), max(x[key] for x in last)
+        out[key] = {"middle_max": a, "last_max": b, "flat": b <= 1.2 * a + slack}
+    out["flat"] = all(v["flat"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -179,18 +194,9 @@ class Soak:
 
     def memory_flat(self) -> dict[str, Any]:
         """Last third of the samples against the middle third: memory and registries must not grow."""
-        n = len(self.samples)
-        if n < 6:
-            return {"flat": None, "why": f"{n} samples"}
         if self.restarts:
             return {"flat": None, "why": "Redis restarted during the run: memory starts again from empty"}
-        mid, last = self.samples[n // 3 : 2 * n // 3], self.samples[2 * n // 3 :]
-        out: dict[str, Any] = {}
-        for key, slack in (("used_memory", 2_000_000), ("registry_members", 200), ("keys", 500)):
-            a, b = max(x[key] for x in mid), max(x[key] for x in last)
-            out[key] = {"middle_max": a, "last_max": b, "flat": b <= 1.2 * a + slack}
-        out["flat"] = all(v["flat"] for v in out.values() if isinstance(v, dict))
-        return out
+        return memory_flat(self.samples, (("used_memory", 2_000_000), ("registry_members", 200), ("keys", 500)))
 
     def live_workers(self) -> list[str]:
         return [n for n, p in self.workers.items() if p.poll() is None]

@@ -45,6 +45,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from bench.soak import memory_flat
 from rlmq.cli.local import LocalFleet
 from rlmq.common.redis_server import EmbeddedRedis
 from rlmq.common.schemas import DatasetRow
@@ -250,22 +251,10 @@ class TreeSoak:
             },  # fmt: skip
             "faults": dict(Counter(k for _, k in self.faults)),
             "workers_started": self.seq,
-            "memory": self.memory_flat(),
+            "memory": memory_flat(self.samples, (("used_memory", 2_000_000), ("keys", 500))),
             "memory_curve": self.samples,
             "args": vars(self.args),
         }
-
-    def memory_flat(self) -> dict[str, Any]:
-        n = len(self.samples)
-        if n < 6:
-            return {"flat": None, "why": f"{n} samples"}
-        mid, last = self.samples[n // 3 : 2 * n // 3], self.samples[2 * n // 3 :]
-        out: dict[str, Any] = {}
-        for key, slack in (("used_memory", 2_000_000), ("keys", 500)):
-            a, b = max(x[key] for x in mid), max(x[key] for x in last)
-            out[key] = {"middle_max": a, "last_max": b, "flat": b <= 1.2 * a + slack}
-        out["flat"] = all(v["flat"] for v in out.values() if isinstance(v, dict))
-        return out
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:

@@ -51,3 +51,36 @@ def test_a_subset_never_overwrites_the_full_runs_results() -> None:
     assert results_name(True, None) == "queue_path_quick"
     assert results_name(False, "light") == "queue_path_only_light"
     assert results_name(False, "rlmq-budget,light") == "queue_path_only_light_rlmq_budget"
+
+
+def test_a_short_tree_soak_holds_its_zeros_through_a_kill_of_each_kind_and_a_redis_restart(tmp_path: Path) -> None:
+    out = tmp_path / "tree_soak.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.tree_soak",
+            "--seconds",
+            "45",
+            "--trees",
+            "2",
+            "--tps",
+            "400",
+            "--fault-every",
+            "12",
+            "--sample-every",
+            "5",
+            "--out",
+            str(out),
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["faults"] == {"kill9_worker": 1, "kill9_host": 1, "redis_restart": 1}, doc["faults"]
+    assert doc["trees_finished"] >= 2 and doc["slots_by_kind"].get("ok", 0) > 20
+    assert (doc["slots_bad"], doc["stalls"], doc["overshoot_tokens"]) == (0, 0, 0)
+    assert doc["tokens_served_to_trees"] > 0 and doc["memory_curve"]
