@@ -18,8 +18,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
-from rlmq.common.schemas import normalize_sampling
-from rlmq.common.tree import MAX_DEPTH
+from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
+from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
 SystemPromptMode = Literal["prepend", "append", "replace"]
@@ -90,7 +90,11 @@ class RolloutOptions(BaseModel):
         json_schema_extra=meta(unit="turns"),
     )
     sub_llm_max_turns: int = Field(
-        default=5, ge=1, description="turns of one sub-LLM's own tool loop", json_schema_extra=meta(unit="turns")
+        default=SUB_LLM_MAX_TURNS_DEFAULT,
+        ge=1,
+        le=SUB_LLM_MAX_TURNS_LIMIT,
+        description="turns of one sub-LLM's own tool loop",
+        json_schema_extra=meta(unit="turns"),
     )
     sub_llm_max_completion_tokens: int | None = Field(
         default=None,
@@ -139,7 +143,7 @@ class RolloutOptions(BaseModel):
         json_schema_extra=meta(unit="sub-calls"),
     )
     max_depth: int = Field(
-        default=1,
+        default=MAX_DEPTH_DEFAULT,
         ge=1,
         le=MAX_DEPTH,
         description=(
@@ -655,6 +659,16 @@ def _too_deep(text: str) -> bool:
     except ValueError:
         return False
     return False
+
+
+def setting_default(name: str) -> Any:
+    """The declared default of the setting ``name``, for a lower layer's signature to refer to
+    (as httpx refers to ``DEFAULT_TIMEOUT_CONFIG``) instead of typing the value again.
+
+    Raises:
+        KeyError: ``name`` is no :class:`Settings` field.
+    """
+    return Settings.model_fields[name].get_default(call_default_factory=True)
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -39,6 +39,7 @@ from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
 from rlmq.common.rqjobs import SUB_LLM_FUNC, utcnow_str
 from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult, load_result
 from rlmq.common.scripts import run_pipeline
+from rlmq.common.settings import setting_default
 from rlmq.producer.inflight import RolloutInFlight
 
 log = logging.getLogger("rlmq.dispatch")
@@ -100,7 +101,7 @@ class BatchSpec:
     sub_call_timeout: float
     parallelism: int
     call: SubCallOptions
-    result_ttl: int = 600
+    result_ttl: int = setting_default("result_ttl")
     reply_ttl: int = 3600
     ledger_id: str | None = None
     nodes: tuple[str, ...] = ()

@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from rlmq.common.errors import RlmqError
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
-from rlmq.common.settings import RolloutOptions
+from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandler
@@ -159,7 +159,7 @@ class RolloutHost:
         interception: Interception,
         *,
         metrics: Metrics | None = None,
-        result_ttl: int = 600,
+        result_ttl: int = setting_default("result_ttl"),
         toolbox: RootToolbox | None = None,
     ) -> RolloutHost:
         """A host from its connections: one dispatcher, ``llm_batch`` service and live set.

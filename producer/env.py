@@ -38,7 +38,14 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow
-from rlmq.common.settings import RolloutOptions, Settings, SystemPromptMode, Verbosity, build_settings
+from rlmq.common.settings import (
+    RolloutOptions,
+    Settings,
+    SystemPromptMode,
+    Verbosity,
+    build_settings,
+    setting_default,
+)
 from rlmq.common.settings_schema import arguments_doc
 from rlmq.producer.engine import RolloutHost, raise_if_cancelled, run_rollout
 from rlmq.producer.interception import InterceptionServer
@@ -258,9 +265,9 @@ class RLMEnv:
         rows: Iterable[DatasetRow],
         *,
         model: str,
-        concurrency: int = 4,
+        concurrency: int = setting_default("concurrency"),
         on_done: Any = None,
-        rollouts_per_example: int = 1,
+        rollouts_per_example: int = setting_default("rollouts_per_example"),
         skip: Container[tuple[str, int]] = (),
     ) -> list[RolloutResult]:
         """Run ``rollouts_per_example`` rollouts per row, ``concurrency`` at a time; results in

@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ModelError, PromptTooLongError
+from rlmq.common.settings import setting_default
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -100,9 +101,9 @@ class RootModel:
     def __init__(
         self,
         base_url: str,
-        api_key: str = "EMPTY",
+        api_key: str = setting_default("api_key").get_secret_value(),
         *,
-        retries: int = 3,
+        retries: int = setting_default("model_retries"),
         timeout: float = 600.0,
         client: Any | None = None,
     ) -> None:
