@@ -439,6 +439,13 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         description="API key of the model server(s), also given to local workers (also read from OPENAI_API_KEY)",
         json_schema_extra=meta(commands=("run", "worker"), metavar="KEY", default_text="EMPTY"),
     )
+    root_model_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long one HTTP call to the root model may take, for a top rollout (run) and a child "
+        "rollout hosted by a worker (--repl-slots) alike",
+        json_schema_extra=meta(commands=("run", "worker"), unit="seconds"),
+    )
     sub_base_url: str | None = Field(
         default=None,
         description="model server that locally started workers call (rlmq run without a Redis URL)",

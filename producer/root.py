@@ -104,7 +104,7 @@ class RootModel:
         api_key: str = setting_default("api_key").get_secret_value(),
         *,
         retries: int = setting_default("model_retries"),
-        timeout: float = 600.0,
+        timeout: float = setting_default("root_model_timeout"),
         client: Any | None = None,
     ) -> None:
         self.client = client or openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)

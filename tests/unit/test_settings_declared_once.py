@@ -184,3 +184,25 @@ def test_sub_llm_max_turns_past_the_workers_limit_is_refused_at_start_up_in_one_
     settings = settings_from_flags(build_parser().parse_args([*argv, str(int(limit))]), "run")
     spec = LlmBatchService(dispatcher=None).spec(_rollout(settings.rollout_options()), "b1")  # type: ignore[arg-type]
     assert spec.call.max_turns == limit
+
+
+def test_the_root_models_timeout_is_one_setting_for_top_and_child_rollouts() -> None:
+    """``RLMEnv`` and a worker hosting child rollouts make their root client with one function
+    (:func:`rlmq.producer.host.root_model`), whose timeout is ``root_model_timeout``; the
+    client's own default refers to the same declaration."""
+    import inspect
+
+    from rlmq.common.settings import build_settings
+    from rlmq.producer import env
+    from rlmq.producer.host import root_model
+    from rlmq.producer.root import RootModel
+    from rlmq.workers import child_host
+
+    settings = build_settings({"base_url": "http://root:1/v1", "root_model_timeout": 42.5})
+    assert root_model(settings, needed_for="-").client.timeout == 42.5
+    assert inspect.signature(RootModel).parameters["timeout"].default == setting_default("root_model_timeout")
+    for module in (env, child_host):  # neither makes a RootModel of its own
+        source = inspect.getsource(module)
+        assert "root_model(" in source and "RootModel(" not in source, module.__name__
+    with pytest.raises(ConfigError, match="needs a base url"):
+        root_model(build_settings({}), needed_for="needs a base url")
