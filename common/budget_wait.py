@@ -53,7 +53,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -61,11 +61,22 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from rlmq.common.keys import LedgerKeys
-
-if TYPE_CHECKING:
-    from rlmq.common.ledger import BudgetLedger, Grant
+from rlmq.common.ledger_wire import Code, Grant
 
 log = logging.getLogger(__name__)
+
+
+class _Asks(Protocol):
+    """What a waiter needs of the ledger (:class:`rlmq.common.ledger.BudgetLedger`): to ask again
+    and to count a call that gave up. A protocol, so this module does not import the ledger,
+    which imports it."""
+
+    async def reserve_until(
+        self, until: float, ledger_id: str, reservation_id: str, cap: int | None, deadline: float | None = None
+    ) -> Grant: ...
+
+    async def count_rejections(self, ledger_id: str, n: int) -> None: ...
+
 
 __all__ = ["ReleaseWaits"]
 
@@ -177,7 +188,7 @@ class ReleaseWaits:
 
     async def wait_for_grant(
         self,
-        ledger: BudgetLedger,
+        ledger: _Asks,
         rollout_id: str,
         reservation_id: str,
         cap: int | None,
@@ -204,8 +215,6 @@ class ReleaseWaits:
             asyncio.CancelledError: the worker is stopping (:meth:`abandon`): the call is not
                 granted after all, and its job is handed back to the queue unrun.
         """
-        from rlmq.common.ledger import WAIT, WAITED_OUT, Grant
-
         parks, parked_seconds = 0, 0.0
         self._enter(rollout_id)
         failures = self._failures
@@ -229,7 +238,7 @@ class ReleaseWaits:
                 seen = self._seen.get(rollout_id, 0)
                 failures = self._failures
                 grant = await ledger.reserve_until(give_up, rollout_id, reservation_id, cap, deadline)
-                if grant.code != WAIT:
+                if grant.code != Code.WAIT:
                     return grant, parks, parked_seconds
                 if self._abandoned:
                     raise asyncio.CancelledError("the worker is stopping: a parked call is handed back")
@@ -237,7 +246,7 @@ class ReleaseWaits:
                 if now >= give_up or self._closed:
                     with contextlib.suppress(RedisError, OSError):
                         await ledger.count_rejections(rollout_id, 1)
-                    return Grant(0, grant.charged, grant.limit, WAITED_OUT), parks, parked_seconds
+                    return Grant(0, grant.charged, grant.limit, Code.WAITED_OUT), parks, parked_seconds
                 if self._seen.get(rollout_id, 0) != seen:
                     continue  # woken while asking: ask again at once
                 until = min(give_up, grant.retry_at) if grant.retry_at > now else give_up

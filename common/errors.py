@@ -5,20 +5,23 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
     RlmqError
     ├── ConfigError            bad settings or arguments (unknown RLMEnv argument, bad flag)
     │   └── UncontainedReplError  a worker asked to host REPLs on a host that cannot contain them
-    ├── PayloadError           a job, result or request body failed pydantic validation
     ├── EmbeddedRedisError     no embedded redis-server could be started
-    ├── WorkerFailed           a worker's long-lived task kept failing: the process exits non-zero
+    ├── PayloadError           a job, result or request body failed pydantic validation
+    ├── PreflightError         before any rollout, a model server or the queue's workers did not answer
     ├── RedisUnavailableError  a Redis did not answer, or refused the password
+    ├── ReplError              the rollout's Python REPL
+    │   └── ReplStartupError   the REPL did not come up within max_startup_wait_seconds
+    ├── RootBudgetSpent        a child rollout's root turn got too little of its tree's budget
     ├── SubLLMError            one sub-LLM call failed
     │   └── ModelError         the model server failed after the retry layer gave up
     │       └── PromptTooLongError  the server refused the prompt for its length (context window)
-    └── ReplError              the rollout's Python REPL
-        └── ReplStartupError   the REPL did not come up within max_startup_wait_seconds
+    └── WorkerFailed           a worker's long-lived task kept failing: the process exits non-zero
 
 A spent budget, a missed deadline or a timed-out cell are not exceptions: they are results
 (``SubLLMResult.status`` / ``error_kind``, ``CellResult.timed_out``) the root model sees.
 
-``python -m rlmq.common.errors`` prints this tree from the classes themselves.
+``python -m rlmq.common.errors`` prints this tree from the classes themselves (in the same order;
+``tests/unit/test_payload_errors.py`` holds the drawing to it).
 """
 
 from __future__ import annotations

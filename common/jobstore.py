@@ -38,6 +38,7 @@ from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
 from rlmq.common.rqjobs import F_META, F_REPLY, encode_job_data, job_hash, utcnow_str
 from rlmq.common.schemas import SubLLMResult
 from rlmq.common.scripts import run_pipeline, sha1
+from rlmq.common.settings import setting_default
 
 
 def slot_of(jid: str, meta_raw: bytes | None) -> tuple[str, str, int]:
@@ -161,11 +162,11 @@ class JobStore:
         queue: str,
         worker_name: str = "",
         *,
-        heartbeat_ttl: int = 10,
-        result_ttl: int = 600,
+        heartbeat_ttl: int = setting_default("job_heartbeat_ttl"),
+        result_ttl: int = setting_default("result_ttl"),
         failure_ttl: int = 86400,
         reply_ttl: int = DEFAULT_REPLY_TTL,
-        max_attempts: int = 2,
+        max_attempts: int = setting_default("job_max_attempts"),
         ledger: BudgetLedger | None = None,
         abandoned_result: Callable[[str, bytes | None], str] | None = None,
     ) -> None:

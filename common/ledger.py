@@ -69,7 +69,6 @@ import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -78,15 +77,31 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
+from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger_script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
+from rlmq.common.ledger_script import COUNT_REJECTIONS_LUA, LEDGER_LUA
+from rlmq.common.ledger_tree import NODE_TTL, LedgerTree, node_ttl
+from rlmq.common.ledger_wire import BudgetSnapshot, Code, Grant, Reply, Settlement, default_cap
 from rlmq.common.scripts import run_pipeline
 
 __all__ = [
-    "LEDGER_LUA", "NODE_TTL", "ROOT", "SUB_LLM", "BudgetLedger", "BudgetSnapshot", "Grant", "Settlement", "node_ttl",
+    "LEDGER_LUA", "NODE_TTL", "ROOT", "SUB_LLM", "BudgetLedger", "BudgetSnapshot", "Code", "Grant", "Settlement",
+    "default_cap", "node_ttl",
+    "GRANTED", "REJECTED", "NO_LEDGER", "ALREADY_SETTLED", "WAIT", "WAITED_OUT", "TREE_CLOSED", "NODE_GONE",
+    "UNLIMITED",
 ]  # fmt: skip
 
-_Op = tuple[str, str, int, float, "asyncio.Future[list[int]]"]
+GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT = (
+    Code.GRANTED,
+    Code.REJECTED,
+    Code.NO_LEDGER,
+    Code.ALREADY_SETTLED,
+    Code.WAIT,
+)
+WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = Code.WAITED_OUT, Code.TREE_CLOSED, Code.NODE_GONE, Code.UNLIMITED
+"""The reservation codes (:class:`rlmq.common.ledger_wire.Code`) by their short names."""
+
+_Op = tuple[str, str, int, float, "asyncio.Future[Reply]"]
 """One coalesced ledger operation: op (``r`` / ``r:<kind>`` / ``s`` / ``x``), reservation id, cap or
 used, deadline, its waiter."""
 _Group = tuple[str, tuple[str, ...]]
@@ -112,27 +127,6 @@ def _reserve_op(kind: str) -> str:
     return "r:" + kind
 
 
-GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT, WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = range(9)
-"""Reservation codes (:attr:`Grant.code`); ``WAITED_OUT`` is never the script's: the waiter gave up at
-the call's deadline (:mod:`rlmq.common.budget_wait`). ``TREE_CLOSED``: the ledger is closed (its top
-rollout ended); ``NODE_GONE``: a node of the call's chain is gone (:attr:`Grant.gone_node`);
-``UNLIMITED``: a liveness-only ledger (a tree without a budget) found the chain alive: call without
-a grant, settle nothing."""
-
-NODE_TTL = 30
-"""Seconds a tree node's key lives without a refresh (:meth:`BudgetLedger.open_node`; at most the
-rollout's key TTL, :func:`node_ttl`). Short, unlike the ledger's own TTL (an hour by default): a
-host killed with its rollouts stops their subtrees within this long, at their next model call. The
-host refreshes its nodes every third of it (:class:`rlmq.producer.live.LiveRollouts`), so two missed
-refreshes in a row still keep a node alive; a rollout that ends deletes its node at once."""
-
-
-def node_ttl(rollout_key_ttl: int) -> int:
-    """The TTL of a tree node's key for a rollout whose keys live ``rollout_key_ttl`` seconds:
-    ``min(NODE_TTL, rollout_key_ttl)``, at least 1 (seconds)."""
-    return max(1, min(NODE_TTL, rollout_key_ttl))
-
-
 _PASSING_REPLIES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
 """Error replies of a Redis that will take the same command again soon: a failover, a full
 memory that eviction or expiry frees, a start-up, a busy script, a failed snapshot."""
@@ -155,117 +149,7 @@ UNBUDGETED_MEMORY = 60.0
 """Seconds a worker remembers that a rollout has no ledger (see :meth:`BudgetLedger.known_unbudgeted`)."""
 
 
-@dataclass(frozen=True)
-class Grant:
-    """Outcome of a reservation.
-
-    Attributes:
-        tokens: completion tokens granted (0 unless ``code`` is 0); the model call's ``max_tokens``.
-        charged: tokens charged to the rollout after this reservation.
-        limit: the rollout's budget in tokens.
-        code: 0 granted, 1 rejected (budget spent), 2 ledger missing, 3 already settled,
-            4 wait (ask again after a release), 5 waited out (see :data:`WAITED_OUT`).
-        retry_at: for ``code`` 4, the Unix time (seconds) at which the earliest live
-            reservation's deadline passes and it stops counting as live (0 otherwise).
-        need: for ``code`` 4, the grant the call waits for (tokens free before it is given).
-        gone_node: for ``code`` 7 (:data:`NODE_GONE`), the first node of the chain whose key is gone.
-    """
-
-    tokens: int
-    charged: int
-    limit: int
-    code: int
-    retry_at: float = 0.0
-    need: int = 0
-    gone_node: str = ""
-
-    @property
-    def tree_refused(self) -> bool:
-        """True for a refusal by the tree (:data:`TREE_CLOSED` or :data:`NODE_GONE`), not the budget."""
-        return self.code in (TREE_CLOSED, NODE_GONE)
-
-    @property
-    def refusal_reason(self) -> str:
-        """``tree_closed`` or ``parent_gone`` (a node of the chain is gone), for a tree refusal; else ``""``."""
-        return {TREE_CLOSED: "tree_closed", NODE_GONE: "parent_gone"}.get(self.code, "")
-
-    @property
-    def refusal_message(self) -> str:
-        """What a tree refusal says (``tree_closed: ...`` / ``parent_gone: ...``); ``""`` otherwise."""
-        if self.code == TREE_CLOSED:
-            return "tree_closed: the top rollout of its tree has ended (its budget ledger is closed)"
-        if self.code == NODE_GONE:
-            return f"parent_gone: rollout {self.gone_node or '?'} of its tree chain has ended or died"
-        return ""
-
-    @property
-    def granted(self) -> bool:
-        return self.tokens > 0
-
-
-@dataclass(frozen=True)
-class Settlement:
-    """Outcome of settling a reservation: ``released`` tokens went back to the budget."""
-
-    released: int
-    charged: int
-    limit: int
-    code: int
-
-
-@dataclass(frozen=True)
-class BudgetSnapshot:
-    """A ledger at one moment (all figures in completion tokens).
-
-    ``waits`` counts the reservations answered "wait" (a call can be told to wait several
-    times); ``cap`` is the per-call cap of sub-LLM reservations (0: none); ``ttl`` the seconds
-    its keys live after a refresh, as its owner stored it (0: an older ledger without one).
-    """
-
-    limit: int
-    charged: int
-    used: int
-    grants: int
-    rejections: int
-    released: int
-    overrun: int
-    cap: int = 0
-    waits: int = 0
-    ttl: int = 0
-
-    @property
-    def remaining(self) -> int:
-        """Tokens neither spent nor held by an open reservation."""
-        return max(0, self.limit - self.charged)
-
-    @property
-    def held(self) -> int:
-        """Tokens held by open reservations (running calls, or calls of dead workers)."""
-        return self.charged - self.used
-
-
-DEFAULT_CAP_SHARE = 8
-"""Without a per-call cap, one call holds at most ``limit // DEFAULT_CAP_SHARE`` tokens of a budget."""
-DEFAULT_CAP_FLOOR = 128
-"""...but never less than this many tokens (or the whole budget, when that is smaller)."""
-
-
-def default_cap(limit: int, grant_tokens: int) -> int:
-    """The per-call cap of a rollout whose ``sub_llm_per_call_max_tokens`` is unset (tokens).
-
-    ``min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE))``: budgets of 4,096
-    tokens and more get ``grant_tokens`` (``sub_llm_budget_grant_tokens``, default 512); a
-    smaller budget is shared by about eight calls at once (budget 1,000: 128 a call) rather than
-    handed out one large grant at a time.
-
-    Args:
-        limit: the rollout's budget, completion tokens (>= 1).
-        grant_tokens: the largest grant of one call, tokens (>= 1).
-    """
-    return max(1, min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE)))
-
-
-class BudgetLedger:
+class BudgetLedger(LedgerTree):
     """Atomic reserve / settle of completion tokens in ledgers addressed by their own ids.
 
     Args:
@@ -292,7 +176,7 @@ class BudgetLedger:
         self._flush_scheduled = False
         self._flushes: set[asyncio.Task[None]] = set()
         self._unbudgeted: dict[str, float] = {}
-        self._waits: Any = None  # a ReleaseWaits, made on the first wait
+        self._waits: ReleaseWaits | None = None  # made on the first wait
         self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)
         self._parked_kinds: dict[tuple[str, str], str] = {}  # (ledger, reservation) -> kind, while acquiring
         self._parked_nodes: dict[tuple[str, str], tuple[str, ...]] = {}  # ... -> node chain, while acquiring
@@ -304,9 +188,9 @@ class BudgetLedger:
 
     def _submit(
         self, ledger_id: str, op: str, reservation_id: str, n: int, deadline: float, nodes: tuple[str, ...] = ()
-    ) -> asyncio.Future[list[int]]:
+    ) -> asyncio.Future[Reply]:
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[list[int]] = loop.create_future()
+        fut: asyncio.Future[Reply] = loop.create_future()
         self._pending.setdefault((ledger_id, nodes), []).append((op, reservation_id, n, deadline, fut))
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -343,7 +227,7 @@ class BudgetLedger:
                 if isinstance(outcome, Exception):
                     fut.set_exception(outcome)
                 else:
-                    fut.set_result([int(x) for x in outcome[i]])
+                    fut.set_result(Reply.of(outcome[i]))
 
     async def _pipelined(self, groups: list[tuple[_Group, list[_Op]]]) -> list[Any]:
         """One round trip for several ledgers: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
@@ -368,7 +252,7 @@ class BudgetLedger:
         for ledger_id, reservation_id, used in settles:
             by_ledger.setdefault(ledger_id, []).extend(["s", reservation_id, max(0, int(used)), 0])
         for ledger_id, ops in by_ledger.items():
-            pipe.evalsha(self._script.sha, 4, *self._keys((ledger_id, ())), 0, time.time(), *ops)
+            pipe.evalsha(self._script.sha, 4, *self._keys((ledger_id, ())), 0, *ops)
 
     @staticmethod
     def _keys(group: _Group) -> list[str]:
@@ -377,8 +261,8 @@ class BudgetLedger:
 
     def _args(self, ops: list[_Op]) -> list[Any]:
         # ARGV[1] 0: the script uses the TTL stored in the ledger (or, for a ledger without
-        # one, the budget hash's own), never this process's.
-        args: list[Any] = [0, repr(time.time())]
+        # one, the budget hash's own), never this process's; then each operation's OP_ARGS.
+        args: list[Any] = [0]
         for kind, reservation_id, n, deadline, _ in ops:
             args += [kind, reservation_id, n, repr(deadline)]
         return args
@@ -472,13 +356,13 @@ class BudgetLedger:
             for node in chain:
                 LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        out = await self._submit(ledger_id, _reserve_op(kind), reservation_id, cap or 0, dl, chain)
-        if out[3] == NO_LEDGER:
+        r = await self._submit(ledger_id, _reserve_op(kind), reservation_id, cap or 0, dl, chain)
+        if r.code == Code.NO_LEDGER:
             self._remember_unbudgeted(ledger_id)
-        if out[3] in (TREE_CLOSED, NODE_GONE):
-            gone = chain[out[4] - 1] if out[3] == NODE_GONE and 0 < out[4] <= len(chain) else ""
-            return Grant(0, out[1], out[2], out[3], gone_node=gone)
-        return Grant(out[0], out[1], out[2], out[3], out[4] / 1000.0, out[5] if len(out) > 5 else 0)
+        if r.code in (Code.TREE_CLOSED, Code.NODE_GONE):
+            gone = chain[r.detail - 1] if r.code == Code.NODE_GONE and 0 < r.detail <= len(chain) else ""
+            return Grant(0, r.charged, r.limit, r.code, gone_node=gone)
+        return Grant(r.value, r.charged, r.limit, r.code, r.detail / 1000.0, r.need)
 
     async def reserve_until(
         self,
@@ -558,35 +442,60 @@ class BudgetLedger:
         grant = await self.reserve_until(
             deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes
         )
-        if grant.code != WAIT:
+        if grant.code != Code.WAIT:
             return grant, 0, 0.0
-        if self._waits is None:
-            from rlmq.common.budget_wait import ReleaseWaits
+        result = await self._park_until_answered(ledger_id, reservation_id, cap, deadline, margin, grant, kind, nodes)
+        if result[0].granted:
+            await self._resume(ledger_id, reservation_id, parked=result[1] > 0)
+        return result
 
+    def _release_waits(self) -> ReleaseWaits:
+        """The waits of this process's parked calls, made on the first one."""
+        if self._waits is None:
             self._waits = ReleaseWaits(self._redis, self._park_changed)
             if self._abandon:
                 self._waits.abandon()
-        waits: Any = self._waits
+        return self._waits
+
+    async def _park_until_answered(
+        self,
+        ledger_id: str,
+        reservation_id: str,
+        cap: int | None,
+        deadline: float,
+        margin: float,
+        grant: Grant,
+        kind: str,
+        nodes: Sequence[str],
+    ) -> tuple[Grant, int, float]:
+        """Park the call told to wait (``grant``) until the ledger grants or rejects it (:meth:`acquire`)."""
         parked_key = (ledger_id, reservation_id)
         if kind != SUB_LLM:
             self._parked_kinds[parked_key] = kind  # the waiter asks again through reserve(), by id
         if nodes:
             self._parked_nodes[parked_key] = tuple(nodes)
         try:
-            result: tuple[Grant, int, float] = await waits.wait_for_grant(
+            return await self._release_waits().wait_for_grant(
                 self, ledger_id, reservation_id, cap, deadline, deadline - margin, grant
             )
         finally:
             self._parked_kinds.pop(parked_key, None)
             self._parked_nodes.pop(parked_key, None)
-        if result[0].granted and result[1] and self.resume_gate is not None:
+
+    async def _resume(self, ledger_id: str, reservation_id: str, *, parked: bool) -> None:
+        """A granted call goes on: through the resume gate when it had parked; handed back when
+        the worker began to stop before its model was called (the grant is settled at 0 tokens).
+
+        Raises:
+            asyncio.CancelledError: the worker is stopping.
+        """
+        if parked and self.resume_gate is not None:
             await self.resume_gate()  # cancelled here: the reservation stays charged in full
-        if result[0].granted and self._abandon:
+        if self._abandon:
             # Granted as the worker began to stop: the model was never called, so the grant goes
             # back (settled at 0 tokens) and the job is handed back like the parked ones.
             await self.settle(ledger_id, reservation_id, 0)
             raise asyncio.CancelledError("the worker is stopping: a granted call that had not started is handed back")
-        return result
 
     @property
     def parked(self) -> int:
@@ -617,7 +526,8 @@ class BudgetLedger:
 
     async def settle(self, ledger_id: str, reservation_id: str, used: int) -> Settlement:
         """Settle a reservation of ledger ``ledger_id`` with the ``used`` completion tokens the server reported."""
-        return Settlement(*(await self._submit(ledger_id, "s", reservation_id, max(0, int(used)), 0.0))[:4])
+        r = await self._submit(ledger_id, "s", reservation_id, max(0, int(used)), 0.0)
+        return Settlement(r.value, r.charged, r.limit, r.code)
 
     async def retire(self, ledger_id: str, reservation_ids: Sequence[str]) -> int:
         """Stop counting ``reservation_ids`` as live (nobody waits for them any more); they stay
@@ -626,7 +536,7 @@ class BudgetLedger:
         if not reservation_ids:
             return 0
         outs = await asyncio.gather(*(self._submit(ledger_id, "x", rid, 0, 0.0) for rid in reservation_ids))
-        return sum(out[0] for out in outs)
+        return sum(r.value for r in outs)
 
     async def count_rejections(self, ledger_id: str, n: int) -> None:
         """Add ``n`` calls refused outside the ledger script (the producer's up-front refusal of a
@@ -652,79 +562,6 @@ class BudgetLedger:
         """Stop waiting: wake every parked call (it asks once more) and close the pub/sub connection."""
         if self._waits is not None:
             await self._waits.aclose()
-
-    async def open_unlimited(self, ledger_id: str, ttl: int | None = None) -> None:
-        """Open a liveness-only ledger ``ledger_id``: no budget, but closable and with tree nodes,
-        for a tree whose top has no sub-LLM budget (its calls get :data:`UNLIMITED` while their
-        chain is alive). Keeps an existing ledger as it is (only its TTL is pushed).
-
-        Args:
-            ttl: seconds it lives after a refresh; default: this object's ``ttl``.
-
-        Raises:
-            ValueError: ``ttl`` < 1.
-            redis.RedisError: Redis refused or is gone.
-        """
-        ttl = self._ttl if ttl is None else ttl
-        if ttl < 1:
-            raise ValueError("ledger ttl must be >= 1 second")
-        await self._redis.eval(OPEN_UNLIMITED_LUA, 1, LedgerKeys(ledger_id).budget, ttl)
-
-    async def open_node(self, ledger_id: str, node_id: str, ttl: int = NODE_TTL) -> None:
-        """Mark the tree node ``node_id`` alive in ledger ``ledger_id`` for ``ttl`` seconds (its host
-        refreshes it: :meth:`refresh_nodes`). Reservations whose chain names it are granted only
-        while it is.
-
-        Raises:
-            ConfigError: an invalid id. ValueError: ``ttl`` < 1.
-            redis.RedisError: Redis refused or is gone.
-        """
-        if ttl < 1:
-            raise ValueError("node ttl must be >= 1 second")
-        await self._redis.set(LedgerKeys(ledger_id).node(node_id), 1, ex=ttl)
-
-    async def refresh_nodes(self, nodes: Sequence[tuple[str, str, int]]) -> None:
-        """Push the TTL of live nodes ``(ledger_id, node_id, ttl seconds)`` in one round trip. A node
-        already gone (expired, closed, deleted by a reaper) stays gone: ``EXPIRE`` never re-creates it.
-
-        Raises:
-            redis.RedisError: Redis refused or is gone.
-        """
-        if not nodes:
-            return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for ledger_id, node_id, ttl in nodes:
-                pipe.expire(LedgerKeys(ledger_id).node(node_id), ttl)
-            await pipe.execute()
-
-    async def node_alive(self, ledger_id: str, node_id: str) -> bool:
-        """True when the node ``node_id`` of ledger ``ledger_id`` is alive (one ``EXISTS``)."""
-        return bool(await self._redis.exists(LedgerKeys(ledger_id).node(node_id)))
-
-    async def close_node(self, ledger_id: str, node_id: str) -> None:
-        """End the node ``node_id`` (its rollout ended, or a reaper found its attempt dead): every
-        later reservation whose chain names it (its own calls, its descendants') is refused, and
-        the ledger's parked calls are woken to ask again (those under it are refused now).
-
-        Raises:
-            redis.RedisError: Redis refused or is gone.
-        """
-        keys = LedgerKeys(ledger_id)
-        await self._redis.eval(CLOSE_LEDGER_LUA, 3, keys.budget, keys.released, keys.node(node_id), 0)
-
-    async def close(self, ledger_id: str, top_node: str | None = None) -> bool:
-        """Close the ledger ``ledger_id`` (its top rollout ended, timed out or was cancelled): every
-        later reservation is refused (:data:`TREE_CLOSED`), with or without a chain; settlements
-        still count. Deletes the node ``top_node`` too, in the same script, and wakes the ledger's
-        parked calls (they are refused now, not at their deadline). A lost ledger is not
-        re-created. Returns True when a ledger was closed.
-
-        Raises:
-            redis.RedisError: Redis refused or is gone.
-        """
-        keys = LedgerKeys(ledger_id)
-        extra = [keys.node(top_node)] if top_node is not None else []
-        return bool(await self._redis.eval(CLOSE_LEDGER_LUA, 2 + len(extra), keys.budget, keys.released, *extra, 1))
 
     async def exists(self, ledger_id: str) -> bool:
         """True when the ledger ``ledger_id`` exists in Redis (one ``EXISTS``)."""

@@ -1,101 +1,118 @@
-"""The Lua script of the budget ledger (:mod:`rlmq.common.ledger`): its one wire format.
+"""The Lua scripts of the budget ledger (:mod:`rlmq.common.ledger`), with their contracts.
 
 Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re-exported by
-:mod:`rlmq.common.ledger`, whose docstring states the policy the script implements.
+:mod:`rlmq.common.ledger`, whose docstring states the policy the script implements. The
+ledger's field names, result codes and reply are spliced in from :mod:`rlmq.common.ledger_wire`
+(``$GRANTED`` -> ``0``, ``$HASH_FIELDS`` -> ``'limit', 'charged', ...``), so each is spelled once
+and the script reads no field, and answers no code, by a bare number.
 """
+
+from __future__ import annotations
+
+from string import Template
+
+from rlmq.common.ledger_wire import lua_names
+
+
+def _lua(text: str) -> str:
+    """A script with the ledger's wire names spliced in (:func:`rlmq.common.ledger_wire.lua_names`)."""
+    return Template(text).substitute(lua_names())
+
 
 # KEYS[1] budget hash, KEYS[2] reservations hash, KEYS[3] live-open sorted set, KEYS[4] release
 # channel (one ledger: all share its id's hash tag), then KEYS[5..] the node keys of the calling
 # rollout's tree chain (top .. caller; none for a call of a top rollout): a reservation is refused
-# with code 6 when the ledger is 'closed' (its top rollout ended) and with code 7 when one of those
-# node keys is gone (the caller, or an ancestor, ended or died; 'next' = the missing node's position
-# in the chain, from 1). Settles and retires are never refused: tokens spent are always recorded.
-# ARGV[1] the TTL (seconds) of a ledger that
-# stores none (opened by an older producer; 0: the budget hash's own remaining TTL): a ledger
-# opened now stores its owner's TTL in its 'ttl' field and the script uses that, never the
-# caller's (a stored 'ttl' that is not a whole number of seconds from 1 to ten years is ignored:
-# an EXPIRE that fails mid-script would leave a grant charged with nobody to settle it). ARGV[2]
-# unused (now is Redis's TIME),
-# then per operation i four arguments from ARGV[4i-1]: kind ('r' reserve, 'r:<kind>' reserve of
-# reservation kind <kind>, 's' settle, 'x' retire), reservation id, n, deadline (both unused by a
-# retire). For a reserve n is the caller's cap in tokens (<= 0: none; it can only lower the
-# ledger's own cap of the kind: 'cap' for 'r', 'cap:<kind>' for 'r:<kind>', none when unset) and
-# deadline the call's deadline (Unix seconds); for a settle
-# n is the completion tokens the server reported (>= 0) and deadline is unused.
+# with TREE_CLOSED when the ledger is 'closed' (its top rollout ended) and with NODE_GONE when one
+# of those node keys is gone (the caller, or an ancestor, ended or died; 'detail' = the missing
+# node's position in the chain, from 1). Settles and retires are never refused: tokens spent are
+# always recorded.
+# ARGV[1] the TTL (seconds) of a ledger that stores none (opened by an older producer; 0: the
+# budget hash's own remaining TTL): a ledger opened now stores its owner's TTL in its 'ttl' field
+# and the script uses that, never the caller's (a stored 'ttl' that is not a whole number of
+# seconds from 1 to ten years is ignored: an EXPIRE that fails mid-script would leave a grant
+# charged with nobody to settle it). "Now" is Redis's TIME.
+# Then per operation i the four arguments of ledger_wire.OP_ARGS from ARGV[2 + 4 (i - 1)]:
+# op ('r' reserve, 'r:<kind>' reserve of reservation kind <kind>, 's' settle, 'x' retire),
+# reservation id, n, deadline (both unused by a retire). For a reserve n is the caller's cap in
+# tokens (<= 0: none; it can only lower the ledger's own cap of the kind: 'cap' for 'r',
+# 'cap:<kind>' for 'r:<kind>', none when unset) and deadline the call's deadline (Unix seconds);
+# for a settle n is the completion tokens the server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
-# ledger once (HMGET) and writes it once (HSET). Returns one {a, charged, limit, code, next[, need]}
-# per operation:
-# * reserve: a = grant. code 0 granted (grant > 0); 1 rejected (grant 0: nothing free and no live
-#   reservation that could give tokens back); 2 no ledger (budget hash missing: expired, lost, or
-#   an unbudgeted rollout); 3 already settled (a retried job asked again for a closed reservation);
-#   8 unlimited (a liveness-only ledger, field 'unlimited', no 'limit': a tree without a budget;
+# ledger once (HMGET) and writes it once (HSET). Returns one reply (ledger_wire.REPLY_FIELDS) per
+# operation, read by ledger_wire.Reply.of:
+# * reserve: value = grant. GRANTED (grant > 0); REJECTED (grant 0: nothing free and no live
+#   reservation that could give tokens back); NO_LEDGER (budget hash missing: expired, lost, or
+#   an unbudgeted rollout); ALREADY_SETTLED (a retried job asked again for a closed reservation);
+#   UNLIMITED (a liveness-only ledger, field 'unlimited', no 'limit': a tree without a budget;
 #   the chain is alive, call without a grant and settle nothing);
-#   4 wait (less than a full grant is free but live reservations may give some back: ask again
-#   after a release, or at 'next', the earliest live reservation's deadline in ms, when it stops
+#   WAIT (less than a full grant is free but live reservations may give some back: ask again
+#   after a release, or at 'detail', the earliest live reservation's deadline in ms, when it stops
 #   counting as live, and need, the grant it waits for). An open reservation with the same id
 #   returns its grant again.
 #   The grant is min(cap, free), free = limit - charged, cap = min(ledger cap, caller's cap); it is
 #   given when free >= need = ceil(min(cap, limit) / 2) (half a full grant; no cap: free > 0), or,
 #   when no live reservation is left, whatever is free (the last remainder).
 # * retire ('x'): the reservation stops being live (its job was handed to a new attempt: its
-#   worker is presumed dead); it stays open and charged, and can still be settled. a = 1 when
+#   worker is presumed dead); it stays open and charged, and can still be settled. value = 1 when
 #   it was live. Waiters are told, as after a settle.
-# * settle: a = released = grant - used (>= 0 with a server that honours max_tokens; a server
+# * settle: value = released = grant - used (>= 0 with a server that honours max_tokens; a server
 #   that returned more than its grant is charged the excess, recorded in 'overrun').
-#   code 0 settled now, 1 already settled (nothing changes), 2 unknown reservation.
+#   SETTLE_SETTLED now, SETTLE_ALREADY (nothing changes), SETTLE_UNKNOWN reservation.
 # A live reservation is an open one whose call's deadline has not passed (KEYS[3], scored by
 # deadline): one held by a dead worker stops being live at its deadline but stays charged.
 # After any settle, once the rollout has had a waiter, the script publishes '<free> <live>' on
 # KEYS[4] (free = limit - charged, live = live reservations left): waiters wake by it.
 # The reservations hash gets the ledger's stored TTL with the ledger's first grant, the live set
 # with every script that adds to it (the owner's key refresh keeps both alive with the ledger).
-LEDGER_LUA = """
+LEDGER_LUA = _lua("""
+local budget, reservations, live_set, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local chain_from = 5  -- KEYS[chain_from ..]: the caller's tree chain
 local ttl = tonumber(ARGV[1])
 local clock = redis.call('TIME')  -- "now" is Redis's clock, never the calling host's
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
-local nops = (#ARGV - 2) / 4
-local b = redis.call('HMGET', KEYS[1], 'limit', 'charged', 'grants', 'used', 'released', 'overrun', 'rejections',
-                     'waits', 'cap', 'ttl', 'closed', 'unlimited')
-local limit, lcap = tonumber(b[1]), tonumber(b[9] or '0')
-local refusal = nil  -- {code, position}: why this ledger refuses every reservation now (computed once)
+local nops = (#ARGV - 1) / $OP_ARGS
+local $HASH_LOCALS = unpack(redis.call('HMGET', budget, $HASH_FIELDS))
+local limit, lcap = tonumber(h_limit), tonumber(h_cap or '0')
+local function reply($REPLY_FIELDS)
+  return {$REPLY_FIELDS}
+end
+local refusal_code, refusal_at = nil, 0  -- why this ledger refuses every reservation now (computed once)
 local function tree_refusal()
-  if refusal == nil then
-    refusal = false
-    if b[11] then
-      refusal = {6, 0}
-    elseif #KEYS > 4 then
+  if refusal_code == nil then
+    refusal_code = false
+    if h_closed then
+      refusal_code = $TREE_CLOSED
+    elseif #KEYS >= chain_from then
       local nodes = {}
-      for k = 5, #KEYS do nodes[#nodes + 1] = KEYS[k] end
+      for k = chain_from, #KEYS do nodes[#nodes + 1] = KEYS[k] end
       if redis.call('EXISTS', unpack(nodes)) < #nodes then
-        for k = 5, #KEYS do
+        for k = chain_from, #KEYS do
           if redis.call('EXISTS', KEYS[k]) == 0 then
-            refusal = {7, k - 4}
+            refusal_code, refusal_at = $NODE_GONE, k - chain_from + 1
             break
           end
         end
       end
     end
   end
-  return refusal
+  return refusal_code
 end
-local stored = tonumber(b[10] or '')
+local stored = tonumber(h_ttl or '')
 if stored and stored >= 1 and stored <= 315360000 and stored == math.floor(stored) then ttl = stored end
-if not (ttl >= 1 and ttl == math.floor(ttl)) then ttl = redis.call('TTL', KEYS[1]) end
+if not (ttl >= 1 and ttl == math.floor(ttl)) then ttl = redis.call('TTL', budget) end
 local kcaps = {}
 local function kind_cap(k)
   if k == '' then return lcap end
-  if kcaps[k] == nil then kcaps[k] = tonumber(redis.call('HGET', KEYS[1], 'cap:' .. k) or '0') or 0 end
+  if kcaps[k] == nil then kcaps[k] = tonumber(redis.call('HGET', budget, 'cap:' .. k) or '0') or 0 end
   return kcaps[k]
 end
-local f = {charged = tonumber(b[2] or '0'), grants = tonumber(b[3] or '0'), used = tonumber(b[4] or '0'),
-           released = tonumber(b[5] or '0'), overrun = tonumber(b[6] or '0'), rejections = tonumber(b[7] or '0'),
-           waits = tonumber(b[8] or '0')}
-local changed, names = {}, {'charged', 'grants', 'used', 'released', 'overrun', 'rejections', 'waits'}
+local f = {$COUNTER_TABLE}
+local changed, names = {}, {$COUNTERS}
 local state, writes, order = {}, {}, {}
 local ids = {}
-for i = 1, nops do ids[i] = ARGV[4 * i] end
+for i = 1, nops do ids[i] = ARGV[1 + $OP_ARGS * (i - 1) + 2] end
 for i = 1, nops, 500 do
-  local part = redis.call('HMGET', KEYS[2], unpack(ids, i, math.min(i + 499, nops)))
+  local part = redis.call('HMGET', reservations, unpack(ids, i, math.min(i + 499, nops)))
   for j = 1, #part do
     if part[j] then state[ids[i + j - 1]] = part[j] end
   end
@@ -108,28 +125,29 @@ end
 local live = nil
 local function live_count()
   if live == nil then
-    redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-    live = redis.call('ZCARD', KEYS[3])
+    redis.call('ZREMRANGEBYSCORE', live_set, '-inf', now)
+    live = redis.call('ZCARD', live_set)
   end
   return live
 end
 local added, settled, first_grant = false, false, false
 local out = {}
 for i = 1, nops do
-  local kind, id, n, dl = ARGV[4 * i - 1], ARGV[4 * i], tonumber(ARGV[4 * i + 1]), tonumber(ARGV[4 * i + 2])
+  local o = 1 + $OP_ARGS * (i - 1)
+  local kind, id, n, dl = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
   local s = state[id]
   if string.sub(kind, 1, 1) == 'r' then
-    if not limit and not b[12] then
-      out[i] = {0, 0, 0, 2, 0}
+    if not limit and not h_unlimited then
+      out[i] = reply(0, 0, 0, $NO_LEDGER, 0, 0)
     elseif tree_refusal() then
-      out[i] = {0, f.charged, limit or 0, refusal[1], refusal[2]}
+      out[i] = reply(0, f.charged, limit or 0, refusal_code, refusal_at, 0)
     elseif not limit then
-      out[i] = {0, 0, 0, 8, 0}
+      out[i] = reply(0, 0, 0, $UNLIMITED, 0, 0)
     elseif s then
       if string.sub(s, 1, 5) == 'open:' then
-        out[i] = {tonumber(string.sub(s, 6)), f.charged, limit, 0, 0}
+        out[i] = reply(tonumber(string.sub(s, 6)), f.charged, limit, $GRANTED, 0, 0)
       else
-        out[i] = {0, f.charged, limit, 3, 0}
+        out[i] = reply(0, f.charged, limit, $ALREADY_SETTLED, 0, 0)
       end
     else
       local cap = kind_cap(string.sub(kind, 3))
@@ -142,10 +160,10 @@ for i = 1, nops do
         grant = free
         if cap > 0 and cap < grant then grant = cap end
       elseif live_count() > 0 then
-        local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+        local _, earliest = unpack(redis.call('ZRANGE', live_set, 0, 0, 'WITHSCORES'))
         f.waits = f.waits + 1
         changed.waits = true
-        out[i] = {0, f.charged, limit, 4, math.floor(tonumber(first[2]) * 1000), full}
+        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(tonumber(earliest) * 1000), full)
       elseif free > 0 then
         grant = free
       end
@@ -156,30 +174,30 @@ for i = 1, nops do
         changed.charged, changed.grants = true, true
         put(id, 'open:' .. grant)
         if dl > now then
-          redis.call('ZADD', KEYS[3], dl, id)
+          redis.call('ZADD', live_set, dl, id)
           if live ~= nil then live = live + 1 end
           added = true
         end
-        out[i] = {grant, f.charged, limit, 0, 0}
+        out[i] = reply(grant, f.charged, limit, $GRANTED, 0, 0)
       elseif not out[i] then
         f.rejections = f.rejections + 1
         changed.rejections = true
-        out[i] = {0, f.charged, limit, 1, 0}
+        out[i] = reply(0, f.charged, limit, $REJECTED, 0, 0)
       end
     end
   elseif kind == 'x' then
-    local removed = redis.call('ZREM', KEYS[3], id)
+    local removed = redis.call('ZREM', live_set, id)
     if removed > 0 then
       live = nil
       settled = true
     end
-    out[i] = {removed, f.charged, limit or 0, 0, 0}
+    out[i] = reply(removed, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   else
     local lim = limit or 0
     if not s then
-      out[i] = {0, f.charged, lim, 2, 0}
+      out[i] = reply(0, f.charged, lim, $SETTLE_UNKNOWN, 0, 0)
     elseif string.sub(s, 1, 5) ~= 'open:' then
-      out[i] = {0, f.charged, lim, 1, 0}
+      out[i] = reply(0, f.charged, lim, $SETTLE_ALREADY, 0, 0)
     else
       local release = tonumber(string.sub(s, 6)) - n
       f.charged = f.charged - release
@@ -194,9 +212,9 @@ for i = 1, nops do
       end
       put(id, 'settled:' .. n)
       if live ~= nil then live = nil end
-      redis.call('ZREM', KEYS[3], id)
+      redis.call('ZREM', live_set, id)
       settled = true
-      out[i] = {release, f.charged, lim, 0, 0}
+      out[i] = reply(release, f.charged, lim, $SETTLE_SETTLED, 0, 0)
     end
   end
 end
@@ -207,22 +225,22 @@ for _, name in ipairs(names) do
     hset[#hset + 1] = f[name]
   end
 end
-if #hset > 0 and limit then redis.call('HSET', KEYS[1], unpack(hset)) end  -- never re-create a lost ledger
+if #hset > 0 and limit then redis.call('HSET', budget, unpack(hset)) end  -- never re-create a lost ledger
 local rargs = {}
 for _, id in ipairs(order) do
   rargs[#rargs + 1] = id
   rargs[#rargs + 1] = writes[id]
 end
 for i = 1, #rargs, 1000 do
-  redis.call('HSET', KEYS[2], unpack(rargs, i, math.min(i + 999, #rargs)))
+  redis.call('HSET', reservations, unpack(rargs, i, math.min(i + 999, #rargs)))
 end
-if first_grant and ttl > 0 then redis.call('EXPIRE', KEYS[2], ttl) end
-if added and ttl > 0 then redis.call('EXPIRE', KEYS[3], ttl) end
+if first_grant and ttl > 0 then redis.call('EXPIRE', reservations, ttl) end
+if added and ttl > 0 then redis.call('EXPIRE', live_set, ttl) end
 if settled and f.waits > 0 then
-  redis.call('PUBLISH', KEYS[4], (limit or 0) - f.charged .. ' ' .. live_count())
+  redis.call('PUBLISH', channel, (limit or 0) - f.charged .. ' ' .. live_count())
 end
 return out
-"""
+""")
 
 # Count calls refused outside the script (the producer's up-front refusal, a waiter giving up):
 # KEYS[1] budget hash, ARGV[1] how many. Only an existing ledger is counted (never re-created), and

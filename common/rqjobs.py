@@ -48,12 +48,16 @@ JOB_FIELDS = {
 }
 """The names above by constant name, for splicing into Lua (``string.Template``: ``$F_REPLY``)."""
 
-# The job function, by import path: the producer never imports the workers package.
+# The job functions, by import path (the producer never imports the workers package). rlmq's
+# worker runs their jobs through its kind registry (rlmq.workers.kinds) by these names, without
+# calling them; a stock RQ worker calls them (rlmq.workers.job). The names are part of every job
+# record: renaming one would make old and new workers of one fleet refuse each other's jobs.
 SUB_LLM_FUNC = "rlmq.workers.job.run_sub_llm"
 CHILD_ROLLOUT_FUNC = "rlmq.workers.job.run_child_rollout"
 """A child rollout of ``rlm_batch`` (issue 22): its one argument is a
 :class:`~rlmq.common.schemas.ChildRolloutRequest`, its result a
-:class:`~rlmq.common.schemas.SubLLMResult` with ``child`` set."""
+:class:`~rlmq.common.schemas.SubLLMResult` with ``child`` set. The function it names refuses on a
+stock RQ worker (:func:`rlmq.workers.job.run_child_rollout`): a child needs a REPL host."""
 
 
 def utcformat(dt: datetime) -> str:

@@ -57,6 +57,13 @@ SUB_RESERVED_SAMPLING: frozenset[str] = ROOT_RESERVED_SAMPLING | {"max_tokens", 
 ``sub_llm_per_call_max_tokens``), ``n`` would multiply the completion tokens of one grant."""
 MAX_SAMPLING_BYTES = 16_384
 """The largest JSON of one call's sampling arguments."""
+SUB_LLM_MAX_TURNS_DEFAULT = 5
+"""Turns of a sub-LLM's own tool loop unless set: the default of the ``sub_llm_max_turns``
+setting, and of a job payload that does not say."""
+SUB_LLM_MAX_TURNS_LIMIT = 100
+"""The most turns of a sub-LLM's own tool loop: the upper bound of the ``sub_llm_max_turns``
+setting and of :attr:`SubCallOptions.max_turns` alike, declared here once (a worker refuses a
+job past it; a setting past it is refused at start-up, never by every ``llm_batch``)."""
 
 
 def normalize_sampling(args: Any, *, sub: bool) -> dict[str, Any]:
@@ -123,7 +130,7 @@ class SubCallOptions(_Strict):
     model: str
     system_prompt: str | None = None
     sub_tools: list[str] = Field(default_factory=list)
-    max_turns: int = Field(default=5, ge=1, le=100)
+    max_turns: int = Field(default=SUB_LLM_MAX_TURNS_DEFAULT, ge=1, le=SUB_LLM_MAX_TURNS_LIMIT)
     """Turns of the sub-LLM's own tool loop (``sub_llm_max_turns``)."""
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """Per-call cap on completion tokens (``None``: the server's default)."""

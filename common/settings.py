@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -18,48 +18,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
-from rlmq.common.schemas import normalize_sampling
-from rlmq.common.tree import MAX_DEPTH
+from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
+from rlmq.common.settings_fields import field_env_vars, invalid_settings, meta, too_deep, variable_set
+from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
 SystemPromptMode = Literal["prepend", "append", "replace"]
 
 BUDGET_ZERO = "must be >= 1: a budget of 0 would refuse every sub-LLM call; leave it unset for no budget"
-
-
-def meta(
-    *,
-    unit: str | None = None,
-    flag: str | None = None,
-    metavar: str | None = None,
-    commands: tuple[str, ...] | None = None,
-    required_by: tuple[str, ...] = (),
-    default_text: str | None = None,
-    aliases: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """What a field declares beyond its type, default and description (``json_schema_extra``).
-
-    Every key is optional; :mod:`rlmq.common.settings_schema` derives what is left out.
-
-    Args:
-        unit: the unit of a number (``"completion tokens"``, ``"seconds"``, ``"characters"``).
-        flag: the command-line flag when it is not ``--`` + the name with dashes.
-        metavar: the flag's value placeholder when the unit does not name it.
-        commands: the ``rlmq`` commands that take the flag (default by owner: rollout options
-            ``run`` and ``demo``; worker options ``worker``; the process's own: none).
-        required_by: commands on which the flag is required.
-        default_text: what the default means, when its value does not say it (``None``).
-        aliases: more flags for the same setting (short ones, as vf-eval's ``-n``, ``-r``, ``-S``).
-    """
-    out: dict[str, Any] = {"unit": unit, "flag": flag, "metavar": metavar, "default_text": default_text}
-    out = {k: v for k, v in out.items() if v is not None}
-    if commands is not None:
-        out["commands"] = list(commands)
-    if required_by:
-        out["required_by"] = list(required_by)
-    if aliases:
-        out["aliases"] = list(aliases)
-    return out
 
 
 class RolloutOptions(BaseModel):
@@ -90,7 +56,11 @@ class RolloutOptions(BaseModel):
         json_schema_extra=meta(unit="turns"),
     )
     sub_llm_max_turns: int = Field(
-        default=5, ge=1, description="turns of one sub-LLM's own tool loop", json_schema_extra=meta(unit="turns")
+        default=SUB_LLM_MAX_TURNS_DEFAULT,
+        ge=1,
+        le=SUB_LLM_MAX_TURNS_LIMIT,
+        description="turns of one sub-LLM's own tool loop",
+        json_schema_extra=meta(unit="turns"),
     )
     sub_llm_max_completion_tokens: int | None = Field(
         default=None,
@@ -139,7 +109,7 @@ class RolloutOptions(BaseModel):
         json_schema_extra=meta(unit="sub-calls"),
     )
     max_depth: int = Field(
-        default=1,
+        default=MAX_DEPTH_DEFAULT,
         ge=1,
         le=MAX_DEPTH,
         description=(
@@ -435,6 +405,13 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         description="API key of the model server(s), also given to local workers (also read from OPENAI_API_KEY)",
         json_schema_extra=meta(commands=("run", "worker"), metavar="KEY", default_text="EMPTY"),
     )
+    root_model_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="how long one HTTP call to the root model may take, for a top rollout (run) and a child "
+        "rollout hosted by a worker (--repl-slots) alike",
+        json_schema_extra=meta(commands=("run", "worker"), unit="seconds"),
+    )
     sub_base_url: str | None = Field(
         default=None,
         description="model server that locally started workers call (rlmq run without a Redis URL)",
@@ -522,7 +499,7 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         try:
             return type(self).model_validate({**self.model_dump(), **overrides})
         except ValidationError as exc:
-            raise ConfigError(invalid_settings(exc, overrides, label)) from exc
+            raise ConfigError(invalid_settings(exc, type(self).model_fields, overrides, label)) from exc
 
     def sub_queue(self) -> str:
         """The queue the producer enqueues sub-LLM jobs on.
@@ -561,52 +538,6 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         return queue_name_for_model(self.model)
 
 
-def invalid_settings(exc: Any, given: Iterable[str] = (), label: Callable[[str], str] = str) -> str:
-    """One line for a pydantic ``ValidationError`` of :class:`Settings`, each error named as the
-    user wrote it: ``label(field)`` for a field in ``given`` (a flag, an argument), the
-    ``RLMQ_*`` variable for one set in the environment, else the field's name.
-
-    Returns ``invalid setting(s): NAME: message; ...``; input values are never included.
-    """
-    given = set(given)
-    parts = []
-    for error in exc.errors(include_input=False):
-        loc = error["loc"]
-        field = _field_of(str(loc[0])) if loc else None
-        if field is None:
-            name = ".".join(map(str, loc)) or "settings"
-        elif field in given:
-            name = label(field)
-        else:
-            name = _variable_set(field) or field
-        parts.append(f"{name}: {str(error['msg']).removeprefix('Value error, ')}")
-    return f"invalid setting(s): {'; '.join(parts)}"
-
-
-def _field_of(loc: str) -> str | None:
-    """The :class:`Settings` field an error location names (its name or one of its aliases)."""
-    if loc in Settings.model_fields:
-        return loc
-    return next((name for name in Settings.model_fields if loc in env_vars(name)), None)
-
-
-def env_vars(name: str) -> list[str]:
-    """The environment variables of the :class:`Settings` field ``name``, first one first:
-    ``RLMQ_<NAME>``, or the names its ``validation_alias`` lists (``REDIS_URL``, ...)."""
-    alias = Settings.model_fields[name].validation_alias
-    if isinstance(alias, AliasChoices):
-        return [str(a) for a in alias.choices if isinstance(a, str)]
-    if isinstance(alias, str):
-        return [alias]
-    return [f"RLMQ_{name.upper()}"]
-
-
-def _variable_set(name: str) -> str | None:
-    """The environment variable of the field ``name`` that is set (any case, as pydantic reads them)."""
-    present = {k.upper() for k in os.environ}
-    return next((v for v in env_vars(name) if v.upper() in present), None)
-
-
 def build_settings(values: Mapping[str, Any], label: Callable[[str], str] = str) -> Settings:
     """:class:`Settings` from explicit ``values`` (field name -> value) over the ``RLMQ_*``
     environment over the defaults: the one precedence of every path.
@@ -628,9 +559,9 @@ def build_settings(values: Mapping[str, Any], label: Callable[[str], str] = str)
     try:
         return Settings(**values)
     except ValidationError as exc:
-        raise ConfigError(invalid_settings(exc, values, label)) from exc
+        raise ConfigError(invalid_settings(exc, Settings.model_fields, values, label)) from exc
     except RecursionError:  # an RLMQ_* variable of JSON nested past Python's recursion limit
-        deep = next((v for v in os.environ if v.upper().startswith("RLMQ_") and _too_deep(os.environ[v])), None)
+        deep = next((v for v in os.environ if v.upper().startswith("RLMQ_") and too_deep(os.environ[v])), None)
         raise ConfigError(
             f"invalid setting(s): {(deep or 'an RLMQ_* variable').upper()}: JSON nested too deeply"
         ) from None
@@ -638,23 +569,25 @@ def build_settings(values: Mapping[str, Any], label: Callable[[str], str] = str)
         match = re.search(r'field "(\w+)"', str(exc))
         if match is None or match.group(1) not in Settings.model_fields:
             raise ConfigError(str(exc)) from exc
-        variable = _variable_set(match.group(1)) or match.group(1)
+        variable = variable_set(Settings.model_fields, match.group(1)) or match.group(1)
         raise ConfigError(
             f'invalid setting(s): {variable}: not JSON (a list is written as JSON, e.g. ["a.b"])'
         ) from exc
 
 
-def _too_deep(text: str) -> bool:
-    """Whether ``text`` is JSON nested past Python's recursion limit."""
-    import json
+def env_vars(name: str) -> list[str]:
+    """The environment variables of the :class:`Settings` field ``name``, first one first."""
+    return field_env_vars(Settings.model_fields, name)
 
-    try:
-        json.loads(text)
-    except RecursionError:
-        return True
-    except ValueError:
-        return False
-    return False
+
+def setting_default(name: str) -> Any:
+    """The declared default of the setting ``name``, for a lower layer's signature to refer to
+    (as httpx refers to ``DEFAULT_TIMEOUT_CONFIG``) instead of typing the value again.
+
+    Raises:
+        KeyError: ``name`` is no :class:`Settings` field.
+    """
+    return Settings.model_fields[name].get_default(call_default_factory=True)
 
 
 def load_settings(**overrides: Any) -> Settings:

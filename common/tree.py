@@ -16,6 +16,9 @@ MAX_DEPTH = 8
 """The deepest rollout tree (``max_depth``) rlmq runs: REPL-hosting workers serve the child
 queues of depths 2 .. this (:data:`rlmq.workers.capacity.MAX_HOSTED_DEPTH`), so a deeper tree's
 children would find no worker; ``max_depth`` above it is refused where the options are read."""
+MAX_DEPTH_DEFAULT = 1
+"""The ``max_depth`` setting's default, declared here (below the settings, which refer to it)
+for :class:`TreePosition` too: 1 is a lone rollout, whose ``rlm_batch`` makes plain sub-LLM calls."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class TreePosition:
 
     ledger_id: str
     depth: int = 1
-    max_depth: int = 1
+    max_depth: int = MAX_DEPTH_DEFAULT
     nodes: tuple[str, ...] = field(default_factory=tuple)
     parent_id: str | None = None
 

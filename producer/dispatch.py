@@ -39,6 +39,7 @@ from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
 from rlmq.common.rqjobs import SUB_LLM_FUNC, utcnow_str
 from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult, load_result
 from rlmq.common.scripts import run_pipeline
+from rlmq.common.settings import setting_default
 from rlmq.producer.inflight import RolloutInFlight
 
 log = logging.getLogger("rlmq.dispatch")
@@ -100,7 +101,7 @@ class BatchSpec:
     sub_call_timeout: float
     parallelism: int
     call: SubCallOptions
-    result_ttl: int = 600
+    result_ttl: int = setting_default("result_ttl")
     reply_ttl: int = 3600
     ledger_id: str | None = None
     nodes: tuple[str, ...] = ()
@@ -411,113 +412,174 @@ class Dispatcher:
                 spec.inflight.hold(spec.batch_id, 0)
 
     async def _run_batch(self, spec: BatchSpec, prompts: list[str]) -> list[SubLLMResult]:
-        n = len(prompts)
-        shared = spec.inflight
-        results: list[SubLLMResult | None] = [None] * n
-        deadlines: dict[int, float] = {}
-        reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
-        started = time.time()
-        next_index = 0
-        unserved_since: float | None = None
-        progress = started  # last time a result came or a live worker was seen
-        enqueue_failing_since: float | None = None
-        last_id: bytes | str = b"0-0"
-        pending = n
-        next_check = started + GONE_CHECK_SECONDS
-        missing: set[int] = set()
-        while pending:
+        return await _BatchRun(self, spec, prompts).run()
+
+
+class _BatchRun:
+    """One batch's run (:meth:`Dispatcher.run_batch`): its slots, their deadlines and its reply
+    stream, advanced step by named step until every slot has a result."""
+
+    def __init__(self, dispatcher: Dispatcher, spec: BatchSpec, prompts: list[str]) -> None:
+        self.d, self.spec, self.prompts, self.n = dispatcher, spec, prompts, len(prompts)
+        self.results: list[SubLLMResult | None] = [None] * self.n
+        self.pending = self.n
+        self.deadlines: dict[int, float] = {}
+        """Slot -> its deadline (Unix seconds), for the slots enqueued and still open."""
+        self.next_index = 0
+        """The first slot not enqueued yet."""
+        self.reply = K.RolloutKeys(spec.rollout_id).reply(spec.batch_id)
+        self.last_id: bytes | str = b"0-0"
+        self.started = self.progress = time.time()  # progress: a result came or a live worker was seen
+        self.unserved_since: float | None = None
+        self.enqueue_failing_since: float | None = None
+        self.next_check = self.started + GONE_CHECK_SECONDS
+        self.missing: set[int] = set()
+
+    async def run(self) -> list[SubLLMResult]:
+        """Every slot's result, in order; never raises for a sub-call's failure."""
+        while self.pending:
             now = time.time()
-            # Slots past their deadline get an error result now.
-            for i, dl in list(deadlines.items()):
-                if dl <= now and results[i] is None:
-                    results[i] = deadline_result(spec, i)
-                    deadlines.pop(i)
-                    pending -= 1
-            if enqueue_failing_since is not None and now - enqueue_failing_since >= spec.sub_call_timeout:
-                for i in range(next_index, n):  # never enqueued: Redis refused for a whole deadline
-                    results[i] = deadline_result(spec, i)
-                    pending -= 1
-                next_index = n
-            if not pending:
+            self.end_past_deadlines(now)
+            self.end_never_enqueued(now)
+            if not self.pending:
                 break
-            if unserved_since is not None and now - unserved_since >= self.no_worker_grace:
-                log.warning(
-                    "batch %s of rollout %s: no live worker serves queue %s (none for %.0f s); "
-                    "%d open sub-calls end with error_kind=no_worker",
-                    spec.batch_id, spec.rollout_id, spec.queue, now - unserved_since, pending,
-                )  # fmt: skip
-                await self._withdraw(spec, [i for i in range(next_index) if results[i] is None])
-                for i in range(n):
-                    if results[i] is None:
-                        results[i] = no_worker_result(spec, i, self.no_worker_grace)
+            if self.unserved_since is not None and now - self.unserved_since >= self.d.no_worker_grace:
+                await self.end_unserved(now)
                 break
-            raws: list[bytes] = []
             try:
-                room = spec.parallelism - len(deadlines)
-                if shared is not None:  # the rollout's other batches count too
-                    shared.hold(spec.batch_id, len(deadlines))
-                    room = min(room, shared.room(spec.batch_id) - len(deadlines))
-                if next_index < n and room > 0:
-                    take = list(range(next_index, min(n, next_index + room)))
-                    if shared is not None:  # taken before the enqueue yields to the other batches
-                        shared.hold(spec.batch_id, len(deadlines) + len(take))
-                    t, live = await self._enqueue(spec, prompts, take)
-                    enqueue_failing_since = None
-                    for i in take:
-                        deadlines[i] = t + spec.sub_call_timeout
-                    next_index = take[-1] + 1
-                    if not live and unserved_since is None:
-                        unserved_since = t
-                if not deadlines:
-                    if shared is not None:  # the rollout's other batches hold every slot
-                        await shared.wait_for_room(2.0)
-                    continue
-                wait = max(0.01, min(deadlines.values()) - time.time())
-                if unserved_since is not None:
-                    wait = min(wait, max(0.01, unserved_since + self.no_worker_grace - time.time()))
-                got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
-                    {reply: last_id}, count=1000, block=max(1, int(min(wait, 2.0) * 1000))
-                )  # type: ignore[assignment]
-                for _key, entries in got or []:
-                    for entry_id, fields in entries:
-                        last_id = entry_id
-                        raw = fields.get(_REPLY_FIELD)
-                        if raw is not None:
-                            raws.append(raw)
-                if raws:
-                    progress, unserved_since = time.time(), None
-                elif time.time() - progress >= self.no_worker_grace:
-                    # Nothing for a while: is anybody serving this queue at all?
-                    if await self._live_workers(spec.queue):
-                        progress, unserved_since = time.time(), None
-                    elif unserved_since is None:
-                        unserved_since = time.time()
+                raws = await self.exchange()
             except (RedisError, OSError) as exc:
-                # Redis is away (restarting?) or refused (READONLY in a failover, OOM): keep
-                # trying until the deadlines turn the missing slots into error results; the
-                # client reconnects with backoff. Enqueue and read are both safe to repeat.
-                if next_index < n and enqueue_failing_since is None:
-                    enqueue_failing_since = time.time()
-                log.debug("batch %s: Redis error (%s); retrying", spec.batch_id, exc)
-                await asyncio.sleep(0.5)  # backoff before the next try, bounded by the deadlines
+                await self.wait_for_redis(exc)
                 continue
-            for raw in raws:
-                try:
-                    res = load_result(raw)
-                except PayloadError:
-                    continue
-                i = res.index
-                if res.batch_id != spec.batch_id or not (0 <= i < n) or results[i] is not None:
-                    continue  # a late duplicate or a stranger: ignored
-                results[i] = res
-                deadlines.pop(i, None)
-                pending -= 1
-            if deadlines and time.time() >= next_check:
-                next_check = time.time() + GONE_CHECK_SECONDS
-                missing, gone = await self._gone(spec, sorted(deadlines), missing, started)
-                for i, res in gone.items():
-                    results[i] = res
-                    deadlines.pop(i, None)
-                    pending -= 1
-        self._drop_later(reply)
-        return [r if r is not None else deadline_result(spec, i) for i, r in enumerate(results)]
+            if raws is None:
+                continue
+            self.record(raws)
+            await self.end_gone()
+        self.d._drop_later(self.reply)
+        return [r if r is not None else deadline_result(self.spec, i) for i, r in enumerate(self.results)]
+
+    def _end(self, i: int, result: SubLLMResult) -> None:
+        self.results[i] = result
+        self.deadlines.pop(i, None)
+        self.pending -= 1
+
+    def end_past_deadlines(self, now: float) -> None:
+        """Slots past their deadline get an error result now."""
+        for i, dl in list(self.deadlines.items()):
+            if dl <= now and self.results[i] is None:
+                self._end(i, deadline_result(self.spec, i))
+
+    def end_never_enqueued(self, now: float) -> None:
+        """Slots Redis refused to enqueue for a whole deadline end as ``deadline`` errors."""
+        if self.enqueue_failing_since is not None and now - self.enqueue_failing_since >= self.spec.sub_call_timeout:
+            for i in range(self.next_index, self.n):
+                self._end(i, deadline_result(self.spec, i))
+            self.next_index = self.n
+
+    async def end_unserved(self, now: float) -> None:
+        """No live worker served the queue for ``no_worker_grace``: withdraw the jobs, end every open slot."""
+        spec, unserved = self.spec, now - (self.unserved_since or now)
+        log.warning(
+            "batch %s of rollout %s: no live worker serves queue %s (none for %.0f s); "
+            "%d open sub-calls end with error_kind=no_worker",
+            spec.batch_id, spec.rollout_id, spec.queue, unserved, self.pending,
+        )  # fmt: skip
+        await self.d._withdraw(spec, [i for i in range(self.next_index) if self.results[i] is None])
+        for i in range(self.n):
+            if self.results[i] is None:
+                self.results[i] = no_worker_result(spec, i, self.d.no_worker_grace)
+
+    async def exchange(self) -> list[bytes] | None:
+        """Enqueue what fits, then read the reply stream once; ``None``: nothing is out (the
+        rollout's other batches hold every slot, waited for here).
+
+        Raises:
+            RedisError / OSError: Redis is away or refused (:meth:`wait_for_redis`).
+        """
+        await self.enqueue_what_fits()
+        if not self.deadlines:
+            if self.spec.inflight is not None:
+                await self.spec.inflight.wait_for_room(2.0)
+            return None
+        raws = await self.read_replies()
+        await self.note_progress(bool(raws))
+        return raws
+
+    async def enqueue_what_fits(self) -> None:
+        """Enqueue the next slots, as many as the batch's (and the rollout's) parallelism allows."""
+        spec, shared, open_now = self.spec, self.spec.inflight, len(self.deadlines)
+        room = spec.parallelism - open_now
+        if shared is not None:  # the rollout's other batches count too
+            shared.hold(spec.batch_id, open_now)
+            room = min(room, shared.room(spec.batch_id) - open_now)
+        if self.next_index >= self.n or room <= 0:
+            return
+        take = list(range(self.next_index, min(self.n, self.next_index + room)))
+        if shared is not None:  # taken before the enqueue yields to the other batches
+            shared.hold(spec.batch_id, open_now + len(take))
+        t, live = await self.d._enqueue(spec, self.prompts, take)
+        self.enqueue_failing_since = None
+        for i in take:
+            self.deadlines[i] = t + spec.sub_call_timeout
+        self.next_index = take[-1] + 1
+        if not live and self.unserved_since is None:
+            self.unserved_since = t
+
+    async def read_replies(self) -> list[bytes]:
+        """The results added to the reply stream since the last read (blocks up to 2 s, or to
+        the next deadline)."""
+        wait = max(0.01, min(self.deadlines.values()) - time.time())
+        if self.unserved_since is not None:
+            wait = min(wait, max(0.01, self.unserved_since + self.d.no_worker_grace - time.time()))
+        got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.d.redis.xread(
+            {self.reply: self.last_id}, count=1000, block=max(1, int(min(wait, 2.0) * 1000))
+        )  # type: ignore[assignment]
+        raws: list[bytes] = []
+        for _key, entries in got or []:
+            for entry_id, fields in entries:
+                self.last_id = entry_id
+                raw = fields.get(_REPLY_FIELD)
+                if raw is not None:
+                    raws.append(raw)
+        return raws
+
+    async def note_progress(self, got_results: bool) -> None:
+        """A result, or a live worker on the queue, is progress; none for ``no_worker_grace``
+        starts the no-worker clock."""
+        if got_results:
+            self.progress, self.unserved_since = time.time(), None
+        elif time.time() - self.progress >= self.d.no_worker_grace:
+            # Nothing for a while: is anybody serving this queue at all?
+            if await self.d._live_workers(self.spec.queue):
+                self.progress, self.unserved_since = time.time(), None
+            elif self.unserved_since is None:
+                self.unserved_since = time.time()
+
+    async def wait_for_redis(self, exc: BaseException) -> None:
+        """Redis is away (restarting?) or refused (READONLY in a failover, OOM): keep trying until
+        the deadlines turn the missing slots into error results; the client reconnects with
+        backoff. Enqueue and read are both safe to repeat."""
+        if self.next_index < self.n and self.enqueue_failing_since is None:
+            self.enqueue_failing_since = time.time()
+        log.debug("batch %s: Redis error (%s); retrying", self.spec.batch_id, exc)
+        await asyncio.sleep(0.5)  # backoff before the next try, bounded by the deadlines
+
+    def record(self, raws: list[bytes]) -> None:
+        """Give each slot its result; a late duplicate or a stranger is ignored."""
+        for raw in raws:
+            try:
+                res = load_result(raw)
+            except PayloadError:
+                continue
+            i = res.index
+            if res.batch_id != self.spec.batch_id or not (0 <= i < self.n) or self.results[i] is not None:
+                continue
+            self._end(i, res)
+
+    async def end_gone(self) -> None:
+        """Every ``GONE_CHECK_SECONDS``: slots whose job is gone from Redis end as ``redis_lost``."""
+        if self.deadlines and time.time() >= self.next_check:
+            self.next_check = time.time() + GONE_CHECK_SECONDS
+            self.missing, gone = await self.d._gone(self.spec, sorted(self.deadlines), self.missing, self.started)
+            for i, res in gone.items():
+                self._end(i, res)

@@ -18,6 +18,7 @@ another (it may import this module; nothing here imports :mod:`rlmq.workers`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,10 +28,9 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
-from rlmq.common.errors import RlmqError
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
-from rlmq.common.settings import RolloutOptions
+from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandler
@@ -159,7 +159,7 @@ class RolloutHost:
         interception: Interception,
         *,
         metrics: Metrics | None = None,
-        result_ttl: int = 600,
+        result_ttl: int = setting_default("result_ttl"),
         toolbox: RootToolbox | None = None,
     ) -> RolloutHost:
         """A host from its connections: one dispatcher, ``llm_batch`` service and live set.
@@ -246,133 +246,180 @@ async def run_rollout(
     """
     sub_model = options.sub_model or model
     rid = rollout_id or uuid.uuid4().hex
-    pos = tree = tree_position(rid, tree, options.max_depth)
+    pos = tree_position(rid, tree, options.max_depth)
     ro = Rollout(
         id=rid, row=row, model=model, sub_model=sub_model, queue=queue, options=options,
         ledger_id=pos.ledger_id, nodes=chain_of(rid, pos),
     )  # fmt: skip
-    info: dict[str, str | int | float] = {
-        "model": model, "sub_model": sub_model, "queue": queue, "started": time.time(), "row": row.id
-    }  # fmt: skip
-    if pos.depth > 1:
-        info.update(depth=pos.depth, parent=pos.parent_id or "", ledger=pos.ledger_id)
-    node = TreeNode(host.redis, ro, pos)
-    await host.live.enter(rid, options.rollout_key_ttl, info, node=node.live_node)
-    try:
-        await node.open()
-    except BaseException:
-        try:
-            await node.close()
-        finally:
-            await host.live.leave(rid)
-        raise
-    sem = asyncio.Semaphore(1)
-    batches = host.batches
-    rlm = host.rlm or RlmBatchService(batches)
-    rlm_sem = asyncio.Semaphore(1)
-    ends_at = time.monotonic() + options.rollout_timeout  # (re)set when the deadline starts
-
-    async def handle_rlm(tasks: list[RlmTask]) -> tuple[list[str], str]:
-        # Served like llm_batch: pauses the cell's clock; one rlm_batch of a rollout at a time.
-        async with repl.serving(), rlm_sem:
-            return await rlm.run(ro, tasks, tree, ends_at - time.monotonic())
-
-    async def handle_batch(prompts: list[str]) -> tuple[list[str], str]:
-        # The REPL's own account of what it serves pauses its cell timeout (never the child's word);
-        # one batch of a rollout at a time, its parallelism is per rollout.
-        async with repl.serving(), sem:
-            return await batches.run(ro, prompts)
-
-    toolbox = host.toolbox if host.toolbox is not None and host.toolbox.tools else None
-    handle_tool: ToolHandler | None = None
-    tools: RootToolService | None = None
-    ro.stats.root_tool_calls = dict.fromkeys(toolbox.names if toolbox else [], 0)
-    if toolbox is not None:
-        tools = service = RootToolService(toolbox)
-        tool_sem = asyncio.Semaphore(1)
-
-        async def handle_tool(name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[bool, str]:
-            # Served like a batch: the parent's own account pauses the cell's timeout; the tool has its own.
-            # One call of a rollout at a time, waiting at most one tool timeout for the one before.
-            async with repl.serving():
-                try:
-                    async with asyncio.timeout(options.root_tool_timeout):
-                        await tool_sem.acquire()
-                except TimeoutError:
-                    return False, f"{name}: another tool call of this rollout is still running; try again"
-                try:
-                    return await service.run(ro, name, args, kwargs)
-                finally:
-                    tool_sem.release()
-
-    token = host.interception.register(handle_batch, handle_tool, handle_rlm)
-    scaffold = root_system_prompt(
-        row.context,
-        verbosity=options.root_prompt_verbosity,
-        budget=ro.budget,
-        max_turns=options.max_turns,
-        sub_llm_max_turns=options.sub_llm_max_turns,
-        max_output_length=options.max_output_length,
-        parallelism=options.max_sub_llm_parallelism,
-        tools=[t.summary() for t in toolbox.tools.values()] if toolbox else [],
-        depth=tree.depth,
-        max_depth=tree.max_depth,
-    )
-    system = compose_system_prompt(scaffold, options.system_prompt, options.system_prompt_mode)
-    ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": row.question}]
-    stop: StopReason = "max_turns"
-    final: str | None = None
-    error: str | None = None
-    repl_tools = [{"name": t.name, "doc": t.doc} for t in toolbox.tools.values()] if toolbox else []
-    try:
-        repl = host.make_repl(row.context, token, options, host.interception, repl_tools)
-    except BaseException:  # nothing of the rollout may stay registered or listed as live
-        host.interception.unregister(token)
-        try:
-            await node.close()
-        finally:
-            await host.live.leave(rid)
-        raise
-    deadline = asyncio.timeout(options.rollout_timeout)  # a wall-clock deadline of its own
-    ends_at = time.monotonic() + options.rollout_timeout
-    try:
-        async with deadline:
-            await repl.start()
-            stop, final = await root_loop(node.wrap_root(host.root), ro, repl)
-    except TimeoutError as exc:
-        stop, error = "error", f"{type(exc).__name__}: {exc}"
-        if deadline.expired():
-            error = f"RolloutTimeout: the rollout ran past its deadline of {options.rollout_timeout:g} s"
-    except RlmqError as exc:
-        stop, error = "error", f"{type(exc).__name__}: {exc}"
-    except Exception as exc:  # a rollout never takes the evaluation down with it
-        stop, error = "error", f"{type(exc).__name__}: {exc}"
-    finally:
-        host.interception.unregister(token)
-        if tools is not None:
-            tools.close()  # its calls still running are recorded now, none after the result
-        try:
-            await repl.close()
-        finally:  # also when the close is cut short: `rlmq status` must not list it as live
-            try:
-                await node.close()  # its tree (a top) or its subtree (a child) gets no more grants
-            finally:
-                await host.live.leave(rid)
+    run = _RolloutRun(host, ro, pos)
+    stop, final, error = await run.run()
     raise_if_cancelled(f"rollout {rid} of row {row.id}")
-    metrics = ro.stats.metrics()
-    # per depth and tree-wide (rlm_batch children)
-    metrics.update(tree_metrics(ro.trajectory, metrics, depth=tree.depth, max_depth=tree.max_depth))
-    if ro.ledger is not None and node.top:  # a child's ledger is its tree's: the top reports it
-        metrics.update(await ro.ledger.metrics())
-    correct = None if row.answer is None else normalize_answer(final) == normalize_answer(row.answer)
-    result_row = ResultRow(
-        id=row.id,
-        final_answer=final,
-        answer=row.answer,
-        correct=correct,
-        stop_reason=stop,
-        metrics=metrics,
-        error=error,
-        rollout=rollout_index,
-    )
-    return RolloutResult(row=result_row, trajectory=ro.trajectory, messages=ro.messages)
+    return await run.result(stop, final, error, rollout_index)
+
+
+class _RolloutRun:
+    """One rollout's lifecycle (:func:`run_rollout`): its parts acquired in order (live entry,
+    tree node, registration on the interception endpoint, REPL), each pushing its undo on one
+    :class:`contextlib.AsyncExitStack`, so the teardown is written once, whatever fails; and the
+    handlers of its REPL's requests (``llm_batch``, ``rlm_batch``, root tools)."""
+
+    def __init__(self, host: RolloutHost, ro: Rollout, pos: TreePosition) -> None:
+        self.host, self.ro, self.pos, self.options = host, ro, pos, ro.options
+        self.node = TreeNode(host.redis, ro, pos)
+        self.rlm = host.rlm or RlmBatchService(host.batches)
+        self.batch_sem, self.rlm_sem, self.tool_sem = asyncio.Semaphore(1), asyncio.Semaphore(1), asyncio.Semaphore(1)
+        self.ends_at = time.monotonic() + self.options.rollout_timeout  # (re)set when the deadline starts
+        toolbox = host.toolbox if host.toolbox is not None and host.toolbox.tools else None
+        self.toolbox = toolbox
+        self.tools = RootToolService(toolbox) if toolbox is not None else None
+        ro.stats.root_tool_calls = dict.fromkeys(toolbox.names if toolbox else [], 0)
+        self.token: str | None = None
+        self._repl: ReplSession | None = None
+        self._served = True  # until _stop_serving
+
+    # ------------------------------------------------------------------ the lifecycle
+
+    async def run(self) -> tuple[StopReason, str | None, str | None]:
+        """Acquire the parts, run the root loop under the rollout's deadline, tear down.
+
+        Returns:
+            ``(stop reason, final answer, error)``; a failure inside the rollout is an ``error``.
+
+        Raises:
+            redis.RedisError: announcing the rollout or opening its node failed.
+            BaseException: whatever making the REPL raised (everything acquired is undone).
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            await self._announce(stack)
+            stack.push_async_callback(self.node.close)  # its tree (a top) or subtree (a child) gets no more grants
+            await self.node.open()
+            self.token = self.host.interception.register(
+                self.handle_batch, self.handle_tool if self.tools is not None else None, self.handle_rlm
+            )
+            stack.callback(self._stop_serving)
+            self._compose_messages()
+            repl = self._make_repl()
+            stack.push_async_callback(self._close_repl, repl)
+            return await self._run_root(repl)
+        raise AssertionError("unreachable")  # pragma: no cover  (the stack never swallows)
+
+    async def _announce(self, stack: contextlib.AsyncExitStack) -> None:
+        """List the rollout as live (``rlmq status``, its keys refreshed) until it ends."""
+        pos, ro = self.pos, self.ro
+        info: dict[str, str | int | float] = {
+            "model": ro.model, "sub_model": ro.sub_model, "queue": ro.queue, "started": time.time(), "row": ro.row.id
+        }  # fmt: skip
+        if pos.depth > 1:
+            info.update(depth=pos.depth, parent=pos.parent_id or "", ledger=pos.ledger_id)
+        await self.host.live.enter(ro.id, self.options.rollout_key_ttl, info, node=self.node.live_node)
+        stack.push_async_callback(self.host.live.leave, ro.id)  # also when the rest is cut short
+
+    def _make_repl(self) -> ReplSession:
+        toolbox = self.toolbox
+        repl_tools = [{"name": t.name, "doc": t.doc} for t in toolbox.tools.values()] if toolbox else []
+        assert self.token is not None
+        self._repl = self.host.make_repl(
+            self.ro.row.context, self.token, self.options, self.host.interception, repl_tools
+        )
+        return self._repl
+
+    def _stop_serving(self) -> None:
+        """Unregister the token (its REPL can send nothing more) and close the tool service (its
+        calls still running are recorded now, none after the result); idempotent."""
+        if not self._served:
+            return
+        self._served = False
+        if self.token is not None:
+            self.host.interception.unregister(self.token)
+        if self.tools is not None:
+            self.tools.close()
+
+    async def _close_repl(self, repl: ReplSession) -> None:
+        self._stop_serving()  # before the REPL goes: nothing it sends while closing is served
+        await repl.close()
+
+    def _compose_messages(self) -> None:
+        """The system prompt (the scaffold and the author's ``system_prompt``) and the question."""
+        o, ro, toolbox = self.options, self.ro, self.toolbox
+        scaffold = root_system_prompt(
+            ro.row.context,
+            verbosity=o.root_prompt_verbosity,
+            budget=ro.budget,
+            max_turns=o.max_turns,
+            sub_llm_max_turns=o.sub_llm_max_turns,
+            max_output_length=o.max_output_length,
+            parallelism=o.max_sub_llm_parallelism,
+            tools=[t.summary() for t in toolbox.tools.values()] if toolbox else [],
+            depth=self.pos.depth,
+            max_depth=self.pos.max_depth,
+        )
+        system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
+        ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]
+
+    async def _run_root(self, repl: ReplSession) -> tuple[StopReason, str | None, str | None]:
+        """Start the REPL and run the root loop under the rollout's own wall-clock deadline."""
+        timeout = self.options.rollout_timeout
+        deadline = asyncio.timeout(timeout)
+        self.ends_at = time.monotonic() + timeout
+        try:
+            async with deadline:
+                await repl.start()
+                stop, final = await root_loop(self.node.wrap_root(self.host.root), self.ro, repl)
+                return stop, final, None
+        except TimeoutError as exc:
+            if deadline.expired():
+                return "error", None, f"RolloutTimeout: the rollout ran past its deadline of {timeout:g} s"
+            return "error", None, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a rollout never takes the evaluation down with it (RlmqError too)
+            return "error", None, f"{type(exc).__name__}: {exc}"
+
+    async def result(
+        self, stop: StopReason, final: str | None, error: str | None, rollout_index: int | None
+    ) -> RolloutResult:
+        """The result row (metrics per depth and tree-wide; the top reports its tree's ledger)."""
+        ro, pos = self.ro, self.pos
+        metrics = ro.stats.metrics()
+        metrics.update(tree_metrics(ro.trajectory, metrics, depth=pos.depth, max_depth=pos.max_depth))
+        if ro.ledger is not None and self.node.top:  # a child's ledger is its tree's: the top reports it
+            metrics.update(await ro.ledger.metrics())
+        row = ro.row
+        correct = None if row.answer is None else normalize_answer(final) == normalize_answer(row.answer)
+        result_row = ResultRow(
+            id=row.id, final_answer=final, answer=row.answer, correct=correct, stop_reason=stop,
+            metrics=metrics, error=error, rollout=rollout_index,
+        )  # fmt: skip
+        return RolloutResult(row=result_row, trajectory=ro.trajectory, messages=ro.messages)
+
+    # ------------------------------------------------------------------ the REPL's requests
+
+    def _serving(self) -> AbstractAsyncContextManager[None]:
+        """The REPL's own account of a request it serves (it pauses its cell timeout; never the
+        child's word)."""
+        if self._repl is None:  # the token is only known to the REPL it was made for
+            raise RuntimeError("a request came before the rollout's REPL was made")
+        return self._repl.serving()
+
+    async def handle_batch(self, prompts: list[str]) -> tuple[list[str], str]:
+        """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout."""
+        async with self._serving(), self.batch_sem:
+            return await self.host.batches.run(self.ro, prompts)
+
+    async def handle_rlm(self, tasks: list[RlmTask]) -> tuple[list[str], str]:
+        """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time."""
+        async with self._serving(), self.rlm_sem:
+            return await self.rlm.run(self.ro, tasks, self.pos, self.ends_at - time.monotonic())
+
+    async def handle_tool(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[bool, str]:
+        """A root tool's call: served like a batch (the tool has its own timeout). One call of a
+        rollout at a time, waiting at most one tool timeout for the one before."""
+        assert self.tools is not None
+        async with self._serving():
+            try:
+                async with asyncio.timeout(self.options.root_tool_timeout):
+                    await self.tool_sem.acquire()
+            except TimeoutError:
+                return False, f"{name}: another tool call of this rollout is still running; try again"
+            try:
+                return await self.tools.run(self.ro, name, args, kwargs)
+            finally:
+                self.tool_sem.release()

@@ -38,9 +38,17 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow
-from rlmq.common.settings import RolloutOptions, Settings, SystemPromptMode, Verbosity, build_settings
+from rlmq.common.settings import (
+    RolloutOptions,
+    Settings,
+    SystemPromptMode,
+    Verbosity,
+    build_settings,
+    setting_default,
+)
 from rlmq.common.settings_schema import arguments_doc
 from rlmq.producer.engine import RolloutHost, raise_if_cancelled, run_rollout
+from rlmq.producer.host import root_model, start_host
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.rollout import RolloutResult, normalize_answer
 from rlmq.producer.root import RootModel
@@ -179,9 +187,7 @@ class RLMEnv:
         if not s.redis_url:
             raise ConfigError("RLMEnv needs settings.redis_url (or REDIS_URL)")
         if self._root is None:
-            if not s.base_url:
-                raise ConfigError("RLMEnv needs settings.base_url for the root model")
-            self._root = RootModel(s.base_url, s.api_key.get_secret_value(), retries=s.model_retries)
+            self._root = root_model(s, needed_for="RLMEnv needs settings.base_url for the root model")
         self._redis = async_client(s.redis_url)
         await self._redis.ping()
         try:
@@ -190,15 +196,8 @@ class RLMEnv:
             await self._redis.aclose()
             self._redis = None
             raise
-        self._server = InterceptionServer(
-            max_batch_prompts=s.max_batch_prompts,
-            max_batch_bytes=s.max_batch_bytes,
-            max_tool_bytes=s.root_tool_max_args_bytes,
-        )
-        await self._server.start()
-        self._host = RolloutHost.build(
-            self._redis, self._root, self._server, metrics=self.metrics, result_ttl=s.result_ttl, toolbox=self.toolbox
-        )
+        started = await start_host(s, self._redis, self._root, metrics=self.metrics, toolbox=self.toolbox)
+        self._server, self._host = started.server, started.host
         self._refresher = asyncio.create_task(self._host.live.refresh_forever(s.rollout_key_ttl / 3))
         return self
 
@@ -258,9 +257,9 @@ class RLMEnv:
         rows: Iterable[DatasetRow],
         *,
         model: str,
-        concurrency: int = 4,
+        concurrency: int = setting_default("concurrency"),
         on_done: Any = None,
-        rollouts_per_example: int = 1,
+        rollouts_per_example: int = setting_default("rollouts_per_example"),
         skip: Container[tuple[str, int]] = (),
     ) -> list[RolloutResult]:
         """Run ``rollouts_per_example`` rollouts per row, ``concurrency`` at a time; results in

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
 from rlmq.common.schemas import BatchRequest, RlmBatchRequest, RlmTask, RootToolRequest
+from rlmq.common.settings import setting_default
 
 BatchHandler = Callable[[list[str]], Awaitable[tuple[list[str], str]]]
 """Runs a batch for one rollout: prompts -> (results in order, summary text)."""
@@ -225,8 +226,8 @@ class InterceptionServer:
     def __init__(
         self,
         *,
-        max_batch_prompts: int = 10_000,
-        max_batch_bytes: int = 64 * 1024 * 1024,
+        max_batch_prompts: int = setting_default("max_batch_prompts"),
+        max_batch_bytes: int = setting_default("max_batch_bytes"),
         max_connections_per_rollout: int = 64,
         max_tcp_connections: int = 256,
         body_timeout: float = 60.0,

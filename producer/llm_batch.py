@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
+from rlmq.common.settings import setting_default
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.scaffold import sub_system_prompt
@@ -69,7 +70,9 @@ class LlmBatchService:
         result_ttl: seconds RQ keeps a finished sub-call job (``rq info``, rq-dashboard).
     """
 
-    def __init__(self, dispatcher: Dispatcher, metrics: Metrics | None = None, *, result_ttl: int = 600) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, metrics: Metrics | None = None, *, result_ttl: int = setting_default("result_ttl")
+    ) -> None:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.result_ttl = result_ttl

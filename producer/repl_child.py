@@ -674,9 +674,9 @@ def _make_llm_batch(
     url: str,
     token: str,
     timeout: float,
-    unix_socket: str | None = None,
-    max_batch_bytes: int = 64 * 1024 * 1024,
-    max_batch_prompts: int = 10_000,
+    unix_socket: str | None,
+    max_batch_bytes: int,
+    max_batch_prompts: int,
 ) -> Callable[[list[str]], list[str]]:
     opener = _opener(unix_socket)
     # The producer serves one batch of a rollout at a time and keeps a bounded number of its
@@ -741,9 +741,9 @@ def _make_rlm_batch(
     url: str,
     token: str,
     timeout: float,
-    unix_socket: str | None = None,
-    max_batch_bytes: int = 64 * 1024 * 1024,
-    max_batch_prompts: int = 10_000,
+    unix_socket: str | None,
+    max_batch_bytes: int,
+    max_batch_prompts: int,
 ) -> Callable[[list[Any]], list[str]]:
     """The REPL global ``rlm_batch``: posts its tasks to ``<url's folder>/rlm_batch``."""
     opener = _opener(unix_socket)
@@ -1092,16 +1092,16 @@ def main(argv: list[str]) -> int:
                 init["token"],
                 float(init["llm_batch_timeout"]),
                 paths["unix_socket"],
-                int(init.get("max_batch_bytes") or 64 * 1024 * 1024),
-                int(init.get("max_batch_prompts") or 10_000),
+                int(init["max_batch_bytes"]),
+                int(init["max_batch_prompts"]),
             ),
             "rlm_batch": _make_rlm_batch(
                 init["url"],
                 init["token"],
                 float(init["llm_batch_timeout"]),
                 paths["unix_socket"],
-                int(init.get("max_batch_bytes") or 64 * 1024 * 1024),
-                int(init.get("max_batch_prompts") or 10_000),
+                int(init["max_batch_bytes"]),
+                int(init["max_batch_prompts"]),
             ),
             "answer": {"content": "", "ready": False},
         }

@@ -19,6 +19,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ModelError, PromptTooLongError
+from rlmq.common.settings import setting_default
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -100,10 +101,10 @@ class RootModel:
     def __init__(
         self,
         base_url: str,
-        api_key: str = "EMPTY",
+        api_key: str = setting_default("api_key").get_secret_value(),
         *,
-        retries: int = 3,
-        timeout: float = 600.0,
+        retries: int = setting_default("model_retries"),
+        timeout: float = setting_default("root_model_timeout"),
         client: Any | None = None,
     ) -> None:
         self.client = client or openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)

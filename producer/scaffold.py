@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rlmq.common.settings import Verbosity
+from rlmq.common.settings import Verbosity, setting_default
 
 REPL_TOOL: dict[str, Any] = {
     "type": "function",
@@ -45,13 +45,13 @@ def root_system_prompt(
     *,
     verbosity: Verbosity = "light",
     budget: int | None = None,
-    max_turns: int = 50,
-    sub_llm_max_turns: int = 5,
-    max_output_length: int = 8192,
-    parallelism: int = 64,
+    max_turns: int = setting_default("max_turns"),
+    sub_llm_max_turns: int = setting_default("sub_llm_max_turns"),
+    max_output_length: int = setting_default("max_output_length"),
+    parallelism: int = setting_default("max_sub_llm_parallelism"),
     tools: Sequence[str] = (),
     depth: int = 1,
-    max_depth: int = 1,
+    max_depth: int = setting_default("max_depth"),
 ) -> str:
     """The root model's system message.
 

@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rlmq.common.ledger import ROOT, BudgetLedger, node_ttl
-from rlmq.common.settings import RolloutOptions
+from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.tree import TreePosition
 from rlmq.producer.budget import RolloutBudget
 from rlmq.producer.rollout import Rollout
@@ -38,7 +38,9 @@ from rlmq.producer.root import RootClient
 from rlmq.producer.root_budget import TreeBudgetedRoot
 
 
-def tree_position(rollout_id: str, tree: TreePosition | None, max_depth: int = 1) -> TreePosition:
+def tree_position(
+    rollout_id: str, tree: TreePosition | None, max_depth: int = setting_default("max_depth")
+) -> TreePosition:
     """The position of rollout ``rollout_id``: ``tree``, or a top rollout of a tree at most
     ``max_depth`` deep (the rollout's ``options.max_depth``) when ``None``.
 

@@ -24,9 +24,10 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from rlmq.common.errors import ConfigError, UncontainedReplError
+from rlmq.common.errors import UncontainedReplError
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.engine import RolloutHost, sandbox_repl
+from rlmq.producer.host import root_model, start_host
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.repl.containment import Containment
 from rlmq.producer.root import RootModel
@@ -103,21 +104,12 @@ class ChildHost:
             ReplStartupError: the probe REPL did not come up.
         """
         s = self.w.settings
-        if not s.base_url:
-            raise ConfigError("a worker hosting child rollouts (--repl-slots) needs --base-url: its root model")
-        self.server = InterceptionServer(
-            max_batch_prompts=s.max_batch_prompts,
-            max_batch_bytes=s.max_batch_bytes,
-            max_tool_bytes=s.root_tool_max_args_bytes,
+        self.root = root_model(
+            s, needed_for="a worker hosting child rollouts (--repl-slots) needs --base-url: its root model"
         )
         try:
-            await self.server.start()
-            self.root = RootModel(
-                str(s.base_url), s.api_key.get_secret_value(), retries=s.model_retries, timeout=s.model_timeout
-            )
-            self._host = RolloutHost.build(
-                self.w.redis, self.root, self.server, metrics=self.w.metrics, result_ttl=s.result_ttl
-            )
+            started = await start_host(s, self.w.redis, self.root, metrics=self.w.metrics)
+            self.server, self._host = started.server, started.host
             self.containment = c = await probe_containment(self.server, s.rollout_options())
             if not fully_contained(c):
                 missing = "; ".join(c.not_contained) or "see the REPL's containment report"

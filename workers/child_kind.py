@@ -29,7 +29,7 @@ from rlmq.common.settings import RolloutOptions
 from rlmq.common.tree import TreePosition
 from rlmq.producer.child_trajectory import cut_trajectory, without_surrogates
 from rlmq.producer.engine import run_rollout
-from rlmq.workers.capacity import REPL
+from rlmq.workers.capacity import REPL, repl_pool
 from rlmq.workers.kinds import JobKind, Outcome
 from rlmq.workers.subllm_kind import sub_llm_outcome
 
@@ -95,7 +95,20 @@ class ChildKind:
             failure=self.failure,
             pool=REPL,
             max_attempts=max_attempts,
+            abandoned=self.abandoned,
+            check_pool=self.check_pool,
+            dead_attempts=self.end_dead_attempts,
         )
+
+    @staticmethod
+    def check_pool(req: ChildRolloutRequest, pool: str, queue: str) -> None:
+        """A child rollout takes a REPL slot of its own depth only.
+
+        Raises:
+            PayloadError: ``pool`` is another depth's.
+        """
+        if repl_pool(req.depth) != pool:
+            raise PayloadError(f"a child rollout of depth {req.depth} on queue {queue}")
 
     async def run(self, req: ChildRolloutRequest, job: StartedJob) -> Outcome:
         """Run the child rollout of a started job; never raises but for cancellation."""

@@ -31,19 +31,21 @@ import logging
 import time
 from collections import deque
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
+from redis.asyncio import Redis
 
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.errors import PayloadError
-from rlmq.common.jobstore import StartedJob
+from rlmq.common.jobstore import JobStore, StartedJob
+from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import LaneEntry, SubLLMRequest, load_lane_entry
-from rlmq.workers.capacity import MODEL_CALLS, fetch_shares
-
-if TYPE_CHECKING:
-    from rlmq.workers.worker import SubLLMWorker
+from rlmq.common.settings import setting_default
+from rlmq.workers.capacity import MODEL_CALLS, Capacity, fetch_shares
+from rlmq.workers.inflight import InFlight
+from rlmq.workers.kinds import KindRegistry
 
 log = logging.getLogger("rlmq.worker")
 T = TypeVar("T")
@@ -79,7 +81,45 @@ def _cancel_early(pair: tuple[asyncio.Task[None], asyncio.Future[StartedJob]]) -
     claim.cancel()
 
 
-def _carries(w: SubLLMWorker, job: StartedJob, request: SubLLMRequest | None) -> bool:
+class EarlyCalls(Protocol):
+    """Starts a lane job's sub-LLM call before ``START`` confirms it (the sub-LLM kind's ``call``)."""
+
+    def call(
+        self, request: SubLLMRequest, job_id: str, attempt: int, job: StartedJob | asyncio.Future[StartedJob]
+    ) -> Coroutine[Any, Any, None]: ...
+
+
+class FetchPort(Protocol):
+    """What the fetcher uses of its worker, and nothing else (:class:`rlmq.workers.worker.SubLLMWorker`
+    is one): where to fetch from (``queue``, :meth:`child_queues`, :meth:`pool_of_queue`, ``redis``),
+    how much (``capacity``, ``jobs``), what to do with a job taken (:meth:`records_for` to
+    ``START`` it, :meth:`spawn` to run it, ``sub_llm`` for a lane job's early call, ``kinds`` to
+    read it), and what to report (``name``, ``metrics``, :meth:`update_gauge`)."""
+
+    name: str
+    queue: str
+    redis: Redis
+    stopping: asyncio.Event
+    capacity: Capacity
+    jobs: InFlight
+    metrics: Metrics
+    kinds: KindRegistry
+
+    @property
+    def sub_llm(self) -> EarlyCalls: ...
+
+    def child_queues(self) -> list[str]: ...
+
+    def pool_of_queue(self, queue: str) -> str | None: ...
+
+    def records_for(self, queue: str) -> JobStore: ...
+
+    def spawn(self, job: StartedJob, queue: str) -> None: ...
+
+    def update_gauge(self) -> None: ...
+
+
+def _carries(w: FetchPort, job: StartedJob, request: SubLLMRequest | None) -> bool:
     """True when the lane entry's copy of a request is the job's own (the lane is a shared
     hint any producer may write; the job hash, confined to its tenant, is the record)."""
     try:
@@ -93,11 +133,14 @@ class Fetcher:
     """Takes jobs for one worker: round-robin over its queues, wake-ups and the lane.
 
     Args:
-        worker: the worker it feeds (its client, settings, in-flight jobs, job runner).
+        worker: the worker it feeds (see :class:`FetchPort`).
+        lane_early_calls: start the calls a lane entry carries before ``START`` confirms them
+            (the ``lane_early_calls`` setting).
     """
 
-    def __init__(self, worker: SubLLMWorker) -> None:
+    def __init__(self, worker: FetchPort, *, lane_early_calls: bool = setting_default("lane_early_calls")) -> None:
         self.w = worker
+        self.lane_early_calls = lane_early_calls
         self.queues: list[str] = [worker.queue, *worker.child_queues()]
         """The queues served, in round-robin order (the worker's own and its tenants; a REPL
         host's child queues, one per depth, and their tenants)."""
@@ -107,6 +150,10 @@ class Fetcher:
         self._bad_queues: set[str] = set()  # queues whose last peek failed (logged once)
         self._taken: dict[str, float] = {}  # job id -> when this worker took it from a queue
         self._taken_order: deque[tuple[float, str]] = deque()  # the same, oldest first (for pruning)
+        self._backoff = 0.1  # seconds before the next round after a Redis error
+        self._last_discovery = 0.0  # monotonic time of the last discover_queues
+        self._idle = False  # the last round found no job
+        self._after_lane = False  # the last round served a lane entry: peek again only when woken
 
     # ------------------------------------------------------------------ jobs taken from the queues
 
@@ -181,91 +228,133 @@ class Fetcher:
     # ------------------------------------------------------------------ fetch
 
     async def fetch_loop(self, burst: bool) -> None:
-        """Take jobs until the worker stops (or, with ``burst``, until there is no more work)."""
-        w, jobs = self.w, self.w.jobs
-        backoff = 0.1
-        last_discovery = time.monotonic()
-        idle = False
-        after_lane = False  # the last round served a lane entry: peek again only when woken
+        """Take jobs until the worker stops (or, with ``burst``, until there is no more work).
+
+        One round: pass on a lane entry that would jump the queue (:meth:`_defer_entry`), wait
+        while every pool is full, else serve the lane entry or peek the queues and ``START``
+        what they hold (:meth:`_take_from_queues`); an empty round waits for work."""
+        self._backoff, self._last_discovery = 0.1, time.monotonic()
+        self._idle = self._after_lane = False  # after_lane: the last round served a lane entry
         try:
-            while not w.stopping.is_set():
-                free = w.capacity.free(MODEL_CALLS)  # the pool of the sub-LLM jobs (and of the lane)
-                frees = {pool: w.capacity.free(pool) for pool in w.capacity.pools}
-                popped = self._popped_lane_entry()
-                entry, fresh = popped if popped is not None else (None, False)
-                announced = self._wake.is_set() or bool(self._hints)  # other work announced meanwhile
-                if entry is not None and (free <= 0 or not (idle or after_lane) or announced):
-                    # Popped by a pop left waiting from an idle spell, but this worker has found
-                    # queued work since, or been woken for some (a larger batch's announcement that
-                    # came in with the entry): taking the entry's jobs now would put them ahead of
-                    # older jobs on their queue. They stay in queue order; the others are woken.
-                    self.adopt(entry.queue)
-                    with contextlib.suppress(redis.RedisError, OSError):
-                        await self._pass_on(entry)
-                    entry = None
-                if all(f <= 0 for f in frees.values()):
-                    jobs.slot_free.clear()
-                    slot = asyncio.create_task(jobs.slot_free.wait())
-                    await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
-                                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                    slot.cancel()
-                    continue
-                try:
-                    if time.monotonic() - last_discovery > 1.0:
-                        await self.discover_queues()
-                        last_discovery = time.monotonic()
-                    if entry is not None:
-                        await self._take_lane_entry(entry, free, fresh=fresh)
-                        idle, after_lane, backoff = False, True, 0.1
-                        continue
-                    woken = self._wake.is_set()
-                    self._wake.clear()
-                    hints, self._hints = self._hints, {}
-                    queues = list(self.queues)
-                    # each queue's equal share of its own pool's free slots (0: its pool is full)
-                    shares = fetch_shares(frees, [(q, w.pool_of_queue(q) or MODEL_CALLS) for q in queues])
-                    peeked: list[list[bytes]]
-                    if idle and hints:
-                        # Idle worker, woken by a batch that named its jobs: take them without
-                        # peeking (one round trip saved). Jobs another worker took first are
-                        # skipped by START; under load the round-robin peek below decides instead.
-                        peeked = [[j.encode() for j in hints.get(q, [])][: shares[q]] for q in queues]
-                    elif after_lane and not woken and not hints:
-                        peeked = []  # nothing announced since the lane entry: wait for the next one
-                    else:
-                        peeked = await self._peek(queues, shares)
-                    idle = after_lane = False
-                    if not any(peeked):
-                        idle = True
-                        if burst and not len(jobs):
-                            return
-                        await self._wait_for_work(burst, pool_full=any(f <= 0 for f in frees.values()))
-                        if time.monotonic() - last_discovery > 0.5:
-                            last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
-                        continue
-                    taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
-                    started_by_queue = await _gather([w.records_for(q).start(ids) for q, ids in taken])
-                    # rotate so the next round starts with the next queue
-                    self.queues = self.queues[1:] + self.queues[:1]
-                    backoff = 0.1
-                except redis.exceptions.NoPermissionError:
-                    raise  # not transient: the supervisor restarts the loop, then stops the worker
-                except (redis.RedisError, OSError) as exc:
-                    # A lost connection, or an error reply (READONLY in a failover, OOM, ...):
-                    # START moves nothing unless it succeeds, and is safe to send again.
-                    log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", w.name, exc, backoff)
-                    w.metrics.reconnect()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(w.stopping.wait(), backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-                for (q, _), started in zip(taken, started_by_queue, strict=True):
-                    for job in started:
-                        self.remember_taken(job.job_id)
-                        w.spawn(job, q)
-                w.update_gauge()
+            while not self.w.stopping.is_set():
+                if await self._round(burst):
+                    return
         finally:
             await self._stop_lane_pop()
+
+    async def _round(self, burst: bool) -> bool:
+        """One round of :meth:`fetch_loop`; True when a burst worker has no more work."""
+        w = self.w
+        free = w.capacity.free(MODEL_CALLS)  # the pool of the sub-LLM jobs (and of the lane)
+        frees = {pool: w.capacity.free(pool) for pool in w.capacity.pools}
+        entry, fresh = await self._defer_entry(free)
+        if all(f <= 0 for f in frees.values()):
+            await self._wait_for_a_slot()
+            return False
+        try:
+            if time.monotonic() - self._last_discovery > 1.0:
+                await self.discover_queues()
+                self._last_discovery = time.monotonic()
+            if entry is not None:
+                await self._take_lane_entry(entry, free, fresh=fresh)
+                self._idle, self._after_lane, self._backoff = False, True, 0.1
+                return False
+            done, started = await self._take_from_queues(burst, frees)
+        except redis.exceptions.NoPermissionError:
+            raise  # not transient: the supervisor restarts the loop, then stops the worker
+        except (redis.RedisError, OSError) as exc:
+            await self._redis_away(exc)
+            return False
+        for q, jobs in started:
+            for job in jobs:
+                self.remember_taken(job.job_id)
+                w.spawn(job, q)
+        if started:
+            w.update_gauge()
+        return done
+
+    async def _defer_entry(self, free: int) -> tuple[LaneEntry | None, bool]:
+        """The lane entry the pop brought (and whether it is fresh), unless taking it now would
+        jump the queue: then it is passed on and ``(None, False)`` returned.
+
+        Popped by a pop left waiting from an idle spell, but this worker has found queued work
+        since, or been woken for some (a larger batch's announcement that came in with the
+        entry): taking the entry's jobs now would put them ahead of older jobs on their queue.
+        They stay in queue order; the others are woken."""
+        popped = self._popped_lane_entry()
+        entry, fresh = popped if popped is not None else (None, False)
+        announced = self._wake.is_set() or bool(self._hints)  # other work announced meanwhile
+        if entry is not None and (free <= 0 or not (self._idle or self._after_lane) or announced):
+            self.adopt(entry.queue)
+            with contextlib.suppress(redis.RedisError, OSError):
+                await self._pass_on(entry)
+            return None, False
+        return entry, fresh
+
+    async def _wait_for_a_slot(self) -> None:
+        """Every pool is full: wait for a slot to free (or for the lane pop to bring an entry)."""
+        jobs = self.w.jobs
+        jobs.slot_free.clear()
+        slot = asyncio.create_task(jobs.slot_free.wait())
+        await asyncio.wait({slot} | ({self._lane_pop} if self._lane_pop else set()),
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        slot.cancel()
+
+    async def _take_from_queues(
+        self, burst: bool, frees: dict[str, int]
+    ) -> tuple[bool, list[tuple[str, list[StartedJob]]]]:
+        """Peek the queues (or take the jobs a wake-up named) and ``START`` them; an empty round
+        waits for work.
+
+        Returns:
+            ``(done, started)``: done when a burst worker has no more work; the jobs ``START``
+            gave this worker, per queue (the caller runs them).
+
+        Raises:
+            redis.RedisError / OSError: a round trip failed (``START`` moves nothing unless it
+                succeeds, and is safe to send again).
+        """
+        w = self.w
+        woken = self._wake.is_set()
+        self._wake.clear()
+        hints, self._hints = self._hints, {}
+        queues = list(self.queues)
+        # each queue's equal share of its own pool's free slots (0: its pool is full)
+        shares = fetch_shares(frees, [(q, w.pool_of_queue(q) or MODEL_CALLS) for q in queues])
+        peeked: list[list[bytes]]
+        if self._idle and hints:
+            # Idle worker, woken by a batch that named its jobs: take them without
+            # peeking (one round trip saved). Jobs another worker took first are
+            # skipped by START; under load the round-robin peek below decides instead.
+            peeked = [[j.encode() for j in hints.get(q, [])][: shares[q]] for q in queues]
+        elif self._after_lane and not woken and not hints:
+            peeked = []  # nothing announced since the lane entry: wait for the next one
+        else:
+            peeked = await self._peek(queues, shares)
+        self._idle = self._after_lane = False
+        if not any(peeked):
+            self._idle = True
+            if burst and not len(w.jobs):
+                return True, []
+            await self._wait_for_work(burst, pool_full=any(f <= 0 for f in frees.values()))
+            if time.monotonic() - self._last_discovery > 0.5:
+                self._last_discovery = 0.0  # an idle worker looks for new tenant queues sooner
+            return False, []
+        taken = [(q, ids) for q, ids in zip(queues, peeked, strict=True) if ids]
+        started_by_queue = await _gather([w.records_for(q).start(ids) for q, ids in taken])
+        self.queues = self.queues[1:] + self.queues[:1]  # the next round starts with the next queue
+        self._backoff = 0.1
+        return False, [(q, started) for (q, _), started in zip(taken, started_by_queue, strict=True)]
+
+    async def _redis_away(self, exc: BaseException) -> None:
+        """A lost connection, or an error reply (READONLY in a failover, OOM, ...): log, count,
+        and wait the backoff (or for a stop) before the next round."""
+        w = self.w
+        log.warning("worker %s: Redis unavailable (%s); retrying in %.1f s", w.name, exc, self._backoff)
+        w.metrics.reconnect()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(w.stopping.wait(), self._backoff)
+        self._backoff = min(self._backoff * 2, 5.0)
 
     async def _peek(self, queues: list[str], shares: dict[str, int]) -> list[list[bytes]]:
         """The first ``shares[q]`` job ids of each queue ``q`` (one round trip; a queue of share 0
@@ -406,7 +495,7 @@ class Fetcher:
         if len(jobs) < len(entry.jobs):
             await self._pass_on(LaneEntry(queue=queue, enqueued_at=entry.enqueued_at, jobs=entry.jobs[free:]))
         early: dict[str, tuple[asyncio.Task[None], asyncio.Future[StartedJob]]] = {}
-        if fresh and w.settings.lane_early_calls and abs(time.time() - entry.enqueued_at) <= LANE_EARLY_MAX_AGE:
+        if fresh and self.lane_early_calls and abs(time.time() - entry.enqueued_at) <= LANE_EARLY_MAX_AGE:
             loop = asyncio.get_running_loop()
             for j in jobs:
                 if j.request is not None and not self.took(j.job_id):

@@ -1,4 +1,4 @@
-"""The RQ job function of a sub-LLM call, for stock RQ workers.
+"""The RQ job functions, for stock RQ workers: a sub-LLM call (run), a child rollout (refused).
 
 rlmq's producer enqueues every sub-LLM call as an ordinary RQ job whose function is
 ``rlmq.workers.job.run_sub_llm`` (by import path) with one JSON argument, a
@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from rq import get_current_job
 
 from rlmq.common import keys as K
+from rlmq.common.errors import ConfigError
 from rlmq.common.jobstore import DEFAULT_REPLY_TTL
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.rqjobs import F_REPLY, F_REPLY_TTL
@@ -80,3 +81,24 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
             await redis.aclose()
 
     return asyncio.run(go())
+
+
+def run_child_rollout(payload: dict[str, Any]) -> dict[str, Any]:
+    """The function a child rollout's job names (``rlmq.common.rqjobs.CHILD_ROLLOUT_FUNC``), for a
+    stock RQ worker that takes one: it refuses in one line.
+
+    A child rollout needs a REPL host: ``rlmq worker --repl-slots N`` runs it through its child
+    kind (:mod:`rlmq.workers.child_kind`, by this name in its kind registry) without calling this
+    function; a stock RQ worker has no REPL host, so the job fails with this message instead of
+    an import error.
+
+    Args:
+        payload: a :class:`~rlmq.common.schemas.ChildRolloutRequest` as a dict (not read).
+
+    Raises:
+        ConfigError: always.
+    """
+    raise ConfigError(
+        "a child rollout (rlm_batch) runs only on an rlmq worker hosting child rollouts "
+        "(rlmq worker --repl-slots N), not on a stock RQ worker"
+    )

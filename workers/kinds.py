@@ -23,6 +23,7 @@ from rlmq.common.errors import PayloadError
 from rlmq.common.jobstore import StartedJob
 from rlmq.common.rqjobs import decode_job_data
 from rlmq.common.schemas import ChildRolloutRequest, SubLLMRequest
+from rlmq.workers.capacity import pool_family
 
 
 @dataclass(slots=True)
@@ -61,6 +62,13 @@ class JobKind:
         max_attempts: executions a job may get before the reaper fails it (>= 1).
         timeout: seconds a job may run on a worker before it ends with ``failure`` (kind
             ``timeout``); ``None``: its payload's own deadline bounds it.
+        abandoned: ``(job id, its rlmq_meta or None) -> result JSON`` the reaper delivers for a
+            job whose attempts are used up; ``None``: the job store's (a sub-LLM error result).
+        check_pool: ``(payload, pool, queue)`` raises :class:`~rlmq.common.errors.PayloadError`
+            when a job of this kind taken from ``queue`` may not take a slot of ``pool`` (a child
+            of another depth); ``None``: any.
+        dead_attempts: awaited with the executions a reaper took back from a queue of this kind
+            (``(job id, attempt)`` each), to end what they left running (a child's subtree).
     """
 
     name: str
@@ -71,6 +79,9 @@ class JobKind:
     pool: str
     max_attempts: int = 2
     timeout: float | None = None
+    abandoned: Callable[[str, bytes | None], str] | None = None
+    check_pool: Callable[[Any, str, str], None] | None = None
+    dead_attempts: Callable[[list[tuple[str, int]]], Awaitable[Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -115,6 +126,17 @@ class KindRegistry:
             KeyError: none is.
         """
         return self._kinds[func]
+
+    def for_pool(self, pool: str | None) -> JobKind:
+        """The kind whose jobs take slots of ``pool`` (a pool or its family: ``repl@2`` is a
+        ``repl`` slot, :func:`~rlmq.workers.capacity.pool_family`); the default kind for ``None``
+        or a pool no kind takes."""
+        if pool is not None:
+            family = pool_family(pool)
+            for kind in self._kinds.values():
+                if kind.pool == family:
+                    return kind
+        return self.default
 
     def __iter__(self) -> Iterator[JobKind]:
         return iter(self._kinds.values())

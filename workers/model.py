@@ -51,6 +51,7 @@ from tenacity.wait import wait_base, wait_random_exponential
 
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError, ModelError
+from rlmq.common.settings import setting_default
 from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
 log = logging.getLogger("rlmq.model")
@@ -330,8 +331,8 @@ class ChatClient:
         base_url: str,
         api_key: str | None = None,
         *,
-        timeout: float = 120.0,
-        retries: int = 3,
+        timeout: float = setting_default("model_timeout"),
+        retries: int = setting_default("model_retries"),
         max_connections: int = 1024,
         backoff_base: float = 0.25,
         backoff_max: float = 10.0,

@@ -44,6 +44,7 @@ class SubLLMKind:
             failure=self.failure,
             pool=MODEL_CALLS,
             max_attempts=max_attempts,
+            abandoned=self.abandoned,
         )
 
     async def run(self, request: SubLLMRequest, job: StartedJob) -> Outcome:

@@ -133,8 +133,9 @@ class Upkeep:
                 continue
             taken: list[tuple[str, int]] = []
             requeued, failed = await rec.reap(expired, taken=taken)
-            if w.children is not None and K.parse_child_queue(queue) is not None:  # its subtree stops now
-                await w.children.end_dead_attempts(taken)
+            kind = w.kind_of_queue(queue)
+            if kind.dead_attempts is not None:  # a child's subtree stops now
+                await kind.dead_attempts(taken)
             total += requeued + failed
             if requeued or failed:
                 log.warning(

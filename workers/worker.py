@@ -53,8 +53,6 @@ from rlmq.common.fleet_checks import check_eviction_policy, report_clock
 from rlmq.common.jobstore import FinishedJob, JobStore, StartedJob
 from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
-from rlmq.common.schemas import ChildRolloutRequest
 from rlmq.common.settings import Settings
 from rlmq.common.supervise import supervised
 from rlmq.workers.capacity import MODEL_CALLS, Capacity, PoolSpec, hosted_depths, pool_family, pool_of_queue, repl_pool
@@ -160,7 +158,7 @@ class SubLLMWorker:
         )
         self.jobs = InFlight(self.queue, self.capacity)
         """In-flight jobs, their tasks, finished jobs waiting to be recorded."""
-        self.fetcher = Fetcher(self)
+        self.fetcher = Fetcher(self, lane_early_calls=settings.lane_early_calls)
         self.upkeep = Upkeep(self)
         self.stopping = asyncio.Event()
         self._hurry = asyncio.Event()  # a second stop request: hand in-flight jobs back now
@@ -326,10 +324,7 @@ class SubLLMWorker:
 
     def kind_of_queue(self, queue: str) -> JobKind:
         """The kind the jobs of ``queue`` are (its failure and abandoned results are that kind's)."""
-        pool = self.pool_of_queue(queue)
-        if pool is not None and pool != MODEL_CALLS:
-            return self.kinds.by_func(CHILD_ROLLOUT_FUNC)
-        return self.kinds.default
+        return self.kinds.for_pool(self.pool_of_queue(queue))
 
     def records_for(self, queue: str) -> JobStore:
         """The RQ bookkeeping of this worker on ``queue`` (one per queue served)."""
@@ -345,9 +340,7 @@ class SubLLMWorker:
                 result_ttl=st.result_ttl,
                 max_attempts=kind.max_attempts,
                 ledger=self.ledger,
-                abandoned_result=self.sub_llm.abandoned
-                if self.children is None or kind is self.kinds.default
-                else self.children.abandoned,
+                abandoned_result=kind.abandoned,
             )
         return rec
 
@@ -368,8 +361,8 @@ class SubLLMWorker:
             pool = served or kind.pool
             if kind.pool != pool_family(pool):
                 raise PayloadError(f"a {kind.name} job on queue {queue}, which carries other jobs")
-            if isinstance(payload, ChildRolloutRequest) and repl_pool(payload.depth) != pool:
-                raise PayloadError(f"a child rollout of depth {payload.depth} on queue {queue}")
+            if kind.check_pool is not None:
+                kind.check_pool(payload, pool, queue)
         except PayloadError as exc:
             kind = self.kind_of_queue(queue)
             pool = served or kind.pool

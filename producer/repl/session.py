@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from rlmq.common.errors import ReplError
+from rlmq.common.settings import setting_default
 from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
@@ -127,10 +128,10 @@ class Repl:
         context: str | list[Any] | dict[str, Any],
         endpoint_url: str,
         token: str,
-        max_output_length: int = 8192,
+        max_output_length: int = setting_default("max_output_length"),
         max_answer_length: int = 1_000_000,
-        code_execution_timeout: float = 120.0,
-        max_startup_wait_seconds: float = 120.0,
+        code_execution_timeout: float = setting_default("code_execution_timeout"),
+        max_startup_wait_seconds: float = setting_default("max_startup_wait_seconds"),
         pip_install_packages: Sequence[str] = (),
         cpu_seconds: int | None = 600,
         memory_bytes: int | None = 2 * 1024**3,
@@ -141,8 +142,8 @@ class Repl:
         unix_socket: str | None = None,
         isolate_network: bool = True,
         namespaces: bool = True,
-        max_batch_bytes: int = 64 * 1024 * 1024,
-        max_batch_prompts: int = 10_000,
+        max_batch_bytes: int = setting_default("max_batch_bytes"),
+        max_batch_prompts: int = setting_default("max_batch_prompts"),
         llm_batch_timeout: float = 3600.0,
         pause_timeout_during_llm_batch: bool = True,
         tools: Sequence[dict[str, str]] = (),

@@ -25,6 +25,7 @@ from rlmq.common.aio import current_latch
 from rlmq.common.children import die_with_parent
 from rlmq.common.errors import RlmqError
 from rlmq.common.redis_server import EmbeddedRedis
+from rlmq.common.settings import setting_default
 
 STOP_SECONDS = 5.0
 """How long children get between SIGTERM and SIGKILL when a :class:`ProcessGroup` stops
@@ -45,7 +46,7 @@ LOCAL_REPL_SLOTS = 4
 _PORT_LINE = re.compile(r"http://[\d.]+:(\d+)/v1")
 
 
-def local_repl_slots(max_depth: int, repl_slots: int = 0) -> int:
+def local_repl_slots(max_depth: int, repl_slots: int = setting_default("repl_slots")) -> int:
     """``--repl-slots`` of the workers a local fleet starts: ``repl_slots`` when given (> 0), else
     :data:`LOCAL_REPL_SLOTS` when the rollouts recurse (``max_depth`` > 1: their children run on
     the workers), else 0 (plain sub-LLM workers)."""
@@ -196,10 +197,10 @@ class LocalFleet:
         model: str = "scripted",
         base_url: str | None = None,
         workers: int = 2,
-        worker_concurrency: int = 256,
+        worker_concurrency: int = setting_default("worker_concurrency"),
         worker_args: list[str] | None = None,
-        repl_slots: int = 0,
-        allow_uncontained_repl: bool = False,
+        repl_slots: int = setting_default("repl_slots"),
+        allow_uncontained_repl: bool = setting_default("allow_uncontained_repl"),
         mock_latency: float = 0.0,
         mock_spend_all: bool = False,
         worker_grace: float = WORKER_GRACE_SECONDS,

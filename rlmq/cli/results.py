@@ -27,6 +27,7 @@ from rlmq.common.aio import current_latch
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow, read_dataset
+from rlmq.common.settings import setting_default
 from rlmq.producer.tree_metrics import is_tree_metric
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class ResultSink:
         rows: Sequence[DatasetRow],
         output: str | None,
         *,
-        rollouts_per_example: int = 1,
+        rollouts_per_example: int = setting_default("rollouts_per_example"),
         run_dir: LiveRunFolder | None = None,
     ) -> None:
         self.order = {row.id: i for i, row in enumerate(rows)}

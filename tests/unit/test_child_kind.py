@@ -153,3 +153,20 @@ async def test_a_job_whose_run_raises_still_ends_with_an_error_result(monkeypatc
     res = SubLLMResult.model_validate_json(outcome.result_json)
     assert not outcome.ok and (res.status, res.error_kind, res.index) == ("error", "host", 2)
     assert "ValueError: a bug past the rollout" in res.content
+
+
+def test_the_child_rollout_job_names_a_real_function_that_refuses_on_a_stock_rq_worker() -> None:
+    """``CHILD_ROLLOUT_FUNC`` resolves as RQ resolves a job's function; called (a stock RQ worker
+    took the job) it refuses in one line naming what can run it."""
+    import importlib
+
+    from rlmq.common.errors import ConfigError
+    from rlmq.common.rqjobs import SUB_LLM_FUNC
+
+    for path in (CHILD_ROLLOUT_FUNC, SUB_LLM_FUNC):
+        module, name = path.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), name)), path
+    module, name = CHILD_ROLLOUT_FUNC.rsplit(".", 1)
+    with pytest.raises(ConfigError, match=r"--repl-slots") as info:
+        getattr(importlib.import_module(module), name)({})
+    assert "\n" not in str(info.value)

@@ -35,3 +35,15 @@ def test_a_compression_bomb_in_a_job_is_refused_without_inflating_it() -> None:
         decode_job_data(bomb)
     ok = zlib.compress(b'["f", null, [1], {}]')
     assert decode_job_data(ok) == ("f", [1], {})
+
+
+def test_the_error_tree_drawn_in_the_docstring_is_the_classes_tree() -> None:
+    """``common/errors.py`` draws its exception tree; every class is in it, where it is."""
+    import re
+
+    from rlmq.common import errors
+
+    doc = errors.__doc__ or ""
+    lines = [line[4:] for line in doc.splitlines() if line.startswith("    ") and line.strip()]
+    drawn = [m.group(0) for m in (re.match(r"[│├└─ ]*\w+", line) for line in lines) if m]  # minus the comment
+    assert drawn == errors.tree().splitlines()

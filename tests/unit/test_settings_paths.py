@@ -1,6 +1,7 @@
-"""Every setting through every path: ``rlmq`` flags, ``RLMEnv`` arguments, the verifiers harness
-knobs, ``RLMQ_*`` variables. Parametrized over the declaration (``common/settings.py``), so a
-new field is driven here without a line added: its value must reach the rollout's
+"""Every setting through every path: ``rlmq`` flags, ``RLMEnv`` arguments, ``RLMQ_*`` variables
+(the verifiers harness knobs: ``test_settings_harness.py``, which needs the verifiers extra; this
+file runs without any optional extra). Parametrized over the declaration (``common/settings.py``),
+so a new field is driven here without a line added: its value must reach the rollout's
 ``RolloutOptions`` (or the worker's settings), with one precedence on each path: explicit >
 variable > default. No Redis is needed: each path is followed up to the settings a rollout or
 a worker is built from.
@@ -26,8 +27,6 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.settings import RolloutOptions, Settings, WorkerOptions, build_settings, load_settings
 from rlmq.common.settings_schema import Knob, knobs
 from rlmq.producer.env import FROM_SETTINGS, RLMEnv
-from rlmq.verifiers_plugin.adapter import rollout_env
-from rlmq.verifiers_plugin.harness import RlmqHarnessConfig
 
 REQUIRED_ARGV = {"run": ["rows.jsonl", "--base-url", "http://root:1/v1", "--model", "root"]}
 """What a command needs besides the flag under test."""
@@ -106,7 +105,6 @@ def reached(k: Knob, settings: Settings) -> Any:
 
 CLI_CASES = [pytest.param(k, c, id=f"{c}:{k.flag}") for k in knobs() for c in k.commands]
 ROLLOUT_CASES = [pytest.param(k, id=k.name) for k in knobs() if k.owner == "rollout"]
-HARNESS_CASES = [pytest.param(k, id=k.name) for k in knobs() if k.owner == "rollout" or k.name in ("queue", "tenant")]
 
 
 def cli_settings(command: str, k: Knob, value: Any = None) -> Settings:
@@ -140,43 +138,6 @@ def test_every_rlmenv_argument_reaches_the_rollout_and_beats_the_variable_which_
     assert getattr(RLMEnv().settings.rollout_options(), k.name) == two  # variable > default
     monkeypatch.delenv(k.env[0])
     assert getattr(RLMEnv().settings.rollout_options(), k.name) == k.default
-
-
-@pytest.mark.parametrize("k", HARNESS_CASES)
-def test_every_harness_knob_reaches_the_rollout_and_beats_the_variable_which_beats_the_default(
-    k: Knob, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 21, reproduction 1: the harness passed every knob explicitly, ``None`` included,
-    so an ``RLMQ_*`` variable never counted under vf-eval."""
-
-    def harness_settings(**given: Any) -> Settings:
-        knobs = RlmqHarnessConfig(**given).knobs()
-        env = rollout_env(knobs, model="root", base_url="http://root:1/v1", api_key="sk")
-        return env.settings
-
-    monkeypatch.setenv("REDIS_URL", "redis://fleet:1/0")
-    one, two = sample(k, 1), sample(k, 2)
-    assert reached(k, harness_settings(**{k.name: one})) == one
-    monkeypatch.setenv(k.env[0], env_text(two))
-    assert reached(k, harness_settings(**{k.name: one})) == one  # knob > variable
-    assert reached(k, harness_settings()) == two  # variable > default
-    monkeypatch.delenv(k.env[0])
-    assert reached(k, harness_settings()) == k.default
-
-
-def test_the_harness_redis_url_knob_beats_the_variables() -> None:
-    os.environ["REDIS_URL"] = "redis://from-env:1/0"
-    try:
-        knobs = RlmqHarnessConfig(redis_url="redis://knob:1/0").knobs()
-        assert rollout_env(knobs, model="m", base_url="http://r:1/v1", api_key="k").settings.redis_url == (
-            "redis://knob:1/0"
-        )
-        knobs = RlmqHarnessConfig().knobs()
-        assert rollout_env(knobs, model="m", base_url="http://r:1/v1", api_key="k").settings.redis_url == (
-            "redis://from-env:1/0"
-        )
-    finally:
-        del os.environ["REDIS_URL"]
 
 
 def test_rlmenv_takes_every_rollout_option_with_its_declared_type() -> None:
@@ -215,8 +176,6 @@ def test_every_field_has_help_and_every_number_a_unit() -> None:
             assert k.unit, f"{k.name}: a number needs json_schema_extra=meta(unit='seconds' | 'turns' | ...)"
     owners = [set(RolloutOptions.model_fields), set(WorkerOptions.model_fields)]
     assert not owners[0] & owners[1], "a field is declared by both RolloutOptions and WorkerOptions"
-    vf_fields = set(RlmqHarnessConfig.model_fields) - set(RolloutOptions.model_fields)
-    assert not (vf_fields & set(RolloutOptions.model_fields)), "a rollout option shadows a verifiers field"
 
 
 def test_the_help_shows_unit_default_and_variable_with_readable_metavars() -> None:
@@ -261,8 +220,6 @@ def test_a_bad_variable_and_a_bad_argument_are_named_as_written(monkeypatch: pyt
     monkeypatch.delenv("RLMQ_SUB_TOOLS")
     with pytest.raises(ConfigError, match=r"^invalid setting\(s\): RLMEnv argument max_output_length: "):
         RLMEnv(sub_llm_max_turns=3, max_output_length=5)
-    with pytest.raises(ValueError, match=r"--env\.agent\.harness\.sub-llm-max-completion-tokens: must be >= 1"):
-        RlmqHarnessConfig(sub_llm_max_completion_tokens=0)
 
 
 def test_the_parser_error_is_one_line_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,238 @@
+"""The budget ledger's wire, named once: its hash fields, result codes and replies.
+
+The ledger's Lua (:mod:`rlmq.common.ledger_script`) has these names spliced in, as
+:mod:`rlmq.common.jobs_lua` splices the job fields: ``$GRANTED`` becomes ``0``, ``$HASH_FIELDS``
+the quoted field list, ``$HASH_LOCALS`` the Lua locals they are read into. Python reads a reply
+through one constructor (:meth:`Reply.of`), never by position. The outcomes callers see
+(:class:`Grant`, :class:`Settlement`, :class:`BudgetSnapshot`) live here too, so that
+:mod:`rlmq.common.budget_wait` and :mod:`rlmq.common.ledger` both import them from below
+(no import cycle between the two).
+
+Nothing here changed the data on Redis: a worker running the script before this module (which
+also sent an unused ``ARGV[2]``) and one running it now keep the same fields, reservation states
+and release messages, each with its own script (by its own SHA), so a mixed fleet shares ledgers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+__all__ = [
+    "COUNTERS", "HASH_FIELDS", "BudgetSnapshot", "Code", "Grant", "Reply", "SettleCode", "default_cap", "lua_names",
+]  # fmt: skip
+
+
+class Code(IntEnum):
+    """A reservation's outcome (:attr:`Grant.code`); an ``int``, so ``grant.code == 0`` still holds."""
+
+    GRANTED = 0
+    """Granted: ``Grant.tokens`` > 0 is the call's ``max_tokens``."""
+    REJECTED = 1
+    """The budget is spent: nothing free and no live reservation that could give tokens back."""
+    NO_LEDGER = 2
+    """No budget hash: expired, lost, or a rollout without a budget."""
+    ALREADY_SETTLED = 3
+    """A retried job asked again for a reservation that was settled."""
+    WAIT = 4
+    """Less than a full grant is free but live reservations may give some back: ask again after a
+    release, or at :attr:`Grant.retry_at`."""
+    WAITED_OUT = 5
+    """Never the script's: the waiter gave up at the call's deadline (:mod:`rlmq.common.budget_wait`)."""
+    TREE_CLOSED = 6
+    """The ledger is closed (its top rollout ended)."""
+    NODE_GONE = 7
+    """A node of the call's tree chain is gone (:attr:`Grant.gone_node`)."""
+    UNLIMITED = 8
+    """A liveness-only ledger (a tree without a budget) found the chain alive: call without a
+    grant, settle nothing."""
+
+
+class SettleCode(IntEnum):
+    """A settlement's outcome (:attr:`Settlement.code`)."""
+
+    SETTLED = 0
+    ALREADY = 1
+    """Settled before: nothing changes (settling is idempotent)."""
+    UNKNOWN = 2
+    """No such reservation."""
+
+
+HASH_FIELDS = (
+    "limit", "charged", "grants", "used", "released", "overrun", "rejections", "waits", "cap", "ttl", "closed",
+    "unlimited",
+)  # fmt: skip
+"""The fields of a ledger's budget hash (``LedgerKeys.budget``) the script reads, each into the Lua
+local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open reservations), ``grants``,
+``used`` (tokens servers reported), ``released``, ``overrun`` (tokens a server returned past its grant),
+``rejections``, ``waits`` ("wait" answers), ``cap`` (0: none; the cap of sub-LLM reservations), ``ttl``
+(seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger).
+A reservation kind's own cap is ``cap:<kind>``, read only when a reservation of that kind comes."""
+COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits")
+"""The fields the script counts (integers, written back once per call when changed)."""
+
+REPLY_FIELDS = ("value", "charged", "limit", "code", "detail", "need")
+"""One operation's reply, in the order the script's ``reply(...)`` builds it (see :class:`Reply`)."""
+
+OP_ARGS = ("op", "id", "n", "deadline")
+"""The arguments of one operation after ``ARGV[1]`` (the TTL): ``op`` (``r`` reserve, ``r:<kind>``,
+``s`` settle, ``x`` retire), reservation id, ``n`` (a reserve's cap, a settle's used tokens),
+``deadline`` (Unix seconds; a reserve's)."""
+
+
+def lua_names() -> dict[str, str]:
+    """What :func:`string.Template` splices into the ledger's Lua: every :class:`Code` and
+    :class:`SettleCode` by name (``SETTLE_`` before the latter), the hash fields and their
+    locals, the counters, the reply's fields and the width of one operation's arguments."""
+    names = {c.name: str(c.value) for c in Code}
+    names.update({"SETTLE_" + c.name: str(c.value) for c in SettleCode})
+    names["HASH_FIELDS"] = ", ".join(f"'{f}'" for f in HASH_FIELDS)
+    names["HASH_LOCALS"] = ", ".join(f"h_{f}" for f in HASH_FIELDS)
+    names["COUNTERS"] = ", ".join(f"'{f}'" for f in COUNTERS)
+    names["COUNTER_TABLE"] = ", ".join(f"{f} = tonumber(h_{f} or '0')" for f in COUNTERS)
+    names["REPLY_FIELDS"] = ", ".join(REPLY_FIELDS)
+    names["OP_ARGS"] = str(len(OP_ARGS))
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One operation's reply from the script (all integers).
+
+    Attributes:
+        value: a reserve's grant (tokens), a settle's released tokens (grant - used; negative for
+            an overrun), a retire's 1 when the reservation was live.
+        charged: tokens charged to the ledger after the operation.
+        limit: the ledger's budget (tokens; 0 when it has none).
+        code: :class:`Code` of a reserve, :class:`SettleCode` of a settle.
+        detail: for :data:`Code.WAIT`, the earliest live reservation's deadline in ms (Unix); for
+            :data:`Code.NODE_GONE`, the gone node's position in the chain (from 1); else 0.
+        need: for :data:`Code.WAIT`, the grant the call waits for (tokens); else 0.
+    """
+
+    value: int
+    charged: int
+    limit: int
+    code: int
+    detail: int
+    need: int
+
+    @classmethod
+    def of(cls, raw: Sequence[int | bytes | str]) -> Reply:
+        """The reply the script returned for one operation (a list of :data:`REPLY_FIELDS`)."""
+        value, charged, limit, code, detail, need = (int(x) for x in raw)
+        return cls(value, charged, limit, code, detail, need)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Outcome of a reservation.
+
+    Attributes:
+        tokens: completion tokens granted (0 unless ``code`` is :data:`Code.GRANTED`); the model
+            call's ``max_tokens``.
+        charged: tokens charged to the rollout after this reservation.
+        limit: the rollout's budget in tokens.
+        code: a :class:`Code`.
+        retry_at: for :data:`Code.WAIT`, the Unix time (seconds) at which the earliest live
+            reservation's deadline passes and it stops counting as live (0 otherwise).
+        need: for :data:`Code.WAIT`, the grant the call waits for (tokens free before it is given).
+        gone_node: for :data:`Code.NODE_GONE`, the first node of the chain whose key is gone.
+    """
+
+    tokens: int
+    charged: int
+    limit: int
+    code: int
+    retry_at: float = 0.0
+    need: int = 0
+    gone_node: str = ""
+
+    @property
+    def tree_refused(self) -> bool:
+        """True for a refusal by the tree (:data:`Code.TREE_CLOSED` or :data:`Code.NODE_GONE`), not the budget."""
+        return self.code in (Code.TREE_CLOSED, Code.NODE_GONE)
+
+    @property
+    def refusal_reason(self) -> str:
+        """``tree_closed`` or ``parent_gone`` (a node of the chain is gone), for a tree refusal; else ``""``."""
+        if self.code == Code.TREE_CLOSED:
+            return "tree_closed"
+        return "parent_gone" if self.code == Code.NODE_GONE else ""
+
+    @property
+    def refusal_message(self) -> str:
+        """What a tree refusal says (``tree_closed: ...`` / ``parent_gone: ...``); ``""`` otherwise."""
+        if self.code == Code.TREE_CLOSED:
+            return "tree_closed: the top rollout of its tree has ended (its budget ledger is closed)"
+        if self.code == Code.NODE_GONE:
+            return f"parent_gone: rollout {self.gone_node or '?'} of its tree chain has ended or died"
+        return ""
+
+    @property
+    def granted(self) -> bool:
+        return self.tokens > 0
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """Outcome of settling a reservation: ``released`` tokens went back to the budget; ``code`` a
+    :class:`SettleCode`."""
+
+    released: int
+    charged: int
+    limit: int
+    code: int
+
+
+@dataclass(frozen=True)
+class BudgetSnapshot:
+    """A ledger at one moment (all figures in completion tokens).
+
+    ``waits`` counts the reservations answered "wait" (a call can be told to wait several
+    times); ``cap`` is the per-call cap of sub-LLM reservations (0: none); ``ttl`` the seconds
+    its keys live after a refresh, as its owner stored it (0: an older ledger without one).
+    """
+
+    limit: int
+    charged: int
+    used: int
+    grants: int
+    rejections: int
+    released: int
+    overrun: int
+    cap: int = 0
+    waits: int = 0
+    ttl: int = 0
+
+    @property
+    def remaining(self) -> int:
+        """Tokens neither spent nor held by an open reservation."""
+        return max(0, self.limit - self.charged)
+
+    @property
+    def held(self) -> int:
+        """Tokens held by open reservations (running calls, or calls of dead workers)."""
+        return self.charged - self.used
+
+
+DEFAULT_CAP_SHARE = 8
+"""Without a per-call cap, one call holds at most ``limit // DEFAULT_CAP_SHARE`` tokens of a budget."""
+DEFAULT_CAP_FLOOR = 128
+"""...but never less than this many tokens (or the whole budget, when that is smaller)."""
+
+
+def default_cap(limit: int, grant_tokens: int) -> int:
+    """The per-call cap of a rollout whose ``sub_llm_per_call_max_tokens`` is unset (tokens).
+
+    ``min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE))``: budgets of 4,096
+    tokens and more get ``grant_tokens`` (``sub_llm_budget_grant_tokens``, default 512); a
+    smaller budget is shared by about eight calls at once (budget 1,000: 128 a call) rather than
+    handed out one large grant at a time.
+
+    Args:
+        limit: the rollout's budget, completion tokens (>= 1).
+        grant_tokens: the largest grant of one call, tokens (>= 1).
+    """
+    return max(1, min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE)))
