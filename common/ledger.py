@@ -66,6 +66,7 @@ that honours ``max_tokens``). Live reservations: ``LedgerKeys.live_reservations`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -79,7 +80,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger_script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
+from rlmq.common.ledger_script import (
+    CLOSE_LEDGER_LUA,
+    COUNT_REJECTIONS_LUA,
+    GRANT_LEASE,
+    LEDGER_LUA,
+    OPEN_UNLIMITED_LUA,
+)
 from rlmq.common.scripts import run_pipeline
 
 __all__ = [
@@ -169,6 +176,8 @@ class Grant:
             reservation's deadline passes and it stops counting as live (0 otherwise).
         need: for ``code`` 4, the grant the call waits for (tokens free before it is given).
         gone_node: for ``code`` 7 (:data:`NODE_GONE`), the first node of the chain whose key is gone.
+        leased: the grant is leased (:meth:`BudgetLedger.reserve` with ``leased``): its holder must
+            :meth:`~BudgetLedger.begin` it before its call reaches the model, or it is reclaimed.
     """
 
     tokens: int
@@ -178,6 +187,7 @@ class Grant:
     retry_at: float = 0.0
     need: int = 0
     gone_node: str = ""
+    leased: bool = False
 
     @property
     def tree_refused(self) -> bool:
@@ -284,9 +294,14 @@ class BudgetLedger:
     (woken by Redis pub/sub, :mod:`rlmq.common.budget_wait`) instead of being rejected.
     """
 
-    def __init__(self, redis: Redis, ttl: int = 3600) -> None:
+    def __init__(self, redis: Redis, ttl: int = 3600, grant_lease: float = GRANT_LEASE) -> None:
+        if grant_lease <= 0:
+            raise ValueError("grant lease must be > 0 seconds")
         self._redis = redis
         self._ttl = ttl
+        self._lease = grant_lease
+        self._parked_leased: set[tuple[str, str]] = set()  # parked reservations asked again leased
+        self._give_backs: set[asyncio.Task[None]] = set()
         self._script = redis.register_script(LEDGER_LUA)
         self._pending: dict[_Group, list[_Op]] = {}
         self._flush_scheduled = False
@@ -368,17 +383,21 @@ class BudgetLedger:
         for ledger_id, reservation_id, used in settles:
             by_ledger.setdefault(ledger_id, []).extend(["s", reservation_id, max(0, int(used)), 0])
         for ledger_id, ops in by_ledger.items():
-            pipe.evalsha(self._script.sha, 4, *self._keys((ledger_id, ())), 0, time.time(), *ops)
+            keys = self._keys((ledger_id, ()))
+            pipe.evalsha(self._script.sha, len(keys), *keys, 0, self._lease, *ops)
 
     @staticmethod
     def _keys(group: _Group) -> list[str]:
         keys = LedgerKeys(group[0])
-        return [keys.budget, keys.reservations, keys.live_reservations, keys.released, *map(keys.node, group[1])]
+        return [
+            keys.budget, keys.reservations, keys.live_reservations, keys.released, keys.grant_leases,
+            *map(keys.node, group[1]),
+        ]  # fmt: skip
 
     def _args(self, ops: list[_Op]) -> list[Any]:
         # ARGV[1] 0: the script uses the TTL stored in the ledger (or, for a ledger without
-        # one, the budget hash's own), never this process's.
-        args: list[Any] = [0, repr(time.time())]
+        # one, the budget hash's own), never this process's. ARGV[2]: the lease of leased grants.
+        args: list[Any] = [0, self._lease]
         for kind, reservation_id, n, deadline, _ in ops:
             args += [kind, reservation_id, n, repr(deadline)]
         return args
@@ -441,6 +460,7 @@ class BudgetLedger:
         *,
         kind: str | None = None,
         nodes: Sequence[str] | None = None,
+        leased: bool | None = None,
     ) -> Grant:
         """Reserve ``min(cap, ledger cap of the kind, free)`` tokens under ``reservation_id``, or learn to wait.
 
@@ -459,12 +479,19 @@ class BudgetLedger:
                 rollout's call): refused (:data:`NODE_GONE`) unless each node is alive in this
                 ledger; default: the chain :meth:`acquire` is waiting with, else none.
                 A closed ledger refuses every reservation (:data:`TREE_CLOSED`).
+            leased: a new grant is leased (:attr:`Grant.leased`): for a call that does not reach
+                the model at once (it waits for its job's ``START``, or for a slot after parking).
+                Its holder calls :meth:`begin` right before the model call; a grant not begun within
+                the lease (``grant_lease`` seconds) is reclaimed by the ledger's next reservation.
+                Default: leased when :meth:`acquire` parked this reservation, else not.
 
         Raises:
             ValueError: an invalid ``kind``.
             ConfigError: an invalid node id.
         """
         parked = (ledger_id, reservation_id)
+        if leased is None:
+            leased = parked in self._parked_leased
         if kind is None:
             kind = self._parked_kinds.get(parked, SUB_LLM)
         chain = tuple(nodes) if nodes is not None else self._parked_nodes.get(parked, ())
@@ -472,13 +499,19 @@ class BudgetLedger:
             for node in chain:
                 LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        out = await self._submit(ledger_id, _reserve_op(kind), reservation_id, cap or 0, dl, chain)
+        op = _reserve_op(kind)
+        if leased:
+            op = "L" + op[1:]
+        out = await self._submit(ledger_id, op, reservation_id, cap or 0, dl, chain)
         if out[3] == NO_LEDGER:
             self._remember_unbudgeted(ledger_id)
         if out[3] in (TREE_CLOSED, NODE_GONE):
             gone = chain[out[4] - 1] if out[3] == NODE_GONE and 0 < out[4] <= len(chain) else ""
             return Grant(0, out[1], out[2], out[3], gone_node=gone)
-        return Grant(out[0], out[1], out[2], out[3], out[4] / 1000.0, out[5] if len(out) > 5 else 0)
+        return Grant(
+            out[0], out[1], out[2], out[3], out[4] / 1000.0, out[5] if len(out) > 5 else 0,
+            leased=bool(leased) and out[3] == GRANTED,
+        )  # fmt: skip
 
     async def reserve_until(
         self,
@@ -528,6 +561,7 @@ class BudgetLedger:
         margin: float = 0.5,
         kind: str = SUB_LLM,
         nodes: Sequence[str] = (),
+        leased: bool = False,
     ) -> tuple[Grant, int, float]:
         """Reserve, waiting for releases while the ledger says "wait"; the worker's entry point.
 
@@ -540,6 +574,9 @@ class BudgetLedger:
         Args:
             ledger_id / reservation_id / cap / deadline / kind / nodes: as for :meth:`reserve` (seconds).
             margin: seconds before ``deadline`` at which waiting ends.
+            leased: lease the first ask's grant (see :meth:`reserve`); a grant after parking is
+                always leased (it waits for the resume gate): when the returned grant is
+                :attr:`~Grant.leased`, :meth:`begin` it right before the model call.
 
         Returns:
             ``(grant, waits, wait_seconds)``: the final answer (never ``code`` 4), how many
@@ -555,9 +592,14 @@ class BudgetLedger:
                 call, or one granted after parking that has not called its model yet (its grant
                 is settled at 0 first), is handed back instead.
         """
-        grant = await self.reserve_until(
-            deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes
-        )
+        try:
+            grant = await self.reserve_until(
+                deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes, leased=leased
+            )
+        except asyncio.CancelledError:
+            if leased:
+                self.give_back_soon(ledger_id, reservation_id)  # the ask may have been granted
+            raise
         if grant.code != WAIT:
             return grant, 0, 0.0
         if self._waits is None:
@@ -572,15 +614,24 @@ class BudgetLedger:
             self._parked_kinds[parked_key] = kind  # the waiter asks again through reserve(), by id
         if nodes:
             self._parked_nodes[parked_key] = tuple(nodes)
+        self._parked_leased.add(parked_key)  # granted after parking: it passes the resume gate first
         try:
             result: tuple[Grant, int, float] = await waits.wait_for_grant(
                 self, ledger_id, reservation_id, cap, deadline, deadline - margin, grant
             )
+        except asyncio.CancelledError:
+            self.give_back_soon(ledger_id, reservation_id)  # an ask in flight may have been granted
+            raise
         finally:
             self._parked_kinds.pop(parked_key, None)
             self._parked_nodes.pop(parked_key, None)
+            self._parked_leased.discard(parked_key)
         if result[0].granted and result[1] and self.resume_gate is not None:
-            await self.resume_gate()  # cancelled here: the reservation stays charged in full
+            try:
+                await self.resume_gate()
+            except asyncio.CancelledError:
+                self.give_back_soon(ledger_id, reservation_id)  # never begun: back to the budget
+                raise
         if result[0].granted and self._abandon:
             # Granted as the worker began to stop: the model was never called, so the grant goes
             # back (settled at 0 tokens) and the job is handed back like the parked ones.
@@ -619,6 +670,40 @@ class BudgetLedger:
         """Settle a reservation of ledger ``ledger_id`` with the ``used`` completion tokens the server reported."""
         return Settlement(*(await self._submit(ledger_id, "s", reservation_id, max(0, int(used)), 0.0))[:4])
 
+    async def begin(self, ledger_id: str, reservation_id: str) -> bool:
+        """Mark a leased grant *begun*: its call is about to reach the model. From now on it is never
+        reclaimed, only settled (the model may be spending it). Call it right before the model call,
+        and call the model only when it returns True.
+
+        Returns:
+            True: begun (or begun already, or a grant that was never leased). False: the lease was
+            reclaimed (the grant went back to the budget) or the reservation is settled: do not call
+            the model under it; reserve again.
+
+        Raises:
+            redis.RedisError: Redis refused or is gone (do not call the model either).
+        """
+        out = await self._submit(ledger_id, "b", reservation_id, 0, 0.0)
+        return out[3] == 0
+
+    def give_back_soon(self, ledger_id: str, reservation_id: str) -> None:
+        """Give a leased grant that will never be begun back to the budget, without waiting (for a
+        call being cancelled: nothing here can be cancelled with it). Sent after this process's
+        ledger round trips in flight (the grant may be in one of them). A begun, settled, unknown or
+        never leased reservation is left as it is; a give-back that fails (Redis away) leaves the
+        grant to its lease."""
+        earlier = set(self._flushes)
+
+        async def give_back() -> None:
+            if earlier:
+                await asyncio.wait(earlier)
+            with contextlib.suppress(RedisError, OSError):
+                await self._submit(ledger_id, "u", reservation_id, 0, 0.0)
+
+        task = asyncio.get_running_loop().create_task(give_back())
+        self._give_backs.add(task)
+        task.add_done_callback(self._give_backs.discard)
+
     async def retire(self, ledger_id: str, reservation_ids: Sequence[str]) -> int:
         """Stop counting ``reservation_ids`` as live (nobody waits for them any more); they stay
         charged and can still be settled. For the reservations of a job's earlier attempts when
@@ -649,9 +734,12 @@ class BudgetLedger:
             self._waits.abandon()
 
     async def aclose(self) -> None:
-        """Stop waiting: wake every parked call (it asks once more) and close the pub/sub connection."""
+        """Stop waiting: wake every parked call (it asks once more) and close the pub/sub connection;
+        give-backs under way get up to a second."""
         if self._waits is not None:
             await self._waits.aclose()
+        if self._give_backs:
+            await asyncio.wait(set(self._give_backs), timeout=1.0)
 
     async def open_unlimited(self, ledger_id: str, ttl: int | None = None) -> None:
         """Open a liveness-only ledger ``ledger_id``: no budget, but closable and with tree nodes,

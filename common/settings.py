@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
+from rlmq.common.ledger_script import GRANT_LEASE
 from rlmq.common.schemas import normalize_sampling
 from rlmq.common.tree import MAX_DEPTH
 
@@ -364,6 +365,16 @@ class WorkerOptions(BaseModel):
             "past that, waiters hold slots (a parked call costs memory only, never a model call)"
         ),
         json_schema_extra=meta(unit="sub-calls", default_text="4 x --concurrency"),
+    )
+    sub_llm_budget_grant_lease: float = Field(
+        default=GRANT_LEASE,
+        gt=0,
+        le=300,
+        description=(
+            "a budget grant whose model call has not begun this long after it was granted (the job was "
+            "cancelled or lost its START, or its worker died first) goes back to the budget"
+        ),
+        json_schema_extra=meta(unit="seconds"),
     )
     allowed_sub_tools: list[str] = Field(
         default_factory=list,
