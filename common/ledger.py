@@ -33,6 +33,14 @@ The policy (what "spent" means):
   (``limit - used`` is 0, or held by dead workers' reservations, which stay charged; they stop
   being live at their deadline, or earlier when their job runs again: :meth:`BudgetLedger.retire`).
 
+Leased grants: a call that does not reach the model at once after its grant (an early lane call
+waiting for ``START``, a call granted after parking, a child's root turn) reserves *leased*
+(:meth:`BudgetLedger.reserve`, ``leased``) and *begins* the grant (:meth:`BudgetLedger.begin`)
+right before its model call. A grant never begun goes back: at once when its call is cancelled
+(:meth:`BudgetLedger.give_back_soon`), else when its lease (``sub_llm_budget_grant_lease``) ends,
+reclaimed by the ledger's next reservation; parked calls are told when a lease ends. A begun grant
+is never reclaimed (its call may be spending it): the budget stays hard.
+
 The trade-off: small grants answer *many* calls, each cut short; grants as large as an
 answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger leans to
 the second, bounded by the first: one call holds at most an eighth of a small budget, so
@@ -60,7 +68,8 @@ cap of :data:`SUB_LLM` reservations), ``cap:<kind>`` (the cap of another kind), 
 ``used`` (tokens servers reported), ``grants``, ``rejections`` (calls refused: by the
 script, by a waiter giving up, or up front by the producer), ``waits`` ("wait" answers),
 ``released``, ``overrun`` (tokens a server returned beyond its grant; stays 0 with a server
-that honours ``max_tokens``). Live reservations: ``LedgerKeys.live_reservations``.
+that honours ``max_tokens``), ``reclaimed`` (tokens of leased grants given back unbegun). Live
+reservations: ``LedgerKeys.live_reservations``; open leases: ``LedgerKeys.grant_leases``.
 """
 
 from __future__ import annotations
