@@ -8,19 +8,24 @@ The shape that stalled: 32 trees at once on a loaded host, one tree got no model
 private Redis, with a CPU burner process per core:
 
 * each run starts ``--trees`` trees at once; a tree is one budget ledger (``--budget`` tokens, the
-  default per-call cap: 128 for budgets up to 1,024) with a top node and ``--children`` child nodes,
+  default per-call cap: 128 for budgets up to 1,024) with a top node, which makes one batch of
+  ``--top-prompts`` prompts (more than the lane takes: its wake-up makes workers peek the queue,
+  where they may take a lane entry's jobs first), and ``--children`` child nodes,
   each child making ``--rounds`` ``llm_batch`` calls one after the other, ``--prompts`` prompts
   each (small batches: they reach the workers through the lane, whose early calls start before
   ``START``), answered in 20 to 120 tokens; the tree's demand exceeds its budget, so its calls wait
   for releases and the last ones are refused because the budget is spent;
 * ``--early on,off``: with the workers' lane early calls on, then off (``--no-lane-early-calls``);
 * a tree *stalls* when one of its calls waited until its deadline (``WAITED_OUT``: rejected or cut
-  after "waited ... for tokens held by running calls") or the tree took longer than ``--stall-s``.
-  Each call's deadline is ``--deadline`` seconds, so a stall costs that, not 300 s.
+  after "waited ... for tokens held by running calls"). Each call's deadline is ``--deadline``
+  seconds, so a stall costs that, not 300 s. A tree slower than ``--slow-s`` is counted as *slow*
+  (CPU starvation alone makes those on a loaded host).
 
-Figures per mode: runs, trees, stalled trees, calls answered / refused because the budget was spent /
-waited out / failed otherwise, tree latency p50 / p99 / max, overshoot (tokens the ledger says
-were used beyond a budget: 0).
+Figures per mode: runs, trees, stalled and slow trees, calls answered / refused because the budget
+was spent / waited out / failed otherwise, tree latency p50 / p99 / max, overshoot (tokens the ledger
+says were used beyond a budget: 0), tokens of grants given back unbegun (the ledger's ``reclaimed``),
+and the workers' lane jobs by outcome (``rlmq_lane_jobs_total``: ``early``, ``lost`` = an early
+call cancelled because another worker took its job, ``after_start``).
 
     python -m bench.tree_stall --runs 100 --early on,off
 
@@ -34,8 +39,11 @@ import asyncio
 import json
 import os
 import platform
+import re
 import sys
+import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,7 +52,7 @@ from bench.budget_wake import cpu_burners
 from rlmq.cli.local import LocalFleet
 from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import async_client
-from rlmq.common.keys import queue_name_for_model
+from rlmq.common.keys import LedgerKeys, queue_name_for_model
 from rlmq.common.ledger import BudgetLedger, default_cap
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.common.settings import Settings
@@ -87,6 +95,17 @@ async def one_run(fleet: LocalFleet, a: argparse.Namespace) -> list[dict[str, An
                 out += await dispatcher.run_batch(spec, prompts)
             return out
 
+        async def top_batch(top: str) -> list[SubLLMResult]:
+            """The top's own batch, larger than the lane takes: its wake-up makes workers peek the queue."""
+            if not a.top_prompts:
+                return []
+            spec = BatchSpec(
+                rollout_id=top, batch_id="t0", queue=queue, sub_call_timeout=a.deadline,
+                parallelism=a.top_prompts, call=SubCallOptions(model=fleet.model, budgeted=True),
+            )  # fmt: skip
+            prompts = [f"Part {j} of {top}. [[mock:tokens:20-120]]" for j in range(a.top_prompts)]
+            return await dispatcher.run_batch(spec, prompts)
+
         async def tree() -> dict[str, Any]:
             top = "ts" + uuid.uuid4().hex[:10]
             await ledger.open(top, a.budget, cap)
@@ -94,11 +113,12 @@ async def one_run(fleet: LocalFleet, a: argparse.Namespace) -> list[dict[str, An
             for node in (top, *names):
                 await ledger.open_node(top, node, ttl=120)
             t0 = time.perf_counter()
-            per_child = await asyncio.gather(*(child(top, n) for n in names))
+            per_child = await asyncio.gather(top_batch(top), *(child(top, n) for n in names))
             wall = time.perf_counter() - t0
             results = [r for rs in per_child for r in rs]
             kinds = [classify(r) for r in results]
             snap = await ledger.snapshot(top)
+            reclaimed = await redis.hget(LedgerKeys(top).budget, "reclaimed")
             await ledger.close(top, top_node=top)
             return {
                 "tree": top,
@@ -113,7 +133,9 @@ async def one_run(fleet: LocalFleet, a: argparse.Namespace) -> list[dict[str, An
                 "used": snap.used if snap else -1,
                 "charged": snap.charged if snap else -1,
                 "overshoot": max(0, (snap.used if snap else 0) - a.budget),
-                "stalled": kinds.count("waited_out") > 0 or wall > a.stall_s,
+                "reclaimed": int(reclaimed or 0),
+                "stalled": kinds.count("waited_out") > 0,
+                "slow": wall > a.slow_s,
             }
 
         return list(await asyncio.gather(*(tree() for _ in range(a.trees))))
@@ -128,6 +150,8 @@ def summarise(rows: list[dict[str, Any]], runs: int) -> dict[str, Any]:
         "trees": len(rows),
         "stalled_trees": sum(1 for r in rows if r["stalled"]),
         "runs_with_a_stall": len({r["run"] for r in rows if r["stalled"]}),
+        "slow_trees": sum(1 for r in rows if r["slow"]),
+        "reclaimed_tokens": sum(r["reclaimed"] for r in rows),
         "calls": sum(r["calls"] for r in rows),
         "ok": sum(r["ok"] for r in rows),
         "spent": sum(r["spent"] for r in rows),
@@ -142,14 +166,34 @@ def summarise(rows: list[dict[str, Any]], runs: int) -> dict[str, Any]:
     }
 
 
+def lane_outcomes(log_dir: str) -> dict[str, float]:
+    """``rlmq_lane_jobs_total`` by outcome, summed over the workers whose logs are in ``log_dir``."""
+    totals: dict[str, float] = {}
+    for name in os.listdir(log_dir):
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            found = re.search(r"metrics on (http://\S+/metrics)", f.read())
+        if found is None:
+            continue
+        try:
+            with urllib.request.urlopen(found.group(1), timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for outcome, value in re.findall(r'rlmq_lane_jobs_total\{outcome="(\w+)"\} ([0-9.e+]+)', text):
+            totals[outcome] = totals.get(outcome, 0.0) + float(value)
+    return totals
+
+
 def run_mode(early: bool, a: argparse.Namespace) -> dict[str, Any]:
     args = ["--sub-llm-budget-grant-lease", str(a.lease)] if a.lease else []
-    args.append("--lane-early-calls" if early else "--no-lane-early-calls")
+    args += ["--lane-early-calls" if early else "--no-lane-early-calls", "--metrics-port", "0"]
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    log_dir = tempfile.mkdtemp(prefix="tree-stall-")
     with LocalFleet(
-        model=f"stall-{uuid.uuid4().hex[:6]}", workers=a.workers, worker_concurrency=a.concurrency, worker_args=args
-    ) as fleet:
+        model=f"stall-{uuid.uuid4().hex[:6]}", workers=a.workers, worker_concurrency=a.concurrency,
+        worker_args=args, log_dir=log_dir,
+    ) as fleet:  # fmt: skip
         for i in range(a.runs):
             if time.perf_counter() - t0 > a.max_minutes * 60:
                 print(f"early={early}: stopping after {i} runs ({a.max_minutes} min)", flush=True)
@@ -163,7 +207,9 @@ def run_mode(early: bool, a: argparse.Namespace) -> dict[str, Any]:
                 s = summarise(rows, done)
                 s.pop("examples")
                 print(f"early={early} run {i + 1}: {json.dumps(s)}", flush=True)
+        lanes = lane_outcomes(log_dir)
     out = summarise(rows, len({r["run"] for r in rows}))
+    out["lane_jobs"] = lanes
     out["early_calls"] = early
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -176,9 +222,10 @@ def main() -> None:
     p.add_argument("--children", type=int, default=3, help="child nodes per tree, each with its own batches")
     p.add_argument("--rounds", type=int, default=2, help="llm_batch calls per child, one after the other")
     p.add_argument("--prompts", type=int, default=4, help="prompts per llm_batch (up to 8: the lane)")
+    p.add_argument("--top-prompts", type=int, default=12, help="prompts of the top's own batch (0: none)")
     p.add_argument("--budget", type=int, default=768, help="budget per tree, completion tokens")
     p.add_argument("--deadline", type=float, default=15.0, help="seconds from a call's enqueue to its deadline")
-    p.add_argument("--stall-s", type=float, default=10.0, help="a tree slower than this counts as stalled")
+    p.add_argument("--slow-s", type=float, default=10.0, help="a tree slower than this counts as slow")
     p.add_argument("--workers", type=int, default=3, help="rlmq worker processes")
     p.add_argument("--concurrency", type=int, default=64, help="--concurrency of each worker")
     p.add_argument("--lease", type=float, default=0.0, help="--sub-llm-budget-grant-lease (0: the default)")
@@ -201,8 +248,9 @@ def main() -> None:
         print(
             f"early calls {'on ' if m['early_calls'] else 'off'}: {m['runs']} runs, {m['trees']} trees, "
             f"{m['stalled_trees']} stalled ({m['runs_with_a_stall']} runs), waited out {m['waited_out']}, "
-            f"errors {m['error']}, overshoot {m['overshoot']}, tree latency p50 {m['tree_wall_p50_s']} s "
-            f"p99 {m['tree_wall_p99_s']} s max {m['tree_wall_max_s']} s",
+            f"errors {m['error']}, overshoot {m['overshoot']}, reclaimed {m['reclaimed_tokens']} tokens, "
+            f"lane jobs {m['lane_jobs']}, tree latency p50 {m['tree_wall_p50_s']} s "
+            f"p99 {m['tree_wall_p99_s']} s max {m['tree_wall_max_s']} s, {m['slow_trees']} slower than {a.slow_s} s",
             flush=True,
         )
     path = Path(a.output) if a.output else RESULTS / "tree_stall.json"
