@@ -61,7 +61,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger_wire import Code, Grant
+from rlmq.common.ledger_wire import Code, Grant, Release
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +88,25 @@ that then says nothing for as long again is thrown away (a half-open connection,
 forgot an idle flow leaves, would otherwise strand every parked call until a deadline)."""
 
 
+LEASE_END_SLACK = 0.05
+"""Seconds after a grant lease's end at which its parked calls ask again (clock skew, rounding)."""
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 
 
-def _fits(data: Any) -> int | None:
-    """Tokens the parked calls may share after a release ``'<free> <live>'``; ``None``: wake them all
-    (no live reservation is left, so each gets the last remainder or a rejection)."""
-    try:
-        free, live = (int(x) for x in (data.decode() if isinstance(data, bytes) else str(data)).split())
-    except ValueError:
-        return None
-    return None if live <= 0 else free
+def _fits(data: Any) -> tuple[int | None, float | None]:
+    """What a release (:class:`rlmq.common.ledger_wire.Release`) says: the tokens the parked calls
+    may share (``None``: wake them all: no live reservation is left, so each gets the last remainder
+    or a rejection, or the message is not one of these) and when the ledger's earliest grant lease
+    ends (Unix seconds; ``None``: no lease is open). A grant not begun by then is reclaimed by the
+    next ask, so the parked calls ask again then."""
+    release = Release.of(data if isinstance(data, bytes | str) else str(data))
+    if release is None:
+        return None, None
+    return (None if release.live <= 0 else release.free), release.lease_end
 
 
 def _text(value: Any) -> str:
@@ -178,6 +184,7 @@ class ReleaseWaits:
         self._wanted: dict[str, str] = {}  # channel -> rollout, for every rollout with calls in an episode
         self._seen: dict[str, int] = {}  # rollout -> wakes (releases, confirmations, failures) seen
         self._parked: dict[str, dict[asyncio.Future[None], int]] = {}  # rollout -> parked call -> need
+        self._lease_ends: dict[str, tuple[float, asyncio.TimerHandle]] = {}  # rollout -> (when, its wake)
         self._closed = False
         self._abandoned = False
         self._failures = 0  # wake-ups of every call (a failed link, closing) so far
@@ -277,6 +284,9 @@ class ReleaseWaits:
             del self._refs[rollout_id]
             self._wanted.pop(LedgerKeys(rollout_id).released, None)
             self._seen.pop(rollout_id, None)
+            lease = self._lease_ends.pop(rollout_id, None)
+            if lease is not None:
+                lease[1].cancel()
             self._dirty.set()
 
     async def _park(self, rollout_id: str, timeout: float, need: int, *, counted: bool = True) -> None:
@@ -427,7 +437,27 @@ class ReleaseWaits:
         if confirmed:
             self._wake(rollout_id)  # (re)subscribed: a release may have gone unheard before
         elif kind == "message":
-            self._wake(rollout_id, _fits(message.get("data")))
+            free, lease_end = _fits(message.get("data"))
+            self._wake(rollout_id, free)
+            if lease_end is not None:
+                self._wake_at_lease_end(rollout_id, lease_end)
+
+    def _wake_at_lease_end(self, rollout_id: str, lease_end: float) -> None:
+        """Wake every parked call of ``rollout_id`` once the grant lease ending at ``lease_end`` (Unix
+        seconds, Redis's clock) has ended: their next ask reclaims it if its call never began. One
+        timer per rollout, the earliest end wins."""
+        known = self._lease_ends.get(rollout_id)
+        if known is not None and known[0] <= lease_end:
+            return
+        if known is not None:
+            known[1].cancel()
+        delay = max(0.0, lease_end - time.time()) + LEASE_END_SLACK
+
+        def fire() -> None:
+            self._lease_ends.pop(rollout_id, None)
+            self._wake(rollout_id)
+
+        self._lease_ends[rollout_id] = (lease_end, asyncio.get_running_loop().call_later(delay, fire))
 
     def abandon(self) -> None:
         """The worker is stopping: every parked call, and every call that would park from now
@@ -440,6 +470,9 @@ class ReleaseWaits:
     async def aclose(self) -> None:
         """Wake every parked call (each asks once more, then gives up) and close the connection."""
         self._closed = True
+        for _, timer in self._lease_ends.values():
+            timer.cancel()
+        self._lease_ends.clear()
         self._wake_all()
         for task in (self._reader, self._syncer):
             if task is not None:

@@ -151,6 +151,12 @@ class LedgerKeys:
         here after a settlement, once the ledger has had a waiting call; waiters wake on it."""
         return namespace(self.tag, "released")
 
+    @property
+    def grant_leases(self) -> str:
+        """Sorted set: leased reservation id -> when its lease ends (Unix seconds). A leased grant not
+        begun by then (its call never reached the model) is reclaimed by the next reservation."""
+        return namespace(self.tag, "leases")
+
     def node(self, node_id: str) -> str:
         """String with a short TTL: present while the tree node ``node_id`` (a rollout of the tree,
         by the id it runs under) is alive; its host refreshes it, and deletes it when the rollout
@@ -217,7 +223,8 @@ class RolloutKeys:
 
     def all_static(self) -> list[str]:
         """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
-        return [self.budget, self.reservations, self.live_reservations, self.info]
+        own = LedgerKeys(self.rollout_id)
+        return [self.budget, self.reservations, self.live_reservations, own.grant_leases, self.info]
 
 
 REPLY_FIELD = "r"
@@ -429,6 +436,7 @@ KEY_USES: tuple[KeyUse, ...] = (
     KeyUse("LedgerKeys.budget", "rlmq:{*}:budget", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.reservations", "rlmq:{*}:resv", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.live_reservations", "rlmq:{*}:live", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("LedgerKeys.grant_leases", "rlmq:{*}:leases", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.node", "rlmq:{*}:node:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.released", "rlmq:{*}:released", "rw", "rw", "", channel=True, tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.budget", "rlmq:{*}:budget", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),

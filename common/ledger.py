@@ -33,6 +33,14 @@ The policy (what "spent" means):
   (``limit - used`` is 0, or held by dead workers' reservations, which stay charged; they stop
   being live at their deadline, or earlier when their job runs again: :meth:`BudgetLedger.retire`).
 
+Leased grants: a call that does not reach the model at once after its grant (an early lane call
+waiting for ``START``, a call granted after parking, a child's root turn) reserves *leased*
+(:meth:`BudgetLedger.reserve`, ``leased``) and *begins* the grant (:meth:`BudgetLedger.begin`)
+right before its model call. A grant never begun goes back: at once when its call is cancelled
+(:meth:`BudgetLedger.give_back_soon`), else when its lease (``sub_llm_budget_grant_lease``) ends,
+reclaimed by the ledger's next reservation; parked calls are told when a lease ends. A begun grant
+is never reclaimed (its call may be spending it): the budget stays hard.
+
 The trade-off: small grants answer *many* calls, each cut short; grants as large as an
 answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger leans to
 the second, bounded by the first: one call holds at most an eighth of a small budget, so
@@ -60,12 +68,14 @@ cap of :data:`SUB_LLM` reservations), ``cap:<kind>`` (the cap of another kind), 
 ``used`` (tokens servers reported), ``grants``, ``rejections`` (calls refused: by the
 script, by a waiter giving up, or up front by the producer), ``waits`` ("wait" answers),
 ``released``, ``overrun`` (tokens a server returned beyond its grant; stays 0 with a server
-that honours ``max_tokens``). Live reservations: ``LedgerKeys.live_reservations``.
+that honours ``max_tokens``), ``reclaimed`` (tokens of leased grants given back unbegun). Live
+reservations: ``LedgerKeys.live_reservations``; open leases: ``LedgerKeys.grant_leases``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -79,10 +89,11 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exp
 
 from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.keys import LedgerKeys
+from rlmq.common.ledger_calls import LedgerCalls
 from rlmq.common.ledger_script import COUNT_REJECTIONS_LUA, LEDGER_LUA
 from rlmq.common.ledger_tree import NODE_TTL, LedgerTree, node_ttl
-from rlmq.common.ledger_wire import BudgetSnapshot, Code, Grant, Reply, Settlement, default_cap
-from rlmq.common.scripts import run_pipeline
+from rlmq.common.ledger_wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement, default_cap
+from rlmq.common.settings import setting_default
 
 __all__ = [
     "LEDGER_LUA", "NODE_TTL", "ROOT", "SUB_LLM", "BudgetLedger", "BudgetSnapshot", "Code", "Grant", "Settlement",
@@ -101,12 +112,6 @@ GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT = (
 WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = Code.WAITED_OUT, Code.TREE_CLOSED, Code.NODE_GONE, Code.UNLIMITED
 """The reservation codes (:class:`rlmq.common.ledger_wire.Code`) by their short names."""
 
-_Op = tuple[str, str, int, float, "asyncio.Future[Reply]"]
-"""One coalesced ledger operation: op (``r`` / ``r:<kind>`` / ``s`` / ``x``), reservation id, cap or
-used, deadline, its waiter."""
-_Group = tuple[str, tuple[str, ...]]
-"""What one script call serves: a ledger id and the node chain its reservations name."""
-
 SUB_LLM = "sub"
 """Reservation kind of a sub-LLM model turn (the default; its cap is the ledger's ``cap``)."""
 ROOT = "root"
@@ -114,17 +119,19 @@ ROOT = "root"
 _KIND = re.compile(r"[a-z_]{1,16}")
 
 
-def _reserve_op(kind: str) -> str:
-    """The script's op name of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``.
+def _reserve_op(kind: str, *, leased: bool = False) -> str:
+    """The script's op of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``
+    (:attr:`~rlmq.common.ledger_wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``.
 
     Raises:
         ValueError: ``kind`` is not 1-16 characters of ``[a-z_]``.
     """
+    op = Op.LEASED if leased else Op.RESERVE
     if kind == SUB_LLM:
-        return "r"
+        return op.value
     if not _KIND.fullmatch(kind):
         raise ValueError(f"invalid reservation kind {kind!r}: use 1-16 characters of [a-z_]")
-    return "r:" + kind
+    return f"{op.value}:{kind}"
 
 
 _PASSING_REPLIES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
@@ -149,7 +156,7 @@ UNBUDGETED_MEMORY = 60.0
 """Seconds a worker remembers that a rollout has no ledger (see :meth:`BudgetLedger.known_unbudgeted`)."""
 
 
-class BudgetLedger(LedgerTree):
+class BudgetLedger(LedgerTree, LedgerCalls):
     """Atomic reserve / settle of completion tokens in ledgers addressed by their own ids.
 
     Args:
@@ -157,6 +164,11 @@ class BudgetLedger(LedgerTree):
         ttl: seconds the keys of a ledger *this process opens* live after a refresh (stored in
             the ledger by :meth:`open`; the owner refreshes them while its rollout lives).
             Nothing else uses it: a worker's scripts use the TTL stored in each ledger.
+        grant_lease: seconds a leased grant of this process may wait for its :meth:`begin` before
+            the ledger's next reservation reclaims it (``sub_llm_budget_grant_lease``; > 0).
+
+    Raises:
+        ValueError: ``grant_lease`` <= 0.
 
     Reservations and settlements are coalesced: every call made in the same event-loop turn
     (hundreds of sub-calls in flight in one worker) goes out in one round trip, one
@@ -168,13 +180,15 @@ class BudgetLedger(LedgerTree):
     (woken by Redis pub/sub, :mod:`rlmq.common.budget_wait`) instead of being rejected.
     """
 
-    def __init__(self, redis: Redis, ttl: int = 3600) -> None:
-        self._redis = redis
+    def __init__(
+        self, redis: Redis, ttl: int = 3600, grant_lease: float = setting_default("sub_llm_budget_grant_lease")
+    ) -> None:
+        if grant_lease <= 0:
+            raise ValueError("grant lease must be > 0 seconds")
+        super().__init__(redis, grant_lease)
         self._ttl = ttl
-        self._script = redis.register_script(LEDGER_LUA)
-        self._pending: dict[_Group, list[_Op]] = {}
-        self._flush_scheduled = False
-        self._flushes: set[asyncio.Task[None]] = set()
+        self._parked_leased: set[tuple[str, str]] = set()  # parked reservations asked again leased
+        self._give_backs: set[asyncio.Task[None]] = set()
         self._unbudgeted: dict[str, float] = {}
         self._waits: ReleaseWaits | None = None  # made on the first wait
         self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)
@@ -185,87 +199,6 @@ class BudgetLedger(LedgerTree):
         self.resume_gate: Callable[[], Awaitable[None]] | None = None
         """Awaited by a call granted after parking, before it returns: the worker holds it there until
         it fits in its concurrency again (parked calls do not count against it, resumed ones do)."""
-
-    def _submit(
-        self, ledger_id: str, op: str, reservation_id: str, n: int, deadline: float, nodes: tuple[str, ...] = ()
-    ) -> asyncio.Future[Reply]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Reply] = loop.create_future()
-        self._pending.setdefault((ledger_id, nodes), []).append((op, reservation_id, n, deadline, fut))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._start_flush)
-        return fut
-
-    def _start_flush(self) -> None:
-        self._flush_scheduled = False
-        pending, self._pending = self._pending, {}
-        if pending:
-            task = asyncio.get_running_loop().create_task(self._flush(pending))
-            self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
-
-    async def _flush(self, pending: dict[_Group, list[_Op]]) -> None:
-        groups = list(pending.items())
-        try:
-            if len(groups) == 1:
-                outcomes: list[Any] = [await self._script(keys=self._keys(groups[0][0]), args=self._args(groups[0][1]))]
-            else:
-                outcomes = await self._pipelined(groups)
-        except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised if fatal
-            for _, ops in groups:
-                for *_, fut in ops:
-                    if not fut.done():
-                        fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("ledger flush cancelled"))
-            if not isinstance(exc, Exception):
-                raise
-            return
-        for (_, ops), outcome in zip(groups, outcomes, strict=True):
-            for i, (*_, fut) in enumerate(ops):
-                if fut.done():
-                    continue
-                if isinstance(outcome, Exception):
-                    fut.set_exception(outcome)
-                else:
-                    fut.set_result(Reply.of(outcome[i]))
-
-    async def _pipelined(self, groups: list[tuple[_Group, list[_Op]]]) -> list[Any]:
-        """One round trip for several ledgers: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
-
-        def build(pipe: Any) -> None:
-            for group, ops in groups:
-                keys = self._keys(group)
-                pipe.evalsha(self._script.sha, len(keys), *keys, *self._args(ops))
-
-        return await run_pipeline(self._redis, build, [LEDGER_LUA], raise_on_error=False)
-
-    def add_settles(self, pipe: Any, settles: Sequence[tuple[str, str, int]]) -> None:
-        """Queue settlements on ``pipe`` (one ``EVALSHA`` per ledger), for a caller that sends
-        them in one round trip with its own commands (the worker's ``FINISH``).
-
-        Args:
-            pipe: a redis-py asyncio pipeline; the caller executes it and, on ``NOSCRIPT``,
-                loads :data:`LEDGER_LUA` and sends it again (settling is idempotent).
-            settles: ``(ledger_id, reservation_id, completion tokens used)`` each.
-        """
-        by_ledger: dict[str, list[Any]] = {}
-        for ledger_id, reservation_id, used in settles:
-            by_ledger.setdefault(ledger_id, []).extend(["s", reservation_id, max(0, int(used)), 0])
-        for ledger_id, ops in by_ledger.items():
-            pipe.evalsha(self._script.sha, 4, *self._keys((ledger_id, ())), 0, *ops)
-
-    @staticmethod
-    def _keys(group: _Group) -> list[str]:
-        keys = LedgerKeys(group[0])
-        return [keys.budget, keys.reservations, keys.live_reservations, keys.released, *map(keys.node, group[1])]
-
-    def _args(self, ops: list[_Op]) -> list[Any]:
-        # ARGV[1] 0: the script uses the TTL stored in the ledger (or, for a ledger without
-        # one, the budget hash's own), never this process's; then each operation's OP_ARGS.
-        args: list[Any] = [0]
-        for kind, reservation_id, n, deadline, _ in ops:
-            args += [kind, reservation_id, n, repr(deadline)]
-        return args
 
     async def open(
         self,
@@ -304,7 +237,7 @@ class BudgetLedger(LedgerTree):
         for kind, kcap in (kind_caps or {}).items():
             if kcap < 1:
                 raise ValueError(f"per-call cap of {kind!r} reservations must be >= 1 token")
-            extra["cap:" + _reserve_op(kind).removeprefix("r:")] = kcap
+            extra["cap:" + _reserve_op(kind).removeprefix(Op.RESERVE + ":")] = kcap
         keys = LedgerKeys(ledger_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(keys.budget, "limit", limit)
@@ -325,6 +258,7 @@ class BudgetLedger(LedgerTree):
         *,
         kind: str | None = None,
         nodes: Sequence[str] | None = None,
+        leased: bool | None = None,
     ) -> Grant:
         """Reserve ``min(cap, ledger cap of the kind, free)`` tokens under ``reservation_id``, or learn to wait.
 
@@ -343,12 +277,19 @@ class BudgetLedger(LedgerTree):
                 rollout's call): refused (:data:`NODE_GONE`) unless each node is alive in this
                 ledger; default: the chain :meth:`acquire` is waiting with, else none.
                 A closed ledger refuses every reservation (:data:`TREE_CLOSED`).
+            leased: a new grant is leased (:attr:`Grant.leased`): for a call that does not reach
+                the model at once (it waits for its job's ``START``, or for a slot after parking).
+                Its holder calls :meth:`begin` right before the model call; a grant not begun within
+                the lease (``grant_lease`` seconds) is reclaimed by the ledger's next reservation.
+                Default: leased when :meth:`acquire` parked this reservation, else not.
 
         Raises:
             ValueError: an invalid ``kind``.
             ConfigError: an invalid node id.
         """
         parked = (ledger_id, reservation_id)
+        if leased is None:
+            leased = parked in self._parked_leased
         if kind is None:
             kind = self._parked_kinds.get(parked, SUB_LLM)
         chain = tuple(nodes) if nodes is not None else self._parked_nodes.get(parked, ())
@@ -356,13 +297,15 @@ class BudgetLedger(LedgerTree):
             for node in chain:
                 LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        r = await self._submit(ledger_id, _reserve_op(kind), reservation_id, cap or 0, dl, chain)
+        op = _reserve_op(kind, leased=bool(leased))
+        r = await self._submit(ledger_id, op, reservation_id, cap or 0, dl, chain)
         if r.code == Code.NO_LEDGER:
             self._remember_unbudgeted(ledger_id)
         if r.code in (Code.TREE_CLOSED, Code.NODE_GONE):
             gone = chain[r.detail - 1] if r.code == Code.NODE_GONE and 0 < r.detail <= len(chain) else ""
             return Grant(0, r.charged, r.limit, r.code, gone_node=gone)
-        return Grant(r.value, r.charged, r.limit, r.code, r.detail / 1000.0, r.need)
+        leased_grant = bool(leased) and r.code == Code.GRANTED
+        return Grant(r.value, r.charged, r.limit, r.code, r.detail / 1000.0, r.need, leased=leased_grant)
 
     async def reserve_until(
         self,
@@ -412,6 +355,7 @@ class BudgetLedger(LedgerTree):
         margin: float = 0.5,
         kind: str = SUB_LLM,
         nodes: Sequence[str] = (),
+        leased: bool = False,
     ) -> tuple[Grant, int, float]:
         """Reserve, waiting for releases while the ledger says "wait"; the worker's entry point.
 
@@ -424,6 +368,9 @@ class BudgetLedger(LedgerTree):
         Args:
             ledger_id / reservation_id / cap / deadline / kind / nodes: as for :meth:`reserve` (seconds).
             margin: seconds before ``deadline`` at which waiting ends.
+            leased: lease the first ask's grant (see :meth:`reserve`); a grant after parking is
+                always leased (it waits for the resume gate): when the returned grant is
+                :attr:`~Grant.leased`, :meth:`begin` it right before the model call.
 
         Returns:
             ``(grant, waits, wait_seconds)``: the final answer (never ``code`` 4), how many
@@ -439,9 +386,14 @@ class BudgetLedger(LedgerTree):
                 call, or one granted after parking that has not called its model yet (its grant
                 is settled at 0 first), is handed back instead.
         """
-        grant = await self.reserve_until(
-            deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes
-        )
+        try:
+            grant = await self.reserve_until(
+                deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes, leased=leased
+            )
+        except asyncio.CancelledError:
+            if leased:
+                self.give_back_soon(ledger_id, reservation_id)  # the ask may have been granted
+            raise
         if grant.code != Code.WAIT:
             return grant, 0, 0.0
         result = await self._park_until_answered(ledger_id, reservation_id, cap, deadline, margin, grant, kind, nodes)
@@ -474,23 +426,33 @@ class BudgetLedger(LedgerTree):
             self._parked_kinds[parked_key] = kind  # the waiter asks again through reserve(), by id
         if nodes:
             self._parked_nodes[parked_key] = tuple(nodes)
+        self._parked_leased.add(parked_key)  # granted after parking: it passes the resume gate first
         try:
             return await self._release_waits().wait_for_grant(
                 self, ledger_id, reservation_id, cap, deadline, deadline - margin, grant
             )
+        except asyncio.CancelledError:
+            self.give_back_soon(ledger_id, reservation_id)  # an ask in flight may have been granted
+            raise
         finally:
             self._parked_kinds.pop(parked_key, None)
             self._parked_nodes.pop(parked_key, None)
+            self._parked_leased.discard(parked_key)
 
     async def _resume(self, ledger_id: str, reservation_id: str, *, parked: bool) -> None:
-        """A granted call goes on: through the resume gate when it had parked; handed back when
-        the worker began to stop before its model was called (the grant is settled at 0 tokens).
+        """A granted call goes on: through the resume gate when it had parked (cancelled there, its
+        grant, never begun, goes back to the budget); handed back when the worker began to stop
+        before its model was called (the grant is settled at 0 tokens).
 
         Raises:
             asyncio.CancelledError: the worker is stopping.
         """
         if parked and self.resume_gate is not None:
-            await self.resume_gate()  # cancelled here: the reservation stays charged in full
+            try:
+                await self.resume_gate()
+            except asyncio.CancelledError:
+                self.give_back_soon(ledger_id, reservation_id)  # never begun: back to the budget
+                raise
         if self._abandon:
             # Granted as the worker began to stop: the model was never called, so the grant goes
             # back (settled at 0 tokens) and the job is handed back like the parked ones.
@@ -526,8 +488,42 @@ class BudgetLedger(LedgerTree):
 
     async def settle(self, ledger_id: str, reservation_id: str, used: int) -> Settlement:
         """Settle a reservation of ledger ``ledger_id`` with the ``used`` completion tokens the server reported."""
-        r = await self._submit(ledger_id, "s", reservation_id, max(0, int(used)), 0.0)
+        r = await self._submit(ledger_id, Op.SETTLE, reservation_id, max(0, int(used)), 0.0)
         return Settlement(r.value, r.charged, r.limit, r.code)
+
+    async def begin(self, ledger_id: str, reservation_id: str) -> bool:
+        """Mark a leased grant *begun*: its call is about to reach the model. From now on it is never
+        reclaimed, only settled (the model may be spending it). Call it right before the model call,
+        and call the model only when it returns True.
+
+        Returns:
+            True: begun (or begun already, or a grant that was never leased). False: the lease was
+            reclaimed (the grant went back to the budget) or the reservation is settled: do not call
+            the model under it; reserve again.
+
+        Raises:
+            redis.RedisError: Redis refused or is gone (do not call the model either).
+        """
+        r = await self._submit(ledger_id, Op.BEGIN, reservation_id, 0, 0.0)
+        return r.code == BeginCode.BEGUN
+
+    def give_back_soon(self, ledger_id: str, reservation_id: str) -> None:
+        """Give a leased grant that will never be begun back to the budget, without waiting (for a
+        call being cancelled: nothing here can be cancelled with it). Sent after this process's
+        ledger round trips in flight (the grant may be in one of them). A begun, settled, unknown or
+        never leased reservation is left as it is; a give-back that fails (Redis away) leaves the
+        grant to its lease."""
+        earlier = set(self._flushes)
+
+        async def give_back() -> None:
+            if earlier:
+                await asyncio.wait(earlier)
+            with contextlib.suppress(RedisError, OSError):
+                await self._submit(ledger_id, Op.GIVE_BACK, reservation_id, 0, 0.0)
+
+        task = asyncio.get_running_loop().create_task(give_back())
+        self._give_backs.add(task)
+        task.add_done_callback(self._give_backs.discard)
 
     async def retire(self, ledger_id: str, reservation_ids: Sequence[str]) -> int:
         """Stop counting ``reservation_ids`` as live (nobody waits for them any more); they stay
@@ -535,7 +531,7 @@ class BudgetLedger(LedgerTree):
         the job runs again (its earlier worker was declared dead). Returns how many were live."""
         if not reservation_ids:
             return 0
-        outs = await asyncio.gather(*(self._submit(ledger_id, "x", rid, 0, 0.0) for rid in reservation_ids))
+        outs = await asyncio.gather(*(self._submit(ledger_id, Op.RETIRE, rid, 0, 0.0) for rid in reservation_ids))
         return sum(r.value for r in outs)
 
     async def count_rejections(self, ledger_id: str, n: int) -> None:
@@ -559,9 +555,12 @@ class BudgetLedger(LedgerTree):
             self._waits.abandon()
 
     async def aclose(self) -> None:
-        """Stop waiting: wake every parked call (it asks once more) and close the pub/sub connection."""
+        """Stop waiting: wake every parked call (it asks once more) and close the pub/sub connection;
+        give-backs under way get up to a second."""
         if self._waits is not None:
             await self._waits.aclose()
+        if self._give_backs:
+            await asyncio.wait(set(self._give_backs), timeout=1.0)
 
     async def exists(self, ledger_id: str) -> bool:
         """True when the ledger ``ledger_id`` exists in Redis (one ``EXISTS``)."""

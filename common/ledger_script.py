@@ -2,9 +2,9 @@
 
 Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re-exported by
 :mod:`rlmq.common.ledger`, whose docstring states the policy the script implements. The
-ledger's field names, result codes and reply are spliced in from :mod:`rlmq.common.ledger_wire`
-(``$GRANTED`` -> ``0``, ``$HASH_FIELDS`` -> ``'limit', 'charged', ...``), so each is spelled once
-and the script reads no field, and answers no code, by a bare number.
+ledger's field names, result codes, operations, keys and reply are spliced in from
+:mod:`rlmq.common.ledger_wire` (``$GRANTED`` -> ``0``, ``$HASH_FIELDS`` -> ``'limit', 'charged', ...``),
+so each is spelled once and the script reads no field, and answers no code, by a bare number.
 """
 
 from __future__ import annotations
@@ -19,24 +19,26 @@ def _lua(text: str) -> str:
     return Template(text).substitute(lua_names())
 
 
-# KEYS[1] budget hash, KEYS[2] reservations hash, KEYS[3] live-open sorted set, KEYS[4] release
-# channel (one ledger: all share its id's hash tag), then KEYS[5..] the node keys of the calling
-# rollout's tree chain (top .. caller; none for a call of a top rollout): a reservation is refused
-# with TREE_CLOSED when the ledger is 'closed' (its top rollout ended) and with NODE_GONE when one
-# of those node keys is gone (the caller, or an ancestor, ended or died; 'detail' = the missing
-# node's position in the chain, from 1). Settles and retires are never refused: tokens spent are
-# always recorded.
-# ARGV[1] the TTL (seconds) of a ledger that stores none (opened by an older producer; 0: the
-# budget hash's own remaining TTL): a ledger opened now stores its owner's TTL in its 'ttl' field
-# and the script uses that, never the caller's (a stored 'ttl' that is not a whole number of
-# seconds from 1 to ten years is ignored: an EXPIRE that fails mid-script would leave a grant
-# charged with nobody to settle it). "Now" is Redis's TIME.
-# Then per operation i the four arguments of ledger_wire.OP_ARGS from ARGV[2 + 4 (i - 1)]:
-# op ('r' reserve, 'r:<kind>' reserve of reservation kind <kind>, 's' settle, 'x' retire),
-# reservation id, n, deadline (both unused by a retire). For a reserve n is the caller's cap in
-# tokens (<= 0: none; it can only lower the ledger's own cap of the kind: 'cap' for 'r',
-# 'cap:<kind>' for 'r:<kind>', none when unset) and deadline the call's deadline (Unix seconds);
-# for a settle n is the completion tokens the server reported (>= 0) and deadline is unused.
+# KEYS: the script's own keys (ledger_wire.SCRIPT_KEYS): the budget hash, the reservations hash,
+# the live-open sorted set, the release channel and the grant-lease sorted set (one ledger: all
+# share its id's hash tag), then the node keys of the calling rollout's tree chain (top .. caller;
+# none for a call of a top rollout): a reservation is refused with TREE_CLOSED when the ledger is
+# 'closed' (its top rollout ended) and with NODE_GONE when one of those node keys is gone (the
+# caller, or an ancestor, ended or died; 'detail' = the missing node's position in the chain, from
+# 1). Settles, retires, begins and give-backs are never refused: tokens spent are always recorded.
+# ARGV (ledger_wire.HEAD_ARGS): ARGV_TTL the TTL (seconds) of a ledger that stores none (opened by
+# an older producer; 0: the budget hash's own remaining TTL): a ledger opened now stores its
+# owner's TTL in its 'ttl' field and the script uses that, never the caller's (a stored 'ttl' that
+# is not a whole number of seconds from 1 to ten years is ignored: an EXPIRE that fails mid-script
+# would leave a grant charged with nobody to settle it); ARGV_LEASE the grant lease (seconds) of a
+# leased reserve. "Now" is Redis's TIME.
+# Then per operation i the four arguments of ledger_wire.OP_ARGS: op (ledger_wire.Op: 'r' reserve,
+# 'r:<kind>' reserve of reservation kind <kind>, 'L' / 'L:<kind>' the same, leased, 's' settle,
+# 'x' retire, 'b' begin, 'u' give back), reservation id, n, deadline (both unused by a retire, a
+# begin, a give-back). For a reserve n is the caller's cap in tokens (<= 0: none; it can only lower
+# the ledger's own cap of the kind: 'cap' for 'r', 'cap:<kind>' for 'r:<kind>', none when unset)
+# and deadline the call's deadline (Unix seconds); for a settle n is the completion tokens the
+# server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
 # ledger once (HMGET) and writes it once (HSET). Returns one reply (ledger_wire.REPLY_FIELDS) per
 # operation, read by ledger_wire.Reply.of:
@@ -46,31 +48,49 @@ def _lua(text: str) -> str:
 #   UNLIMITED (a liveness-only ledger, field 'unlimited', no 'limit': a tree without a budget;
 #   the chain is alive, call without a grant and settle nothing);
 #   WAIT (less than a full grant is free but live reservations may give some back: ask again
-#   after a release, or at 'detail', the earliest live reservation's deadline in ms, when it stops
-#   counting as live, and need, the grant it waits for). An open reservation with the same id
-#   returns its grant again.
+#   after a release, or at 'detail', in ms, the earliest of the live reservations' deadlines (when
+#   one stops counting as live) and the grant leases' ends (when one may be reclaimed), and need,
+#   the grant it waits for). An open reservation with the same id returns its grant again (begun
+#   or not); an unleased reserve ('r') of a leased grant not begun yet begins it (its caller calls
+#   the model at once, without a begin of its own).
 #   The grant is min(cap, free), free = limit - charged, cap = min(ledger cap, caller's cap); it is
 #   given when free >= need = ceil(min(cap, limit) / 2) (half a full grant; no cap: free > 0), or,
 #   when no live reservation is left, whatever is free (the last remainder).
+# * leased reserve ('L'): a new grant is also *leased*: it must be begun ('b') within ARGV_LEASE
+#   seconds, i.e. before its call reaches the model. A reserve finds the leases that ended unbegun
+#   (the lease set, scored by their end) and reclaims them first: their grants go back to the
+#   budget (counted in 'reclaimed') and their ids are forgotten (reserving one again is a new
+#   grant), as if never reserved: no model call ever ran under them, so the budget stays exact.
+# * begin ('b'): the call is about to reach the model: the reservation becomes 'call:<grant>' and
+#   its lease ends (it can no longer be reclaimed, only settled). value = grant, BEGIN_BEGUN;
+#   BEGIN_UNKNOWN when the reservation is unknown (its lease was reclaimed: reserve again),
+#   BEGIN_SETTLED when it is settled.
+# * give back ('u'): a leased grant not begun goes back now (the call holding it will not run, or
+#   runs under a new grant), as a reclaim does. value = tokens given back (0: nothing to give back:
+#   begun, settled, unknown, or never leased); code SETTLE_SETTLED, as a retire's.
 # * retire ('x'): the reservation stops being live (its job was handed to a new attempt: its
 #   worker is presumed dead); it stays open and charged, and can still be settled. value = 1 when
 #   it was live. Waiters are told, as after a settle.
 # * settle: value = released = grant - used (>= 0 with a server that honours max_tokens; a server
 #   that returned more than its grant is charged the excess, recorded in 'overrun').
 #   SETTLE_SETTLED now, SETTLE_ALREADY (nothing changes), SETTLE_UNKNOWN reservation.
-# A live reservation is an open one whose call's deadline has not passed (KEYS[3], scored by
+# A live reservation is an open one whose call's deadline has not passed (the live set, scored by
 # deadline): one held by a dead worker stops being live at its deadline but stays charged.
-# After any settle, once the rollout has had a waiter, the script publishes '<free> <live>' on
-# KEYS[4] (free = limit - charged, live = live reservations left): waiters wake by it.
+# After any settle, retire, give-back or reclaim, and after a leased grant, once the rollout has had
+# a waiter, the script publishes ledger_wire.RELEASE_FIELDS on the channel: '<free> <live>' (free =
+# limit - charged, live = live reservations left), followed by ' <lease end>' (Unix seconds) when a
+# grant lease is open: waiters wake by it, and ask again when that lease ends.
 # The reservations hash gets the ledger's stored TTL with the ledger's first grant, the live set
-# with every script that adds to it (the owner's key refresh keeps both alive with the ledger).
+# and the lease set with every script that adds to them (the owner's key refresh keeps them alive
+# with the ledger).
 LEDGER_LUA = _lua("""
-local budget, reservations, live_set, channel = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local chain_from = 5  -- KEYS[chain_from ..]: the caller's tree chain
-local ttl = tonumber(ARGV[1])
+local $KEY_LOCALS = unpack(KEYS, 1, $KEY_COUNT)
+local chain_from = $KEY_COUNT + 1  -- KEYS[chain_from ..]: the caller's tree chain
+local ttl = tonumber(ARGV[$ARGV_TTL])
+local lease = tonumber(ARGV[$ARGV_LEASE]) or 0
 local clock = redis.call('TIME')  -- "now" is Redis's clock, never the calling host's
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
-local nops = (#ARGV - 1) / $OP_ARGS
+local nops = (#ARGV - $HEAD_ARGS) / $OP_ARGS
 local $HASH_LOCALS = unpack(redis.call('HMGET', budget, $HASH_FIELDS))
 local limit, lcap = tonumber(h_limit), tonumber(h_cap or '0')
 local function reply($REPLY_FIELDS)
@@ -110,17 +130,23 @@ local f = {$COUNTER_TABLE}
 local changed, names = {}, {$COUNTERS}
 local state, writes, order = {}, {}, {}
 local ids = {}
-for i = 1, nops do ids[i] = ARGV[1 + $OP_ARGS * (i - 1) + 2] end
+for i = 1, nops do ids[i] = ARGV[$HEAD_ARGS + $OP_ARGS * (i - 1) + 2] end
 for i = 1, nops, 500 do
   local part = redis.call('HMGET', reservations, unpack(ids, i, math.min(i + 499, nops)))
   for j = 1, #part do
     if part[j] then state[ids[i + j - 1]] = part[j] end
   end
 end
-local function put(id, value)
-  if not writes[id] then order[#order + 1] = id end
+local function put(id, value)  -- value false: the reservation is forgotten (HDEL)
+  if not writes[id] and writes[id] ~= false then order[#order + 1] = id end
   writes[id] = value
   state[id] = value
+end
+local function held(s)  -- the grant of an open reservation (begun or not), else nil
+  if s and (string.sub(s, 1, 5) == 'open:' or string.sub(s, 1, 5) == 'call:') then
+    return tonumber(string.sub(s, 6))
+  end
+  return nil
 end
 local live = nil
 local function live_count()
@@ -130,13 +156,43 @@ local function live_count()
   end
   return live
 end
-local added, settled, first_grant = false, false, false
+local added, settled, first_grant, leased = false, false, false, false
+local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
+  f.charged = f.charged - grant
+  f.reclaimed = f.reclaimed + grant
+  changed.charged, changed.reclaimed = true, true
+  put(id, false)
+  redis.call('ZREM', live_set, id)
+  live = nil
+  settled = true
+end
+local swept = false
+local function reclaim()  -- the leases that ended unbegun (once per script, before the first reserve)
+  if swept then return end
+  swept = true
+  local ended = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 1000)
+  if #ended == 0 then return end
+  redis.call('ZREM', leases, unpack(ended))
+  local stored_states = redis.call('HMGET', reservations, unpack(ended))
+  for j, id in ipairs(ended) do
+    local s = state[id]
+    if s == nil then s = stored_states[j] or false end
+    if s and string.sub(s, 1, 5) == 'open:' then give_back(id, tonumber(string.sub(s, 6))) end
+  end
+end
+local function first_score(key)  -- the lowest score of a sorted set, or nil when it is empty
+  local _, score = unpack(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES'))
+  if score == nil then return nil end
+  return tonumber(score)
+end
 local out = {}
 for i = 1, nops do
-  local o = 1 + $OP_ARGS * (i - 1)
+  local o = $HEAD_ARGS + $OP_ARGS * (i - 1)
   local kind, id, n, dl = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
-  local s = state[id]
-  if string.sub(kind, 1, 1) == 'r' then
+  local op = string.sub(kind, 1, 1)
+  if op == '$OP_RESERVE' or op == '$OP_LEASED' then
+    if limit and not h_closed then reclaim() end
+    local s = state[id]
     if not limit and not h_unlimited then
       out[i] = reply(0, 0, 0, $NO_LEDGER, 0, 0)
     elseif tree_refusal() then
@@ -144,8 +200,11 @@ for i = 1, nops do
     elseif not limit then
       out[i] = reply(0, 0, 0, $UNLIMITED, 0, 0)
     elseif s then
-      if string.sub(s, 1, 5) == 'open:' then
-        out[i] = reply(tonumber(string.sub(s, 6)), f.charged, limit, $GRANTED, 0, 0)
+      if held(s) then
+        if op == '$OP_RESERVE' and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
+          put(id, 'call:' .. held(s))  -- a leased grant taken over by a call that begins at once
+        end
+        out[i] = reply(held(s), f.charged, limit, $GRANTED, 0, 0)
       else
         out[i] = reply(0, f.charged, limit, $ALREADY_SETTLED, 0, 0)
       end
@@ -160,10 +219,12 @@ for i = 1, nops do
         grant = free
         if cap > 0 and cap < grant then grant = cap end
       elseif live_count() > 0 then
-        local _, earliest = unpack(redis.call('ZRANGE', live_set, 0, 0, 'WITHSCORES'))
+        local nxt = first_score(live_set)
+        local lease_end = first_score(leases)
+        if lease_end and lease_end < nxt then nxt = lease_end end
         f.waits = f.waits + 1
         changed.waits = true
-        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(tonumber(earliest) * 1000), full)
+        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(nxt * 1000), full)
       elseif free > 0 then
         grant = free
       end
@@ -178,6 +239,10 @@ for i = 1, nops do
           if live ~= nil then live = live + 1 end
           added = true
         end
+        if op == '$OP_LEASED' and lease > 0 then
+          redis.call('ZADD', leases, now + lease, id)
+          leased = true
+        end
         out[i] = reply(grant, f.charged, limit, $GRANTED, 0, 0)
       elseif not out[i] then
         f.rejections = f.rejections + 1
@@ -185,21 +250,43 @@ for i = 1, nops do
         out[i] = reply(0, f.charged, limit, $REJECTED, 0, 0)
       end
     end
-  elseif kind == 'x' then
+  elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
     if removed > 0 then
       live = nil
       settled = true
     end
     out[i] = reply(removed, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
+  elseif kind == '$OP_BEGIN' then
+    local s = state[id]
+    local grant = held(s)
+    if grant then
+      if string.sub(s, 1, 5) == 'open:' then put(id, 'call:' .. grant) end
+      redis.call('ZREM', leases, id)
+      out[i] = reply(grant, f.charged, limit or 0, $BEGIN_BEGUN, 0, 0)
+    elseif s then
+      out[i] = reply(0, f.charged, limit or 0, $BEGIN_SETTLED, 0, 0)
+    else
+      out[i] = reply(0, f.charged, limit or 0, $BEGIN_UNKNOWN, 0, 0)
+    end
+  elseif kind == '$OP_GIVE_BACK' then
+    local s = state[id]
+    if s and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
+      local grant = tonumber(string.sub(s, 6))
+      give_back(id, grant)
+      out[i] = reply(grant, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
+    else
+      out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
+    end
   else
     local lim = limit or 0
-    if not s then
+    local grant = held(state[id])
+    if not state[id] then
       out[i] = reply(0, f.charged, lim, $SETTLE_UNKNOWN, 0, 0)
-    elseif string.sub(s, 1, 5) ~= 'open:' then
+    elseif not grant then
       out[i] = reply(0, f.charged, lim, $SETTLE_ALREADY, 0, 0)
     else
-      local release = tonumber(string.sub(s, 6)) - n
+      local release = grant - n
       f.charged = f.charged - release
       f.used = f.used + n
       changed.charged, changed.used = true, true
@@ -213,6 +300,7 @@ for i = 1, nops do
       put(id, 'settled:' .. n)
       if live ~= nil then live = nil end
       redis.call('ZREM', live_set, id)
+      redis.call('ZREM', leases, id)
       settled = true
       out[i] = reply(release, f.charged, lim, $SETTLE_SETTLED, 0, 0)
     end
@@ -226,18 +314,29 @@ for _, name in ipairs(names) do
   end
 end
 if #hset > 0 and limit then redis.call('HSET', budget, unpack(hset)) end  -- never re-create a lost ledger
-local rargs = {}
+local rargs, forget = {}, {}
 for _, id in ipairs(order) do
-  rargs[#rargs + 1] = id
-  rargs[#rargs + 1] = writes[id]
+  if writes[id] then
+    rargs[#rargs + 1] = id
+    rargs[#rargs + 1] = writes[id]
+  else
+    forget[#forget + 1] = id
+  end
 end
 for i = 1, #rargs, 1000 do
   redis.call('HSET', reservations, unpack(rargs, i, math.min(i + 999, #rargs)))
 end
+for i = 1, #forget, 1000 do
+  redis.call('HDEL', reservations, unpack(forget, i, math.min(i + 999, #forget)))
+end
 if first_grant and ttl > 0 then redis.call('EXPIRE', reservations, ttl) end
 if added and ttl > 0 then redis.call('EXPIRE', live_set, ttl) end
-if settled and f.waits > 0 then
-  redis.call('PUBLISH', channel, (limit or 0) - f.charged .. ' ' .. live_count())
+if leased and ttl > 0 then redis.call('EXPIRE', leases, ttl) end
+if (settled or leased) and f.waits > 0 then
+  local msg = (limit or 0) - f.charged .. ' ' .. live_count()
+  local _, lease_end = unpack(redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES'))
+  if lease_end then msg = msg .. ' ' .. lease_end end
+  redis.call('PUBLISH', channel, msg)
 end
 return out
 """)

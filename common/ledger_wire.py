@@ -8,19 +8,24 @@ through one constructor (:meth:`Reply.of`), never by position. The outcomes call
 :mod:`rlmq.common.budget_wait` and :mod:`rlmq.common.ledger` both import them from below
 (no import cycle between the two).
 
-Nothing here changed the data on Redis: a worker running the script before this module (which
-also sent an unused ``ARGV[2]``) and one running it now keep the same fields, reservation states
-and release messages, each with its own script (by its own SHA), so a mixed fleet shares ledgers.
+Leased grants changed the wire: the script takes a fifth key (the grant-lease set, so a chain's
+node keys start at ``KEYS[6]``) and the lease in ``ARGV[2]``; a begun reservation is
+``call:<grant>``; the ``reclaimed`` counter is new; the release message may end in ``<lease end>``.
+Each version runs its own script (by its own SHA), so no call mixes the layouts, but a process
+from before leases reads a begun reservation as settled (a settle of it there leaves its grant
+charged for good) and never reclaims a lease: do not mix such processes into a fleet that leases;
+upgrade producers and workers together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 __all__ = [
-    "COUNTERS", "HASH_FIELDS", "BudgetSnapshot", "Code", "Grant", "Reply", "SettleCode", "default_cap", "lua_names",
+    "COUNTERS", "HASH_FIELDS", "HEAD_ARGS", "SCRIPT_KEYS", "BeginCode", "BudgetSnapshot", "Code", "Grant", "Op",
+    "Release", "Reply", "SettleCode", "default_cap", "lua_names",
 ]  # fmt: skip
 
 
@@ -59,34 +64,86 @@ class SettleCode(IntEnum):
     """No such reservation."""
 
 
+class BeginCode(IntEnum):
+    """A begin's outcome (:meth:`rlmq.common.ledger.BudgetLedger.begin`)."""
+
+    BEGUN = 0
+    """Begun now or before (or a grant never leased): call the model under it."""
+    SETTLED = 1
+    """The reservation is settled: do not call the model under it."""
+    UNKNOWN = 2
+    """No such reservation: its lease was reclaimed (or it was given back): reserve again."""
+
+
+class Op(StrEnum):
+    """The operations of the ledger's script (the first of :data:`OP_ARGS`). A reserve of another
+    kind than the sub-LLM's is ``<op>:<kind>`` (``r:root``, ``L:root``)."""
+
+    RESERVE = "r"
+    """Reserve a grant (the caller calls the model at once)."""
+    LEASED = "L"
+    """Reserve a *leased* grant: it must be begun within the lease, or it is reclaimed."""
+    SETTLE = "s"
+    """Settle with the tokens the server reported."""
+    RETIRE = "x"
+    """Stop counting a reservation as live (its job runs again elsewhere)."""
+    BEGIN = "b"
+    """The leased grant's call is about to reach the model: never reclaimed from now on."""
+    GIVE_BACK = "u"
+    """A leased grant never begun goes back now."""
+
+
 HASH_FIELDS = (
     "limit", "charged", "grants", "used", "released", "overrun", "rejections", "waits", "cap", "ttl", "closed",
-    "unlimited",
+    "unlimited", "reclaimed",
 )  # fmt: skip
 """The fields of a ledger's budget hash (``LedgerKeys.budget``) the script reads, each into the Lua
 local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open reservations), ``grants``,
 ``used`` (tokens servers reported), ``released``, ``overrun`` (tokens a server returned past its grant),
 ``rejections``, ``waits`` ("wait" answers), ``cap`` (0: none; the cap of sub-LLM reservations), ``ttl``
-(seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger).
+(seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger),
+``reclaimed`` (tokens of leased grants that went back unbegun: given back or reclaimed).
 A reservation kind's own cap is ``cap:<kind>``, read only when a reservation of that kind comes."""
-COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits")
+COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits", "reclaimed")
 """The fields the script counts (integers, written back once per call when changed)."""
 
 REPLY_FIELDS = ("value", "charged", "limit", "code", "detail", "need")
 """One operation's reply, in the order the script's ``reply(...)`` builds it (see :class:`Reply`)."""
 
+SCRIPT_KEYS = {
+    "budget": "budget", "reservations": "reservations", "live_set": "live_reservations", "channel": "released",
+    "leases": "grant_leases",
+}  # fmt: skip
+"""The script's own keys, in order (``KEYS[1..]``): its Lua local -> the :class:`rlmq.common.keys.LedgerKeys`
+attribute. The node keys of the caller's tree chain follow them."""
+
+HEAD_ARGS = ("ttl", "lease")
+"""The arguments before the operations: ``ARGV[1]`` the TTL (seconds) of a ledger that stores none (0:
+the budget hash's own), ``ARGV[2]`` the grant lease (seconds) of a leased reserve (:attr:`Op.LEASED`)."""
+
 OP_ARGS = ("op", "id", "n", "deadline")
-"""The arguments of one operation after ``ARGV[1]`` (the TTL): ``op`` (``r`` reserve, ``r:<kind>``,
-``s`` settle, ``x`` retire), reservation id, ``n`` (a reserve's cap, a settle's used tokens),
-``deadline`` (Unix seconds; a reserve's)."""
+"""The arguments of one operation after :data:`HEAD_ARGS`: ``op`` (an :class:`Op`), reservation id,
+``n`` (a reserve's cap, a settle's used tokens), ``deadline`` (Unix seconds; a reserve's)."""
+
+RELEASE_FIELDS = ("free", "live", "lease_end")
+"""The release message the script publishes, space-separated (see :class:`Release`); the last is
+sent only while a grant lease is open."""
 
 
 def lua_names() -> dict[str, str]:
-    """What :func:`string.Template` splices into the ledger's Lua: every :class:`Code` and
-    :class:`SettleCode` by name (``SETTLE_`` before the latter), the hash fields and their
+    """What :func:`string.Template` splices into the ledger's Lua: every :class:`Code`,
+    :class:`SettleCode` and :class:`BeginCode` by name (``SETTLE_`` / ``BEGIN_`` before the latter
+    two), every :class:`Op` (``OP_`` before it), the keys' locals and count, the positions of
+    :data:`HEAD_ARGS` (``ARGV_TTL``, ``ARGV_LEASE``) and their count, the hash fields and their
     locals, the counters, the reply's fields and the width of one operation's arguments."""
     names = {c.name: str(c.value) for c in Code}
     names.update({"SETTLE_" + c.name: str(c.value) for c in SettleCode})
+    names.update({"BEGIN_" + c.name: str(c.value) for c in BeginCode})
+    names.update({"OP_" + o.name: o.value for o in Op})
+    names["KEY_LOCALS"] = ", ".join(SCRIPT_KEYS)
+    names["KEY_COUNT"] = str(len(SCRIPT_KEYS))
+    names.update({"ARGV_" + a.upper(): str(i) for i, a in enumerate(HEAD_ARGS, 1)})
+    names["HEAD_ARGS"] = str(len(HEAD_ARGS))
     names["HASH_FIELDS"] = ", ".join(f"'{f}'" for f in HASH_FIELDS)
     names["HASH_LOCALS"] = ", ".join(f"h_{f}" for f in HASH_FIELDS)
     names["COUNTERS"] = ", ".join(f"'{f}'" for f in COUNTERS)
@@ -125,6 +182,36 @@ class Reply:
         return cls(value, charged, limit, code, detail, need)
 
 
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A release message of a ledger (:data:`RELEASE_FIELDS`), published after a settle, retire,
+    give-back or reclaim, or a leased grant, once the ledger has had a waiter.
+
+    Attributes:
+        free: ``limit - charged`` after it (tokens).
+        live: live reservations left.
+        lease_end: when the ledger's earliest open grant lease ends (Unix seconds, Redis's clock);
+            ``None`` when no lease is open.
+    """
+
+    free: int
+    live: int
+    lease_end: float | None
+
+    @classmethod
+    def of(cls, data: bytes | str) -> Release | None:
+        """The release ``data`` says, or ``None`` for a message that is not one (``closed``, garbage)."""
+        text = data.decode() if isinstance(data, bytes) else str(data)
+        parts = text.split()
+        if not len(RELEASE_FIELDS) - 1 <= len(parts) <= len(RELEASE_FIELDS):
+            return None
+        try:
+            free, live, *rest = parts
+            return cls(int(free), int(live), float(rest[0]) if rest else None)
+        except ValueError:
+            return None
+
+
 @dataclass(frozen=True)
 class Grant:
     """Outcome of a reservation.
@@ -139,6 +226,9 @@ class Grant:
             reservation's deadline passes and it stops counting as live (0 otherwise).
         need: for :data:`Code.WAIT`, the grant the call waits for (tokens free before it is given).
         gone_node: for :data:`Code.NODE_GONE`, the first node of the chain whose key is gone.
+        leased: the grant is leased (:meth:`rlmq.common.ledger.BudgetLedger.reserve` with
+            ``leased``): its holder must :meth:`~rlmq.common.ledger.BudgetLedger.begin` it before its
+            call reaches the model, or it is reclaimed.
     """
 
     tokens: int
@@ -148,6 +238,7 @@ class Grant:
     retry_at: float = 0.0
     need: int = 0
     gone_node: str = ""
+    leased: bool = False
 
     @property
     def tree_refused(self) -> bool:

@@ -335,6 +335,16 @@ class WorkerOptions(BaseModel):
         ),
         json_schema_extra=meta(unit="sub-calls", default_text="4 x --concurrency"),
     )
+    sub_llm_budget_grant_lease: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description=(
+            "a budget grant whose model call has not begun this long after it was granted (the job was "
+            "cancelled or lost its START, or its worker died first) goes back to the budget"
+        ),
+        json_schema_extra=meta(unit="seconds"),
+    )
     allowed_sub_tools: list[str] = Field(
         default_factory=list,
         description=(

@@ -21,6 +21,7 @@ are not charged (its own root limit is ``root_max_completion_tokens``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rlmq.common.errors import RootBudgetSpent
-from rlmq.common.ledger import NO_LEDGER, ROOT, UNLIMITED, WAITED_OUT, BudgetLedger
+from rlmq.common.ledger import NO_LEDGER, ROOT, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.producer.root import RootClient
 
 
@@ -82,19 +83,10 @@ class TreeBudgetedRoot:
         self.turn += 1
         reservation = f"{self.rollout_id}:root:{self.turn}"
         cap = kwargs.get("max_tokens")
-        margin = min(0.5, max(0.0, (self.deadline - time.time()) * 0.05))
-        try:
-            grant, _, _ = await self.ledger.acquire(
-                self.ledger_id,
-                reservation,
-                int(cap) if cap is not None else None,
-                self.deadline,
-                margin=margin,
-                kind=ROOT,
-                nodes=self.nodes,
-            )
-        except RedisError as exc:
-            raise RootBudgetSpent(f"the tree budget could not be reserved: {exc}") from exc
+        while True:  # a leased grant reclaimed before its call began (this task stalled) is asked for again
+            grant = await self._acquire(reservation, cap)
+            if not grant.granted or grant.tokens < self.min_grant or await self._begin(reservation):
+                break
         if grant.code == UNLIMITED:
             return await self.inner.chat(**kwargs)
         if grant.tree_refused:
@@ -125,6 +117,36 @@ class TreeBudgetedRoot:
         finally:
             self.used_tokens += used
             await self._settle(reservation, used)
+
+    async def _acquire(self, reservation: str, cap: Any) -> Grant:
+        """The root turn's grant, leased: a call cancelled before it begins gives it back, and a
+        grant never begun is reclaimed after its lease (see :meth:`BudgetLedger.begin`)."""
+        margin = min(0.5, max(0.0, (self.deadline - time.time()) * 0.05))
+        try:
+            grant, _, _ = await self.ledger.acquire(
+                self.ledger_id,
+                reservation,
+                int(cap) if cap is not None else None,
+                self.deadline,
+                margin=margin,
+                kind=ROOT,
+                nodes=self.nodes,
+                leased=True,
+            )
+        except RedisError as exc:
+            raise RootBudgetSpent(f"the tree budget could not be reserved: {exc}") from exc
+        return grant
+
+    async def _begin(self, reservation: str) -> bool:
+        """Begin the leased grant right before the root call; False: it was reclaimed, ask again."""
+        try:
+            return await self.ledger.begin(self.ledger_id, reservation)
+        except asyncio.CancelledError:
+            self.ledger.give_back_soon(self.ledger_id, reservation)
+            raise
+        except RedisError as exc:  # never call the model under a grant that may be reclaimed
+            self.ledger.give_back_soon(self.ledger_id, reservation)
+            raise RootBudgetSpent(f"the tree budget grant could not be confirmed: {exc}") from exc
 
     async def _settle(self, reservation: str, used: int) -> None:
         try:

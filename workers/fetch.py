@@ -481,8 +481,11 @@ class Fetcher:
         peeked the queue in the fraction of a millisecond between the enqueue and this
         ``START``), the early call is cancelled and counted as ``lost``. An entry older than
         ``LANE_EARLY_MAX_AGE`` (by the two hosts' clocks) starts nothing early: its jobs are
-        likely gone, or re-queued as a later attempt (then the early reservation, never
-        spent, would stay charged in full: a waste of budget, never an overshoot). Nor does an
+        likely gone, or re-queued as a later attempt. An early call's grant is *leased*
+        (:meth:`~rlmq.common.ledger.BudgetLedger.begin`): cancelled before it began (a lost
+        ``START``), it gives the grant back at once, and a grant it never began (its worker died)
+        goes back when its lease ends; never left charged and live until the call's deadline with
+        no call behind it, which made every call of its tree wait for it. Nor does an
         entry that is not ``fresh`` (see :meth:`_pop_lane`), nor a job this worker took from
         the queue itself (:meth:`took`): an early call would be the model's second answer to it.
         """

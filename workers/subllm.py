@@ -161,43 +161,54 @@ class _Run:
         last_turn = request.max_turns + (1 if request.final_answer_turn else 0)
         for turn in range(1, last_turn + 1):
             forced = turn > request.max_turns  # the final-answer turn, without tools
-            if time.time() >= request.deadline:
-                raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
-            grant: Grant | None = None
-            reservation = f"{self.job_id}:{self.attempt}:{turn}"
-            max_tokens = request.max_completion_tokens
-            if check:
-                grant = await self._reserve(reservation)
-                if grant is None:
-                    check = False  # no ledger, and the job said it has none: unbudgeted
-                elif grant.code == UNLIMITED:
-                    grant = None  # a tree without a budget, alive: this turn runs ungranted
-                elif grant.tree_refused:  # its tree ended (or the caller's branch did): nobody waits for it
-                    return "rejected", f"[rejected] sub-LLM call refused: {grant.refusal_message}"
-                elif not grant.granted:
-                    spent = f"{grant.charged}/{grant.limit} completion tokens used"
-                    if grant.code == WAITED_OUT:
-                        spent = (
-                            f"waited {self.wait_seconds:.1f} s for tokens held by running calls until this "
-                            f"call's deadline; {spent}"
-                        )
-                    if forced:
-                        self.final_turn = "skipped"
-                        return "ok", last_text or (
-                            f"[sub-LLM used all {request.max_turns} turn(s) calling tools; its final-answer turn "
-                            f"was skipped: the sub-LLM token budget is spent ({spent})]"
-                        )
-                    if turn == 1:
-                        return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
-                    if last_text:
-                        return "ok", last_text
-                    return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
-                else:
-                    max_tokens = grant.tokens
-            if self.gate is not None:
-                if grant is not None:
-                    await self.gate  # the worker's START has not confirmed this job yet
-                self.gate = None
+            while True:  # a grant whose lease was reclaimed before its call began is asked for again
+                if time.time() >= request.deadline:
+                    raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
+                grant: Grant | None = None
+                reservation = f"{self.job_id}:{self.attempt}:{turn}"
+                max_tokens = request.max_completion_tokens
+                if check:
+                    grant = await self._reserve(reservation, leased=self.gate is not None)
+                    if grant is None:
+                        check = False  # no ledger, and the job said it has none: unbudgeted
+                    elif grant.code == UNLIMITED:
+                        grant = None  # a tree without a budget, alive: this turn runs ungranted
+                    elif grant.tree_refused:  # its tree ended (or the caller's branch did): nobody waits for it
+                        return "rejected", f"[rejected] sub-LLM call refused: {grant.refusal_message}"
+                    elif not grant.granted:
+                        spent = f"{grant.charged}/{grant.limit} completion tokens used"
+                        if grant.code == WAITED_OUT:
+                            spent = (
+                                f"waited {self.wait_seconds:.1f} s for tokens held by running calls until this "
+                                f"call's deadline; {spent}"
+                            )
+                        if forced:
+                            self.final_turn = "skipped"
+                            return "ok", last_text or (
+                                f"[sub-LLM used all {request.max_turns} turn(s) calling tools; its final-answer turn "
+                                f"was skipped: the sub-LLM token budget is spent ({spent})]"
+                            )
+                        if turn == 1:
+                            return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
+                        if last_text:
+                            return "ok", last_text
+                        return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
+                    else:
+                        max_tokens = grant.tokens
+                try:
+                    if self.gate is not None:
+                        if grant is not None:
+                            await self.gate  # the worker's START has not confirmed this job yet
+                        self.gate = None
+                    if grant is None or not grant.leased or await self._begin(reservation):
+                        break
+                except BaseException:  # cancelled (it lost its START), or Redis failed: never begun
+                    if grant is not None and grant.leased and ctx.ledger is not None:
+                        ctx.ledger.give_back_soon(request.charged_ledger, reservation)
+                    raise
+                assert grant is not None
+                self.grants -= 1  # reclaimed: it went back to the budget unused
+                self.granted_tokens -= grant.tokens
             if forced:
                 self.final_turn = "answered"
                 self.messages.append({"role": "user", "content": FINAL_ANSWER_PROMPT})
@@ -230,8 +241,9 @@ class _Run:
             await self._run_tools(response.tool_calls, offered, turn)
         raise AssertionError("unreachable: the loop returns on its last turn")  # pragma: no cover
 
-    async def _reserve(self, reservation: str) -> Grant | None:
-        """Reserve (waiting for releases) the grant of one model call; ``None``: unbudgeted."""
+    async def _reserve(self, reservation: str, *, leased: bool = False) -> Grant | None:
+        """Reserve (waiting for releases) the grant of one model call; ``None``: unbudgeted.
+        ``leased``: the call waits for its ``START`` before the model (a lane entry's early call)."""
         ledger = self.ctx.ledger
         assert ledger is not None
         request = self.request
@@ -244,6 +256,7 @@ class _Run:
                 request.deadline,
                 margin=margin,
                 nodes=request.nodes,
+                leased=leased,
             )
         except RedisError as exc:
             raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
@@ -291,6 +304,16 @@ class _Run:
             await ledger.retire(self.request.charged_ledger, ids)
         except RedisError as exc:  # waiters then wait for the old reservations' deadline: slower, still safe
             log.warning("could not retire the earlier attempts of %s (%s)", self.job_id, exc)
+
+    async def _begin(self, reservation: str) -> bool:
+        """Begin a leased grant right before its model call (see :meth:`BudgetLedger.begin`); False:
+        its lease was reclaimed while the call waited (for its ``START`` or a slot), reserve again."""
+        ledger = self.ctx.ledger
+        assert ledger is not None
+        try:
+            return await ledger.begin(self.request.charged_ledger, reservation)
+        except RedisError as exc:  # never call the model under a grant that may be reclaimed
+            raise _Stop("redis", f"[error] sub-LLM budget grant could not be confirmed: {exc}") from exc
 
     async def _settle(self, reservation: str, used: int) -> None:
         ledger = self.ctx.ledger

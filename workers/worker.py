@@ -228,7 +228,8 @@ class SubLLMWorker:
         except BaseException:
             await self.redis.aclose()
             raise
-        self.ledger = BudgetLedger(self.redis)  # each ledger's TTL is stored in it: never this worker's
+        # each ledger's TTL is stored in it: never this worker's; the lease of grants not begun is this worker's
+        self.ledger = BudgetLedger(self.redis, grant_lease=s.sub_llm_budget_grant_lease)
         self.ledger.on_park = self._parked_changed  # parked budget waiters give their slots back...
         self.ledger.resume_gate = self._resume_gate  # ...and take one again before calling the model
         self.ctx = SubLLMContext(

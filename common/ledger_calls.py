@@ -1,0 +1,136 @@
+"""How a budget ledger's operations reach its script: coalesced, one ``EVALSHA`` per ledger.
+
+:class:`LedgerCalls` is a part of :class:`rlmq.common.ledger.BudgetLedger` (its base); kept apart
+so the ledger's policy reads on its own. Every operation submitted in the same event-loop turn goes
+out in one round trip (one ``EVALSHA`` of :data:`~rlmq.common.ledger_script.LEDGER_LUA` per ledger
+and node chain, pipelined), laid out as :mod:`rlmq.common.ledger_wire` names it: the script's keys
+(``SCRIPT_KEYS``) and node keys, its head arguments (``HEAD_ARGS``), then each operation's
+``OP_ARGS``; each reply is read by :meth:`~rlmq.common.ledger_wire.Reply.of`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+
+from rlmq.common.keys import LedgerKeys
+from rlmq.common.ledger_script import LEDGER_LUA
+from rlmq.common.ledger_wire import HEAD_ARGS, SCRIPT_KEYS, Op, Reply
+from rlmq.common.scripts import run_pipeline
+
+__all__ = ["LedgerCalls"]
+
+_Op = tuple[str, str, int, float, "asyncio.Future[Reply]"]
+"""One coalesced ledger operation: op (an :class:`~rlmq.common.ledger_wire.Op`, ``r:<kind>``,
+``L:<kind>``), reservation id, cap or used, deadline, its waiter."""
+_Group = tuple[str, tuple[str, ...]]
+"""What one script call serves: a ledger id and the node chain its reservations name."""
+
+
+class LedgerCalls:
+    """The coalesced script calls of a :class:`~rlmq.common.ledger.BudgetLedger`.
+
+    Args:
+        redis: an asyncio Redis client (``decode_responses`` either way).
+        grant_lease: seconds a leased grant may wait for its begin (sent as ``ARGV_LEASE``).
+    """
+
+    def __init__(self, redis: Redis, grant_lease: float) -> None:
+        self._redis = redis
+        self._lease = grant_lease
+        self._script = redis.register_script(LEDGER_LUA)
+        self._pending: dict[_Group, list[_Op]] = {}
+        self._flush_scheduled = False
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    def _submit(
+        self, ledger_id: str, op: str, reservation_id: str, n: int, deadline: float, nodes: tuple[str, ...] = ()
+    ) -> asyncio.Future[Reply]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Reply] = loop.create_future()
+        self._pending.setdefault((ledger_id, nodes), []).append((op, reservation_id, n, deadline, fut))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._start_flush)
+        return fut
+
+    def _start_flush(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        if pending:
+            task = asyncio.get_running_loop().create_task(self._flush(pending))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, pending: dict[_Group, list[_Op]]) -> None:
+        groups = list(pending.items())
+        try:
+            if len(groups) == 1:
+                outcomes: list[Any] = [await self._script(keys=self._keys(groups[0][0]), args=self._args(groups[0][1]))]
+            else:
+                outcomes = await self._pipelined(groups)
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised if fatal
+            for _, ops in groups:
+                for *_, fut in ops:
+                    if not fut.done():
+                        fut.set_exception(exc if isinstance(exc, Exception) else RuntimeError("ledger flush cancelled"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, ops), outcome in zip(groups, outcomes, strict=True):
+            for i, (*_, fut) in enumerate(ops):
+                if fut.done():
+                    continue
+                if isinstance(outcome, Exception):
+                    fut.set_exception(outcome)
+                else:
+                    fut.set_result(Reply.of(outcome[i]))
+
+    async def _pipelined(self, groups: list[tuple[_Group, list[_Op]]]) -> list[Any]:
+        """One round trip for several ledgers: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
+
+        def build(pipe: Any) -> None:
+            for group, ops in groups:
+                keys = self._keys(group)
+                pipe.evalsha(self._script.sha, len(keys), *keys, *self._args(ops))
+
+        return await run_pipeline(self._redis, build, [LEDGER_LUA], raise_on_error=False)
+
+    def add_settles(self, pipe: Any, settles: Sequence[tuple[str, str, int]]) -> None:
+        """Queue settlements on ``pipe`` (one ``EVALSHA`` per ledger), for a caller that sends
+        them in one round trip with its own commands (the worker's ``FINISH``).
+
+        Args:
+            pipe: a redis-py asyncio pipeline; the caller executes it and, on ``NOSCRIPT``,
+                loads :data:`LEDGER_LUA` and sends it again (settling is idempotent).
+            settles: ``(ledger_id, reservation_id, completion tokens used)`` each.
+        """
+        by_ledger: dict[str, list[Any]] = {}
+        for ledger_id, reservation_id, used in settles:
+            by_ledger.setdefault(ledger_id, []).extend([Op.SETTLE.value, reservation_id, max(0, int(used)), 0])
+        for ledger_id, ops in by_ledger.items():
+            keys = self._keys((ledger_id, ()))
+            pipe.evalsha(self._script.sha, len(keys), *keys, *self._head_args(), *ops)
+
+    @staticmethod
+    def _keys(group: _Group) -> list[str]:
+        """The script's keys (:data:`~rlmq.common.ledger_wire.SCRIPT_KEYS`), then the chain's node keys."""
+        keys = LedgerKeys(group[0])
+        return [*(getattr(keys, attr) for attr in SCRIPT_KEYS.values()), *map(keys.node, group[1])]
+
+    def _head_args(self) -> list[Any]:
+        """The script's :data:`~rlmq.common.ledger_wire.HEAD_ARGS`: TTL 0 (the script uses the TTL
+        stored in the ledger, or for a ledger without one the budget hash's own, never this
+        process's) and this process's grant lease (seconds)."""
+        head: dict[str, Any] = {"ttl": 0, "lease": self._lease}
+        return [head[name] for name in HEAD_ARGS]
+
+    def _args(self, ops: list[_Op]) -> list[Any]:
+        """The script's arguments: the HEAD_ARGS, then each operation's OP_ARGS."""
+        args: list[Any] = self._head_args()
+        for kind, reservation_id, n, deadline, _ in ops:
+            args += [kind, reservation_id, n, repr(deadline)]
+        return args
