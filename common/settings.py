@@ -8,8 +8,6 @@ in rlmq reads the environment anywhere else. ``REDIS_URL`` is accepted as well a
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -19,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
 from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
-from rlmq.common.settings_fields import field_env_vars, invalid_settings, meta, too_deep, variable_set
+from rlmq.common.settings_fields import field_env_vars, invalid_settings, meta, unreadable_variable
 from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
@@ -570,19 +568,10 @@ def build_settings(values: Mapping[str, Any], label: Callable[[str], str] = str)
         return Settings(**values)
     except ValidationError as exc:
         raise ConfigError(invalid_settings(exc, Settings.model_fields, values, label)) from exc
-    except RecursionError:  # an RLMQ_* variable of JSON nested past Python's recursion limit
-        deep = next((v for v in os.environ if v.upper().startswith("RLMQ_") and too_deep(os.environ[v])), None)
-        raise ConfigError(
-            f"invalid setting(s): {(deep or 'an RLMQ_* variable').upper()}: JSON nested too deeply"
-        ) from None
+    except RecursionError as exc:  # an RLMQ_* variable of JSON nested past Python's recursion limit
+        raise ConfigError(unreadable_variable(exc, Settings.model_fields)) from None
     except SettingsError as exc:  # an RLMQ_* variable that is not JSON
-        match = re.search(r'field "(\w+)"', str(exc))
-        if match is None or match.group(1) not in Settings.model_fields:
-            raise ConfigError(str(exc)) from exc
-        variable = variable_set(Settings.model_fields, match.group(1)) or match.group(1)
-        raise ConfigError(
-            f'invalid setting(s): {variable}: not JSON (a list is written as JSON, e.g. ["a.b"])'
-        ) from exc
+        raise ConfigError(unreadable_variable(exc, Settings.model_fields)) from exc
 
 
 def env_vars(name: str) -> list[str]:

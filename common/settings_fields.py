@@ -9,13 +9,14 @@ functions take the settings' ``model_fields``, so nothing here imports the decla
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
 
-__all__ = ["field_env_vars", "invalid_settings", "meta", "too_deep", "variable_set"]
+__all__ = ["field_env_vars", "invalid_settings", "meta", "too_deep", "unreadable_variable", "variable_set"]
 
 
 def meta(
@@ -75,6 +76,20 @@ def invalid_settings(
             name = variable_set(fields, field) or field
         parts.append(f"{name}: {str(error['msg']).removeprefix('Value error, ')}")
     return f"invalid setting(s): {'; '.join(parts)}"
+
+
+def unreadable_variable(exc: Exception, fields: Mapping[str, FieldInfo]) -> str:
+    """One line for an ``RLMQ_*`` variable the settings could not read: JSON nested past Python's
+    recursion limit (``exc`` a :class:`RecursionError`), or not JSON (``exc`` pydantic-settings'
+    ``SettingsError``, which names the field; its own message when it names none of ``fields``)."""
+    if isinstance(exc, RecursionError):
+        deep = next((v for v in os.environ if v.upper().startswith("RLMQ_") and too_deep(os.environ[v])), None)
+        return f"invalid setting(s): {(deep or 'an RLMQ_* variable').upper()}: JSON nested too deeply"
+    match = re.search(r'field "(\w+)"', str(exc))
+    if match is None or match.group(1) not in fields:
+        return str(exc)
+    variable = variable_set(fields, match.group(1)) or match.group(1)
+    return f'invalid setting(s): {variable}: not JSON (a list is written as JSON, e.g. ["a.b"])'
 
 
 def _field_of(fields: Mapping[str, FieldInfo], loc: str) -> str | None:
