@@ -7,8 +7,26 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+from redis.asyncio import Redis
+
+from rlmq.common.keys import LedgerKeys
+from rlmq.common.ledger import BudgetLedger
 from rlmq.common.ledger_script import LEDGER_LUA
-from rlmq.common.ledger_wire import COUNTERS, HASH_FIELDS, REPLY_FIELDS, Code, Reply, SettleCode, lua_names
+from rlmq.common.ledger_wire import (
+    COUNTERS,
+    HASH_FIELDS,
+    RELEASE_FIELDS,
+    REPLY_FIELDS,
+    SCRIPT_KEYS,
+    Code,
+    Op,
+    Release,
+    Reply,
+    SettleCode,
+    lua_names,
+)
+from rlmq.common.settings import Settings
 
 SOURCE = (Path(__file__).resolve().parents[2] / "common" / "ledger_script.py").read_text(encoding="utf-8")
 TEMPLATE = SOURCE[SOURCE.index("LEDGER_LUA = _lua(") : SOURCE.index('""")', SOURCE.index("LEDGER_LUA = _lua("))]
@@ -50,3 +68,51 @@ def test_a_reply_is_read_by_name() -> None:
     r = Reply.of([b"12", b"40", b"100", b"4", b"1700000000123", b"50"])
     assert (r.value, r.charged, r.limit, r.code, r.detail, r.need) == (12, 40, 100, Code.WAIT, 1700000000123, 50)
     assert tuple(Reply.__dataclass_fields__) == REPLY_FIELDS
+
+
+def test_every_op_key_and_head_argument_is_spliced_by_name() -> None:
+    """Leased grants added ops, a key and an argument: the template compares no bare op letter,
+    reads no ``KEYS[<n>]`` / ``ARGV[<n>]`` by number, and every op the wire names is handled."""
+    assert not re.search(r"(?:\bop|\bkind) == '[^$]", TEMPLATE), "a bare op letter in the Lua"
+    assert not re.search(r"\b(?:KEYS|ARGV)\[\d", TEMPLATE), "a key or argument read by its number"
+    assert "local $KEY_LOCALS = unpack(KEYS, 1, $KEY_COUNT)" in TEMPLATE
+    for op in Op:
+        assert f"'$OP_{op.name}'" in TEMPLATE or op is Op.SETTLE, f"op {op.name} is never handled"
+    names = lua_names()
+    assert (names["ARGV_TTL"], names["ARGV_LEASE"], names["HEAD_ARGS"]) == ("1", "2", "2")
+    assert names["KEY_LOCALS"].split(", ") == list(SCRIPT_KEYS)
+
+
+def test_the_script_keys_go_out_in_the_order_the_lua_names_them() -> None:
+    """``KEYS[1..5]`` are the budget hash, reservations, live set, release channel and lease set
+    (the Lua's locals), then the caller's node keys: a shifted layout would read a wrong key."""
+    keys = LedgerKeys("led")
+    assert BudgetLedger._keys(("led", ("n1", "n2"))) == [
+        keys.budget, keys.reservations, keys.live_reservations, keys.released, keys.grant_leases,
+        keys.node("n1"), keys.node("n2"),
+    ]  # fmt: skip
+    assert list(SCRIPT_KEYS) == ["budget", "reservations", "live_set", "channel", "leases"]
+
+
+def test_the_head_arguments_carry_the_lease_and_the_lease_is_the_declared_setting() -> None:
+    ledger = BudgetLedger(Redis(), grant_lease=7.5)  # no connection is made
+    assert ledger._head_args() == [0, 7.5]
+    assert BudgetLedger(Redis())._head_args() == [0, Settings.model_fields["sub_llm_budget_grant_lease"].default]
+    with pytest.raises(ValueError, match="grant lease"):
+        BudgetLedger(Redis(), grant_lease=0)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ("12 3", Release(12, 3, None)),
+        (b"0 1 1700000000.25", Release(0, 1, 1700000000.25)),
+        ("closed", None),
+        ("1 2 3 4", None),
+        ("x 2", None),
+        ("5 2 soon", None),
+    ],
+)
+def test_a_release_message_is_read_by_name(data: str | bytes, expected: Release | None) -> None:
+    assert Release.of(data) == expected
+    assert tuple(Release.__dataclass_fields__) == RELEASE_FIELDS
