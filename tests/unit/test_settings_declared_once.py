@@ -31,16 +31,15 @@ from rlmq.common.settings import RolloutOptions, Settings, setting_default
 from rlmq.producer.llm_batch import LlmBatchService
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [
-    p
-    for folder in ("common", "producer", "workers", "rlmq")
-    for p in sorted((ROOT / folder).rglob("*.py"))
-    if p != ROOT / "common" / "settings.py"
-    and "rlmq/common" not in p.as_posix()  # the links of rlmq/
-    and "rlmq/producer" not in p.as_posix()
-    and "rlmq/workers" not in p.as_posix()
-]
-"""Every module below the declaration (the links ``rlmq/common`` etc. are read once, as their folders)."""
+SOURCES = sorted(
+    {
+        *(p for folder in ("common", "producer", "workers") for p in (ROOT / folder).rglob("*.py")),
+        *(ROOT / "rlmq").glob("*.py"),
+        *(p for folder in ("cli", "scripted", "verifiers_plugin") for p in (ROOT / "rlmq" / folder).rglob("*.py")),
+    }
+    - {ROOT / "common" / "settings.py"}
+)
+"""Every module below the declaration (``rlmq/common`` etc. are links to the top-level folders)."""
 
 NOT_THE_SETTING = {
     ("rlmq/cli/local.py", "LocalFleet.__init__", "model"): "the local mock server's model name, not a default",
