@@ -19,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
 import pytest
 
-from rlmq.common.ledger import WAITED_OUT, BudgetLedger
+from rlmq.common.ledger import WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubLLMRequest
 from rlmq.workers.model import ChatClient
 from rlmq.workers.subllm import SubLLMContext, run_sub_llm
@@ -62,7 +63,7 @@ async def test_a_cancelled_early_call_gives_its_grant_back_to_the_parked_owner(
     # entry's early call of the same job reserves; both go out in one script, in that order.
     async with ChatClient("http://127.0.0.1:9/v1", retries=1, backoff_base=0.001) as client:
         ctx = SubLLMContext(client=client, ledger=early_worker, tools=ToolRegistry(), worker_name="lane")
-        claim: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        claim: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         settle = asyncio.create_task(early_worker.settle(lid, "c:1:1", 64))
         early = asyncio.create_task(run_sub_llm(request(lid, deadline), ctx, job_id=job, attempt=1, gate=claim))
         await settle
@@ -87,7 +88,7 @@ async def test_a_cancelled_early_call_gives_its_grant_back_to_the_parked_owner(
 
 async def early_worker_free_acquire(
     ledger: BudgetLedger, lid: str, reservation: str, deadline: float
-) -> tuple[object, float]:
+) -> tuple[Grant, float]:
     """The owner's first reservation of the job (as ``run_sub_llm`` makes it): the grant and seconds waited."""
     grant, _, seconds = await ledger.acquire(lid, reservation, CAP, deadline, margin=0.5)
     return grant, seconds
