@@ -295,7 +295,7 @@ def _evaluate(
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlmq.cli.demo import needle_rows
-    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet, local_repl_slots
 
     check_output(args.output, run_dir=args.run_dir)
     settings0 = _settings(args, "demo")
@@ -314,6 +314,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         redis_url=settings0.redis_url,
         model="scripted",
         workers=args.workers,
+        # with max_depth > 1 the scripted roots recurse: their children run on these workers
+        repl_slots=local_repl_slots(int(settings0.max_depth), settings0.repl_slots),
+        allow_uncontained_repl=settings0.allow_uncontained_repl,
         worker_grace=COMMAND_WORKER_GRACE_SECONDS,
         log_dir=log_dir,
         say=say,
