@@ -230,7 +230,7 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _figure(metrics: dict[str, Any], tree_key: str, own_key: str) -> int:
+def whole_figure(metrics: dict[str, Any], tree_key: str, own_key: str) -> int:
     """``metrics[tree_key]`` (the rollout's whole tree) when the row has it, else ``metrics[own_key]``."""
     value = metrics[tree_key] if tree_key in metrics else metrics.get(own_key, 0)
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
@@ -253,14 +253,14 @@ def tree_totals(rows: list[dict[str, Any]]) -> dict[str, int]:
     out["starved_rollouts"] = 0
     for r in rows:
         m = r.get("metrics") or {}
-        out["sub_calls"] += _figure(m, "tree_sub_llm_call_count", "sub_llm_call_count")
-        out["sub_failed"] += _figure(m, "tree_sub_llm_error_count", "sub_llm_error_count")
-        out["sub_rejected"] += _figure(m, "tree_sub_llm_rejected_count", "sub_llm_rejected_count")
-        out["rlm_tasks"] += _figure(m, "rlm_call_count", "rlm_call_count")
-        out["children"] += max(0, _figure(m, "tree_rollout_count", "tree_rollout_count") - 1)
-        out["depth"] = max(out["depth"], _figure(m, "tree_depth", "tree_depth") or 1)
-        out["charged"] += _figure(m, "tree_charged_completion_tokens", "tree_charged_completion_tokens")
-        spent = _figure(m, "tree_budget_spent_count", "tree_budget_spent_count")
+        out["sub_calls"] += whole_figure(m, "tree_sub_llm_call_count", "sub_llm_call_count")
+        out["sub_failed"] += whole_figure(m, "tree_sub_llm_error_count", "sub_llm_error_count")
+        out["sub_rejected"] += whole_figure(m, "tree_sub_llm_rejected_count", "sub_llm_rejected_count")
+        out["rlm_tasks"] += whole_figure(m, "rlm_call_count", "rlm_call_count")
+        out["children"] += max(0, whole_figure(m, "tree_rollout_count", "tree_rollout_count") - 1)
+        out["depth"] = max(out["depth"], whole_figure(m, "tree_depth", "tree_depth") or 1)
+        out["charged"] += whole_figure(m, "tree_charged_completion_tokens", "tree_charged_completion_tokens")
+        spent = whole_figure(m, "tree_budget_spent_count", "tree_budget_spent_count")
         out["budget_spent"] += spent
         out["starved_rollouts"] += spent > 0
     return out
