@@ -262,7 +262,7 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
         else ""
     )
     settings_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in settings.items() if v is not None)
-    body = f'{banner}<h2>Summary</h2><div class="cards">{cards}</div>'
+    body = banner + (f'<h2>Summary</h2><div class="cards">{cards}</div>' if rows else "")
     if rows:
         body += f"<h2>Stop reasons</h2>{stop_bar(stops, len(rows))}"
     if charts:
@@ -273,8 +273,8 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
             f'<h2>Trajectories</h2><p class="note">Each rollout\'s trajectory is folded: open it to read its '
             f"turns, cells and calls.</p>{''.join(sections)}"
         )
-    else:
-        body += '<p class="note">No rollout finished.</p>'
+    else:  # nothing to count or draw: no empty cards or chart frames
+        body += '<h2>Summary</h2><p class="note">No rollout finished: there is nothing to show.</p>'
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{e(CSP)}">'

@@ -98,8 +98,10 @@ def _slot_row(r: dict[str, Any], prompt: str | None, depth: int) -> str:
     """One table row of a sub-call slot: status, tokens, turns, times, prompt, answer."""
     status = str(r.get("status", ""))
     err = ""
-    if status == "error":
-        err = f'<div class="meta">{e(r.get("error_kind") or "")}: {e(cut(str(r.get("error") or ""), 500))}</div>'
+    if status == "error":  # the error text once: the answer slot often is that text already
+        text = str(r.get("error") or "")
+        detail = "" if not text or text in str(r.get("content", "")) else f": {e(cut(text, 500))}"
+        err = f'<div class="meta">{e(r.get("error_kind") or "error")}{detail}</div>'
     return (
         f'<tr><td class="num">{number(r.get("index"))}</td>'
         f"<td>{chip(status, STATUS_COLORS.get(status, DEFAULT_COLOR))}</td>"
