@@ -30,6 +30,10 @@ example:
 The flags below: the common ones, then tuning knobs by topic."""
 
 
+QUIET_LOGGERS = ("httpx", "httpcore", "openai", "aiohttp.access")
+"""Libraries that log every request at INFO: a worker logs their warnings only (``-v``: all)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``rlmq worker``: its own, then the settings it takes (generated), each in its
     ``--help`` group (:func:`~rlmq.cli.flags.help_group`)."""
@@ -70,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if not args.verbose:  # a line per HTTP request (the hosted children's root calls) is no operator's news
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     settings = settings_from_flags(args, "worker")
     if not settings.redis_url:
         raise ConfigError("rlmq worker needs --redis-url or REDIS_URL")
