@@ -205,6 +205,8 @@ def _tree(r: dict[str, Any]) -> str:
         return f"in {r['ledger']}'s tree"
     if not tree:
         return "-"
+    if tree["limit"] is None:  # a tree without a budget counts nothing in its ledger
+        return f"{tree['live_children']} live children (no budget: nothing charged)"
     text = f"{tree['live_children']} live children, {tree['model_calls']} model calls, {tree['charged']} charged"
     if tree["rejections"]:
         text += f", {tree['rejections']} refused by the budget"
