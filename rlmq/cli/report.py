@@ -231,7 +231,12 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
         err = f'<div class="err">{e(row["error"])}</div>' if row.get("error") else ""
         m = row.get("metrics", {})
         budget = ""
-        if "sub_llm_budget_limit" in m:
+        if "sub_llm_budget_limit" in m and number(m.get("rlm_call_count")):  # its use: the tree table's
+            budget = (
+                f" · sub-LLM budget of the tree: <b>{num(m, 'sub_llm_budget_limit'):,.0f}</b> completion tokens, "
+                f"{num(m, 'sub_llm_budget_rejections'):,.0f} rejected"
+            )
+        elif "sub_llm_budget_limit" in m:
             budget = (
                 f" · sub-LLM budget: <b>{num(m, 'sub_llm_budget_used'):,.0f}/{num(m, 'sub_llm_budget_limit'):,.0f}"
                 f"</b> completion tokens used, {num(m, 'sub_llm_budget_rejections'):,.0f} rejected"

@@ -59,3 +59,23 @@ def test_demo_max_depth_3_shows_the_tree_everywhere(tmp_path: Path) -> None:
         text = log.read_text()
         assert "HTTP Request" not in text and len(text.splitlines()) <= 8, text
         assert "hosts up to 4 child rollouts per depth" in text and "stopped after" in text, text
+
+
+def test_a_tree_the_budget_starved_says_so_and_exits_7(tmp_path: Path) -> None:
+    """A budget too small for the children's root turns: children end ``budget_spent``; the run
+    finishes (its rollouts answered), says how many the budget ended, and exits 7."""
+    proc = subprocess.run(
+        rlmq_command("demo", "--max-depth", "2", "--rollouts", "2", "--min-chars", "40000", "--quiet",
+                     "--sub-llm-max-completion-tokens", "400", "--run-dir", str(tmp_path / "run")),
+        capture_output=True, text=True, timeout=RUN_DEADLINE, env=child_env(), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 7, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
+    spent = sum(r["metrics"]["tree_budget_spent_count"] for r in rows)
+    starved = sum(1 for r in rows if r["metrics"]["tree_budget_spent_count"])
+    assert spent > 0 and all(r["stop_reason"] != "error" for r in rows)
+    line = f"budget: {spent} child rollout(s) ended by the tree budget (budget_spent) in {starved} of 2 rollout(s)"
+    assert line in proc.stdout, proc.stdout
+    assert f"the budget starved {starved} of 2 rollout tree(s)" in proc.stderr and "(exit code 7)" in proc.stderr
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert f'<div class="k">children ended by the budget</div><div class="v bad">{spent}</div>' in page
