@@ -35,7 +35,7 @@ HELP_GROUPS: dict[str, str] = {
     "repl": "REPL, tools, prompts and trajectories",
     "limits": "limits and timeouts",
     "worker": "worker tuning",
-    "fleet": "Redis, queues and checks",
+    "fleet": "Redis, local workers, queues, metrics and checks",
 }
 """The groups a command's ``--help`` shows its flags in, in this order (key: the name a field's
 :func:`meta` gives as ``group``; value: the title). A field that names none is in ``limits``
