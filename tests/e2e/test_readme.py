@@ -33,7 +33,7 @@ from rlmq.common.redis_server import find_redis_server
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-DEADLINE = 420.0
+DEADLINE = 540.0
 """Seconds the README's blocks get together (about 2 minutes on two idle cores)."""
 
 _BLOCK = re.compile(r"^```bash\n(.*?)^```", re.DOTALL | re.MULTILINE)
