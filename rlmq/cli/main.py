@@ -118,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=DEMO_DESCRIPTION,
         formatter_class=raw,
     )
-    demo.add_argument("--rollouts", type=bounded(int, 1), default=8, metavar="N", help="number of rollouts (default 8)")
-    demo.add_argument(
+    help_group(demo, "common").add_argument(
+        "--rollouts", type=bounded(int, 1), default=8, metavar="N", help="number of rollouts (default 8)"
+    )
+    help_group(demo, "common").add_argument(
         "--min-chars",
         type=bounded(int, 0),
         default=100_000,
