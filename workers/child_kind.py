@@ -127,9 +127,19 @@ class ChildKind:
         try:
             if self.w.child_host is None:
                 raise ConfigError("this worker hosts no child rollout (--repl-slots 0)")
-            res = await run_rollout(
-                self.w.child_host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree
-            )
+            host = self.w.child_host
+            host.began()
+            ended: tuple[str, str | None] = ("cancelled", None)  # cancelled unless it returns or fails
+            try:
+                res = await run_rollout(
+                    host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree
+                )
+                ended = (res.row.stop_reason, res.row.error)
+            except Exception:
+                ended = ("failed to run", None)  # logged below
+                raise
+            finally:
+                host.finished(node, *ended)
         except Exception as exc:  # Redis failed announcing it, or a bug: the parent gets an error slot
             log.warning("worker %s: child rollout %s failed to run: %s", self.w.name, node, exc)
             return self._fail(slot, job, "host", f"{type(exc).__name__}: {exc}")
