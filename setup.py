@@ -42,4 +42,4 @@ def layout() -> tuple[list[str], dict[str, str]]:
 
 
 PACKAGES, PACKAGE_DIR = layout()
-setup(packages=PACKAGES, package_dir=PACKAGE_DIR, package_data={"rlmq": ["py.typed"]})
+setup(packages=PACKAGES, package_dir=PACKAGE_DIR, package_data={"rlmq": ["py.typed"], "rlmq.data": ["sample.jsonl"]})

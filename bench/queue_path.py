@@ -43,10 +43,13 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from bench.harness import (
@@ -138,6 +141,9 @@ class Bench:
         if budgeted:
             argv.append("--budgeted")
         env = child_env({"PYTHONPATH": os.getcwd()})
+        result_dir = tempfile.mkdtemp(prefix="rlmq-bench-client-")
+        result_file = os.path.join(result_dir, "result.json")
+        argv += ["--result-file", result_file]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         assert proc.stdin is not None and proc.stdout is not None
         pids = worker_pids or []
@@ -151,17 +157,14 @@ class Bench:
             with mon as counts:
                 proc.stdin.write("GO\n")
                 proc.stdin.flush()
-                out: dict[str, Any] | None = None
-                for line in proc.stdout:
-                    if line.startswith("RESULT "):
-                        out = json.loads(line[7:])
-                        break
+                out = client_result(proc.stdout, result_file)
                 s1 = self.probe.snap(pids, mpid)
             proc.wait(30)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            shutil.rmtree(result_dir, ignore_errors=True)
         if out is None:
             raise RuntimeError(f"client {role} gave no result")
         d = Probe.delta(s0, s1)
@@ -343,6 +346,24 @@ class Bench:
         return doc
 
 
+def client_result(lines: Iterable[str], result_file: str) -> dict[str, Any] | None:
+    """The figures of a measured client: read whole from ``result_file`` once the client's
+    ``RESULT`` line comes on ``lines`` (its stdout), whatever their size; ``None`` when its stdout
+    ends first. (The figures once came on that line itself, and a pipe cut a 131 KB line.)
+
+    Raises:
+        ValueError: the file is not one JSON object.
+    """
+    for line in lines:
+        if line.rstrip("\n") == "RESULT":
+            with open(result_file, encoding="utf-8") as fh:
+                out = json.load(fh)
+            if not isinstance(out, dict):
+                raise ValueError(f"{result_file}: not a JSON object")
+            return out
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m bench.queue_path", description=__doc__.split("\n")[0])
@@ -368,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue", help=argparse.SUPPRESS)
     p.add_argument("--tag", default="t", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--budgeted", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -2,8 +2,8 @@
 
 ``python -m bench.queue_path --role openai|rlmq|light ...`` runs one of them: it prints
 ``READY``, waits for ``GO`` on stdin (so the orchestrator's probes bracket exactly the
-measured work), runs, and prints ``RESULT <json>`` (latencies, wall time, its own CPU
-time and peak RSS).
+measured work), runs, writes its figures (latencies, wall time, its own CPU time and peak
+RSS) as JSON to ``--result-file`` and prints ``RESULT`` (without a result file: ``RESULT <json>``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import sys
 import time
@@ -244,8 +245,17 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def client_main(a: argparse.Namespace) -> None:
-    """Run the client role ``a.role`` and print its ``RESULT`` line."""
+    """Run the client role ``a.role``, write its figures (JSON) to ``a.result_file`` (a temporary
+    file renamed onto it, so it is read whole) and print the line ``RESULT``; without a result
+    file, print ``RESULT <json>``."""
     # Every client (the baselines and rlmq's producer alike) runs on the loop `rlmq run` uses:
     # uvloop when installed (common/aio.py), so the comparison stays like for like.
     out = run_loop(_client(a))
-    print("RESULT " + json.dumps(out), flush=True)
+    if getattr(a, "result_file", None):
+        tmp = f"{a.result_file}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(out, fh)
+        os.replace(tmp, a.result_file)
+        print("RESULT", flush=True)
+    else:
+        print("RESULT " + json.dumps(out), flush=True)

@@ -11,7 +11,8 @@ Redis must be: a restart keeps every key), the scripted model (a test double: ev
 children (depth 2), each of which asks three sub-LLM calls and then two grandchildren (depth 3),
 each of which asks three sub-LLM calls. Every ``--fault-every`` seconds the next fault of the
 cycle strikes: ``kill -9`` of a plain worker, ``kill -9`` of a REPL host (each replaced at
-once), a Redis restart.
+once), a Redis restart. With two REPL hosts and one of them killed every three faults, a long child
+can lose two hosts in a row: workers run with ``--job-max-attempts`` 3 (``job_max_attempts``).
 
 Every prompt of a tree carries a ``[[mock:tag:<tree>]]``, so the model server counts what it
 served to each tree (sub-calls and child root turns; the top's own root turns are not charged to
@@ -265,6 +266,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     fleet = LocalFleet(
         redis_url=server.url, model=model, workers=0, worker_concurrency=args.concurrency,
         worker_args=["--heartbeat-ttl", "5"], log_dir=log_dir,
+        worker_env={"RLMQ_JOB_MAX_ATTEMPTS": str(args.job_max_attempts)},
     )  # fmt: skip
     try:
         fleet.start()
@@ -309,6 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--faults", default="kill9_worker,kill9_host,redis_restart", help="the fault cycle")
     p.add_argument("--sample-every", type=float, default=15.0, help="seconds between Redis memory samples")
+    p.add_argument(
+        "--job-max-attempts",
+        type=int,
+        default=3,
+        help="the workers' job_max_attempts: a child whose "
+        "host is killed this many times is lost (hosts die every 3 faults here)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)

@@ -150,12 +150,17 @@ def _say(text: str) -> None:
 
 
 def current_latch() -> SignalLatch | None:
-    """The :class:`SignalLatch` installed for SIGINT (by :func:`signal_latch`), if any."""
-    try:
-        handler = signal.getsignal(signal.SIGINT)
-    except ValueError:  # pragma: no cover - no signals in this interpreter
-        return None
-    return handler if isinstance(handler, SignalLatch) else None
+    """The :class:`SignalLatch` installed for a stop signal (by :func:`signal_latch`), if any: the
+    SIGINT handler, or SIGTERM's when SIGINT was left ignored (a command started in the
+    background of a script, or under ``nohup``)."""
+    for signum in STOP_SIGNALS:
+        try:
+            handler = signal.getsignal(signum)
+        except ValueError:  # pragma: no cover - no signals in this interpreter
+            return None
+        if isinstance(handler, SignalLatch):
+            return handler
+    return None
 
 
 @contextlib.contextmanager

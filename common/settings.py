@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
 from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
-from rlmq.common.settings_fields import field_env_vars, invalid_settings, meta, unreadable_variable
+from rlmq.common.settings_fields import field_env_vars, meta, validated
 from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
@@ -46,19 +46,19 @@ class RolloutOptions(BaseModel):
     sub_model: str | None = Field(
         default=None,
         description="model the sub-LLM workers serve; it names the queue",
-        json_schema_extra=meta(commands=("run",), metavar="NAME", default_text="the root model"),
+        json_schema_extra=meta(group="common", commands=("run",), metavar="NAME", default_text="the root model"),
     )
     max_turns: int = Field(
         default=50,
         description="root-model turns per rollout; 0 or less: no turn limit (rollout_timeout still applies)",
-        json_schema_extra=meta(unit="turns"),
+        json_schema_extra=meta(group="common", unit="turns"),
     )
     sub_llm_max_turns: int = Field(
         default=SUB_LLM_MAX_TURNS_DEFAULT,
         ge=1,
         le=SUB_LLM_MAX_TURNS_LIMIT,
         description="turns of one sub-LLM's own tool loop",
-        json_schema_extra=meta(unit="turns"),
+        json_schema_extra=meta(group="repl", unit="turns"),
     )
     sub_llm_max_completion_tokens: int | None = Field(
         default=None,
@@ -67,13 +67,13 @@ class RolloutOptions(BaseModel):
             "the rollout's sub-LLM budget, hard across all workers; 0 is refused (it would refuse "
             "every sub-LLM call): leave it unset for no budget"
         ),
-        json_schema_extra=meta(unit="completion tokens", default_text="no budget"),
+        json_schema_extra=meta(group="common", unit="completion tokens", default_text="no budget"),
     )
     sub_llm_per_call_max_tokens: int | None = Field(
         default=None,
         ge=1,
         description="max_tokens of every sub-LLM model call; with a budget, also the largest grant",
-        json_schema_extra=meta(unit="completion tokens", default_text="no cap"),
+        json_schema_extra=meta(group="budget", unit="completion tokens", default_text="no cap"),
     )
     sub_llm_budget_grant_tokens: int = Field(
         default=512,
@@ -82,7 +82,7 @@ class RolloutOptions(BaseModel):
             "with a budget and no per-call cap: the largest grant of one model call (a rollout's cap is "
             "an eighth of its budget, at least 128, at most this)"
         ),
-        json_schema_extra=meta(unit="completion tokens"),
+        json_schema_extra=meta(group="budget", unit="completion tokens"),
     )
     child_root_min_grant_tokens: int = Field(
         default=256,
@@ -92,13 +92,13 @@ class RolloutOptions(BaseModel):
             "the child with its best answer (stop reason budget_spent) instead of a cut tool call; a full "
             "root grant is at least twice this"
         ),
-        json_schema_extra=meta(unit="completion tokens"),
+        json_schema_extra=meta(group="recursion", unit="completion tokens"),
     )
     root_max_completion_tokens: int | None = Field(
         default=None,
         ge=1,
         description="the root model's own completion tokens per rollout; each root call gets what is left",
-        json_schema_extra=meta(unit="completion tokens", default_text="no limit"),
+        json_schema_extra=meta(group="budget", unit="completion tokens", default_text="no limit"),
     )
     max_sub_llm_parallelism: int = Field(
         default=64,
@@ -115,44 +115,45 @@ class RolloutOptions(BaseModel):
             "with its own REPL and root model, the sub-model) on the fleet; at it, rlm_batch runs plain "
             f"sub-LLM calls; 1: no child rollouts; at most {MAX_DEPTH} (the deepest child queue a REPL host serves)"
         ),
-        json_schema_extra=meta(flag="--max-depth", unit="levels", metavar="N"),
+        json_schema_extra=meta(group="common", flag="--max-depth", unit="levels", metavar="N"),
     )
     max_output_length: int = Field(
         default=8192,
         ge=100,
         description="characters of a REPL cell's output shown to the root model",
-        json_schema_extra=meta(unit="characters"),
+        json_schema_extra=meta(group="repl", unit="characters"),
     )
     code_execution_timeout: float = Field(
         default=120.0,
         gt=0,
         description="how long a REPL cell may run before the REPL is restarted",
-        json_schema_extra=meta(unit="seconds"),
+        json_schema_extra=meta(group="repl", unit="seconds"),
     )
     max_startup_wait_seconds: float = Field(
         default=120.0,
         gt=0,
         description="how long a rollout's REPL may take to start (package installs included)",
-        json_schema_extra=meta(unit="seconds"),
+        json_schema_extra=meta(group="repl", unit="seconds"),
     )
     abort_on_code_timeout: bool = Field(
         default=False,
         description="end the rollout (stop reason code_timeout) when a REPL cell runs past "
         "code_execution_timeout, instead of telling the root model and going on",
+        json_schema_extra=meta(group="repl"),
     )
     root_context_tokens: int | None = Field(
         default=None,
         ge=1,
         description="the root model's context window; a root reply whose prompt reaches "
         "context_warning_threshold of it makes the next tool message tell the model to finish",
-        json_schema_extra=meta(unit="tokens", default_text="unknown: no warning"),
+        json_schema_extra=meta(group="repl", unit="tokens", default_text="unknown: no warning"),
     )
     context_warning_threshold: float = Field(
         default=0.80,
         gt=0,
         le=1,
         description="share of root_context_tokens at which the root model is told to finish (once)",
-        json_schema_extra=meta(unit="share, (0, 1]", metavar="SHARE"),
+        json_schema_extra=meta(group="repl", unit="share, (0, 1]", metavar="SHARE"),
     )
     rollout_timeout: float = Field(
         default=3600.0,
@@ -167,37 +168,47 @@ class RolloutOptions(BaseModel):
         json_schema_extra=meta(unit="seconds"),
     )
     root_prompt_verbosity: Verbosity = Field(
-        default="light", description="how much the root model's system prompt explains"
+        default="light",
+        description="how much the root model's system prompt explains",
+        json_schema_extra=meta(group="repl"),
     )
-    sub_prompt_verbosity: Verbosity = Field(default="light", description="how much a sub-LLM's system prompt explains")
+    sub_prompt_verbosity: Verbosity = Field(
+        default="light", description="how much a sub-LLM's system prompt explains", json_schema_extra=meta(group="repl")
+    )
     sub_tools: list[str] = Field(
         default_factory=list,
         description=(
             "a tool the sub-LLMs may call, as a dotted import path (repeatable); local workers allow it, "
             "remote ones need --allow-tool"
         ),
-        json_schema_extra=meta(commands=("run",), flag="--sub-tool", metavar="DOTTED.PATH", default_text="none"),
+        json_schema_extra=meta(
+            group="repl", commands=("run",), flag="--sub-tool", metavar="DOTTED.PATH", default_text="none"
+        ),
     )
     pip_install_packages: list[str] = Field(
         default_factory=list,
         description="a package (requirement or wheel path) pip installs into each top rollout's REPL (repeatable); "
         "child rollouts (max_depth > 1) get none: their REPL hosts never pip install for a job",
-        json_schema_extra=meta(flag="--pip-install-packages", metavar="PACKAGE", default_text="none"),
+        json_schema_extra=meta(group="repl", flag="--pip-install-packages", metavar="PACKAGE", default_text="none"),
     )
     include_sub_llm_in_trajectory: bool = Field(
-        default=False, description="keep every sub-LLM's own conversation in the trajectory"
+        default=False,
+        description="keep every sub-LLM's own conversation in the trajectory",
+        json_schema_extra=meta(group="repl"),
     )
     sampling_args: dict[str, Any] = Field(
         default_factory=dict,
         description="sampling arguments of every root-model call, a JSON object: temperature, top_p, "
         "max_tokens (completion tokens per call), extra_body (a server's own keys, merged in)",
-        json_schema_extra=meta(flag="--sampling-args", aliases=("-S",), metavar="JSON", default_text="{}"),
+        json_schema_extra=meta(
+            group="sampling", flag="--sampling-args", aliases=("-S",), metavar="JSON", default_text="{}"
+        ),
     )
     sub_sampling_args: dict[str, Any] = Field(
         default_factory=dict,
         description="sampling arguments of every sub-LLM model call, a JSON object: temperature, top_p, "
         "extra_body; its max_tokens is --sub-llm-per-call-max-tokens (and the budget's grant)",
-        json_schema_extra=meta(metavar="JSON", default_text="{}"),
+        json_schema_extra=meta(group="sampling", metavar="JSON", default_text="{}"),
     )
     rollout_key_ttl: int = Field(
         default=3600,
@@ -218,13 +229,17 @@ class RolloutOptions(BaseModel):
         default_factory=list,
         description="dotted import paths (pkg.mod:func) of tools for the root REPL and the sub-LLMs alike "
         "(the workers must allow-list them), as the verifiers RLMEnv's tools (repeatable)",
-        json_schema_extra=meta(commands=("run",), flag="--tool", metavar="MODULE:FUNCTION", default_text="none"),
+        json_schema_extra=meta(
+            group="repl", commands=("run",), flag="--tool", metavar="MODULE:FUNCTION", default_text="none"
+        ),
     )
     root_tools: list[str] = Field(
         default_factory=list,
         description="dotted import paths (pkg.mod:func) of tools callable from the root REPL only; each is a "
         "REPL global of its own name that runs in the producer (repeatable)",
-        json_schema_extra=meta(commands=("run",), flag="--root-tool", metavar="MODULE:FUNCTION", default_text="none"),
+        json_schema_extra=meta(
+            group="repl", commands=("run",), flag="--root-tool", metavar="MODULE:FUNCTION", default_text="none"
+        ),
     )
     root_tool_timeout: float = Field(
         default=60.0,
@@ -232,34 +247,36 @@ class RolloutOptions(BaseModel):
         le=86_400,
         description="how long one call of a root (REPL) tool may run before it fails (at most a day: "
         "the REPL's socket timeout is derived from it)",
-        json_schema_extra=meta(unit="seconds"),
+        json_schema_extra=meta(group="repl", unit="seconds"),
     )
     root_tool_max_args_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,
         description="largest JSON body of one root-tool call's arguments",
-        json_schema_extra=meta(unit="bytes"),
+        json_schema_extra=meta(group="repl", unit="bytes"),
     )
     root_tool_max_result_bytes: int = Field(
         default=1024 * 1024,
         ge=1024,
         description="largest JSON result a root-tool call may return",
-        json_schema_extra=meta(unit="bytes"),
+        json_schema_extra=meta(group="repl", unit="bytes"),
     )
     system_prompt: str | None = Field(
         default=None,
         description="the environment author's own system prompt for the root model (see system_prompt_mode)",
-        json_schema_extra=meta(metavar="TEXT", default_text="none"),
+        json_schema_extra=meta(group="repl", metavar="TEXT", default_text="none"),
     )
     system_prompt_mode: SystemPromptMode = Field(
         default="prepend",
         description="where system_prompt goes: before the scaffold's REPL and budget text (prepend), after it "
         "(append), or instead of it (replace: the author then explains the REPL)",
+        json_schema_extra=meta(group="repl"),
     )
     sub_llm_final_answer_turn: bool = Field(
         default=True,
         description="when a sub-LLM's tool loop reaches sub_llm_max_turns, ask it for a final answer in one "
         "more turn without tools (budgeted like any turn; skipped when the budget is spent)",
+        json_schema_extra=meta(group="repl"),
     )
 
     @field_validator("sampling_args", mode="before")
@@ -289,7 +306,7 @@ class WorkerOptions(BaseModel):
         default=256,
         ge=1,
         description="sub-calls in flight in one worker process",
-        json_schema_extra=meta(unit="sub-calls", flag="--concurrency"),
+        json_schema_extra=meta(group="common", unit="sub-calls", flag="--concurrency"),
     )
     model_timeout: float = Field(
         default=120.0,
@@ -331,7 +348,7 @@ class WorkerOptions(BaseModel):
             "budgeted calls waiting for a release that a worker does not count against its concurrency; "
             "past that, waiters hold slots (a parked call costs memory only, never a model call)"
         ),
-        json_schema_extra=meta(unit="sub-calls", default_text="4 x --concurrency"),
+        json_schema_extra=meta(group="budget", unit="sub-calls", default_text="4 x --concurrency"),
     )
     sub_llm_budget_grant_lease: float = Field(
         default=5.0,
@@ -348,7 +365,7 @@ class WorkerOptions(BaseModel):
         description=(
             "a sub-tool this worker may run, as a dotted import path (repeatable; a job asking for others fails)"
         ),
-        json_schema_extra=meta(flag="--allow-tool", metavar="DOTTED.PATH", default_text="none"),
+        json_schema_extra=meta(group="repl", flag="--allow-tool", metavar="DOTTED.PATH", default_text="none"),
     )
     lane_early_calls: bool = Field(
         default=True,
@@ -362,13 +379,14 @@ class WorkerOptions(BaseModel):
         description="child rollouts (rlm_batch) this worker hosts at once PER DEPTH, each with its own REPL; "
         "0: it hosts none. A host needs a contained REPL (own uid, no network, private file system: run it as "
         "root with namespaces) or --allow-uncontained-repl",
-        json_schema_extra=meta(unit="child rollouts per depth"),
+        json_schema_extra=meta(group="common", unit="child rollouts per depth"),
     )
     allow_uncontained_repl: bool = Field(
         default=False,
         description="host child rollouts even when the REPL sandbox is NOT fully contained on this host: code the "
         "models write then runs with this worker's network, files or user (which hold Redis write rights and "
         "model keys)",
+        json_schema_extra=meta(group="recursion"),
     )
 
 
@@ -392,6 +410,7 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         validation_alias=AliasChoices("RLMQ_REDIS_URL", "REDIS_URL"),
         description="Redis URL of the fleet (also read from REDIS_URL)",
         json_schema_extra=meta(
+            group="common",
             commands=("run", "worker", "status"),
             metavar="URL",
             default_text="run/demo start an embedded one; worker/status need one",
@@ -400,18 +419,18 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
     base_url: str | None = Field(
         default=None,
         description="OpenAI-compatible base URL: of the root model (run), of the model served (worker)",
-        json_schema_extra=meta(commands=("run", "worker"), metavar="URL", required_by=("run",)),
+        json_schema_extra=meta(group="common", commands=("run", "worker"), metavar="URL", required_by=("run",)),
     )
     model: str | None = Field(
         default=None,
         description="model name: the root model (run), the model served (worker; it names the queue)",
-        json_schema_extra=meta(commands=("run", "worker"), metavar="NAME", required_by=("run",)),
+        json_schema_extra=meta(group="common", commands=("run", "worker"), metavar="NAME", required_by=("run",)),
     )
     api_key: SecretStr = Field(
         default=SecretStr("EMPTY"),
         validation_alias=AliasChoices("RLMQ_API_KEY", "OPENAI_API_KEY"),
         description="API key of the model server(s), also given to local workers (also read from OPENAI_API_KEY)",
-        json_schema_extra=meta(commands=("run", "worker"), metavar="KEY", default_text="EMPTY"),
+        json_schema_extra=meta(group="common", commands=("run", "worker"), metavar="KEY", default_text="EMPTY"),
     )
     root_model_timeout: float = Field(
         default=600.0,
@@ -423,12 +442,14 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
     sub_base_url: str | None = Field(
         default=None,
         description="model server that locally started workers call (rlmq run without a Redis URL)",
-        json_schema_extra=meta(commands=("run",), metavar="URL", default_text="--base-url"),
+        json_schema_extra=meta(group="common", commands=("run",), metavar="URL", default_text="--base-url"),
     )
     queue: str | None = Field(
         default=None,
         description="RQ queue of the sub-LLM calls, the same on producer and worker",
-        json_schema_extra=meta(commands=("run", "worker"), metavar="NAME", default_text="named from the (sub-)model"),
+        json_schema_extra=meta(
+            group="common", commands=("run", "worker"), metavar="NAME", default_text="named from the (sub-)model"
+        ),
     )
     tenant: str | None = Field(
         default=None,
@@ -439,7 +460,7 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         default=4,
         ge=1,
         description="rollouts run at once by rlmq run / rlmq demo",
-        json_schema_extra=meta(commands=("run", "demo"), unit="rollouts"),
+        json_schema_extra=meta(group="common", commands=("run", "demo"), unit="rollouts"),
     )
     allow_evicting_redis: bool = Field(
         default=False,
@@ -452,13 +473,13 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         default=None,
         ge=1,
         description="run only the first N rows of the dataset",
-        json_schema_extra=meta(commands=("run",), aliases=("-n",), unit="rows", default_text="all"),
+        json_schema_extra=meta(group="common", commands=("run",), aliases=("-n",), unit="rows", default_text="all"),
     )
     rollouts_per_example: int = Field(
         default=1,
         ge=1,
         description="rollouts of each dataset row",
-        json_schema_extra=meta(commands=("run", "demo"), aliases=("-r",), unit="rollouts"),
+        json_schema_extra=meta(group="common", commands=("run", "demo"), aliases=("-r",), unit="rollouts"),
     )
     preflight: bool = Field(
         default=True,
@@ -466,9 +487,10 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         json_schema_extra=meta(commands=("run",)),
     )
     preflight_timeout: float = Field(
-        default=5.0,
+        default=30.0,
         gt=0,
-        description="how long each preflight check may take (a model server, the queue's workers)",
+        description="how long each preflight check may take (a model server, the queue's workers: a worker "
+        "started just before, say in the background of the same shell, takes seconds to register)",
         json_schema_extra=meta(commands=("run",), unit="seconds"),
     )
     max_sub_call_error_rate: float = Field(
@@ -497,17 +519,9 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         Raises:
             ConfigError: an override names no field, or a value is invalid.
         """
-        from pydantic import ValidationError
-
-        unknown = sorted(set(overrides) - set(type(self).model_fields))
-        if unknown:
-            raise ConfigError(f"unknown setting(s): {', '.join(label(n) for n in unknown)}")
         if not overrides:
             return self
-        try:
-            return type(self).model_validate({**self.model_dump(), **overrides})
-        except ValidationError as exc:
-            raise ConfigError(invalid_settings(exc, type(self).model_fields, overrides, label)) from exc
+        return validated(type(self), overrides, label, base=self.model_dump())
 
     def sub_queue(self) -> str:
         """The queue the producer enqueues sub-LLM jobs on.
@@ -558,20 +572,7 @@ def build_settings(values: Mapping[str, Any], label: Callable[[str], str] = str)
         ConfigError: one line naming each bad value as the user wrote it (``label(field)``,
             or the ``RLMQ_*`` variable it came from).
     """
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
-
-    unknown = sorted(set(values) - set(Settings.model_fields))
-    if unknown:
-        raise ConfigError(f"unknown setting(s): {', '.join(label(n) for n in unknown)}")
-    try:
-        return Settings(**values)
-    except ValidationError as exc:
-        raise ConfigError(invalid_settings(exc, Settings.model_fields, values, label)) from exc
-    except RecursionError as exc:  # an RLMQ_* variable of JSON nested past Python's recursion limit
-        raise ConfigError(unreadable_variable(exc, Settings.model_fields)) from None
-    except SettingsError as exc:  # an RLMQ_* variable that is not JSON
-        raise ConfigError(unreadable_variable(exc, Settings.model_fields)) from exc
+    return validated(Settings, values, label)
 
 
 def env_vars(name: str) -> list[str]:

@@ -11,16 +11,38 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import AliasChoices
+from pydantic import AliasChoices, BaseModel
 from pydantic.fields import FieldInfo
 
-__all__ = ["field_env_vars", "invalid_settings", "meta", "too_deep", "unreadable_variable", "variable_set"]
+from rlmq.common.errors import ConfigError
+
+__all__ = [
+    "HELP_GROUPS", "field_env_vars", "invalid_settings", "meta", "too_deep", "unreadable_variable", "validated",
+    "variable_set",
+]  # fmt: skip
+
+
+HELP_GROUPS: dict[str, str] = {
+    "common": "common flags",
+    "budget": "the sub-LLM budget",
+    "recursion": "recursion (rlm_batch, --max-depth)",
+    "sampling": "sampling",
+    "repl": "REPL, tools, prompts and trajectories",
+    "limits": "limits and timeouts",
+    "worker": "worker tuning",
+    "fleet": "Redis, local workers, queues, metrics and checks",
+}
+"""The groups a command's ``--help`` shows its flags in, in this order (key: the name a field's
+:func:`meta` gives as ``group``; value: the title). A field that names none is in ``limits``
+(a rollout option), ``worker`` (a worker option) or ``fleet`` (the process's own); a flag a
+command requires comes first, under ``required``, whatever its group."""
 
 
 def meta(
     *,
+    group: str | None = None,
     unit: str | None = None,
     flag: str | None = None,
     metavar: str | None = None,
@@ -34,6 +56,7 @@ def meta(
     Every key is optional; :mod:`rlmq.common.settings_schema` derives what is left out.
 
     Args:
+        group: the ``--help`` group of its flag, a key of :data:`HELP_GROUPS` (default by owner).
         unit: the unit of a number (``"completion tokens"``, ``"seconds"``, ``"characters"``).
         flag: the command-line flag when it is not ``--`` + the name with dashes.
         metavar: the flag's value placeholder when the unit does not name it.
@@ -43,7 +66,11 @@ def meta(
         default_text: what the default means, when its value does not say it (``None``).
         aliases: more flags for the same setting (short ones, as vf-eval's ``-n``, ``-r``, ``-S``).
     """
-    out: dict[str, Any] = {"unit": unit, "flag": flag, "metavar": metavar, "default_text": default_text}
+    if group is not None and group not in HELP_GROUPS:
+        raise ValueError(f"meta(group={group!r}): not one of {sorted(HELP_GROUPS)}")
+    out: dict[str, Any] = {
+        "group": group, "unit": unit, "flag": flag, "metavar": metavar, "default_text": default_text
+    }  # fmt: skip
     out = {k: v for k, v in out.items() if v is not None}
     if commands is not None:
         out["commands"] = list(commands)
@@ -127,3 +154,33 @@ def too_deep(text: str) -> bool:
     except ValueError:
         return False
     return False
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def validated(
+    model: type[_M], values: Mapping[str, Any], label: Callable[[str], str] = str, base: Mapping[str, Any] | None = None
+) -> _M:
+    """``model`` built from ``values`` (over ``base``, a dump of the settings they change; without
+    it, over the ``RLMQ_*`` environment and the defaults), every error in one line.
+
+    Raises:
+        ConfigError: a key of ``values`` names no field, or a value is invalid (named as
+            ``label(field)`` when given, else as its ``RLMQ_*`` variable), or an ``RLMQ_*``
+            variable cannot be read.
+    """
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    unknown = sorted(set(values) - set(model.model_fields))
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(label(n) for n in unknown)}")
+    try:
+        return model.model_validate({**base, **values}) if base is not None else model(**values)
+    except ValidationError as exc:
+        raise ConfigError(invalid_settings(exc, model.model_fields, values, label)) from exc
+    except RecursionError as exc:  # an RLMQ_* variable of JSON nested past Python's recursion limit
+        raise ConfigError(unreadable_variable(exc, model.model_fields)) from None
+    except SettingsError as exc:  # an RLMQ_* variable that is not JSON
+        raise ConfigError(unreadable_variable(exc, model.model_fields)) from exc

@@ -27,6 +27,7 @@ from rlmq.common.settings import RolloutOptions, Settings, WorkerOptions, env_va
 Owner = Literal["rollout", "worker", "process"]
 COMMANDS_OF: dict[Owner, tuple[str, ...]] = {"rollout": ("run", "demo"), "worker": ("worker",), "process": ()}
 """The commands whose flags a field gets when its :func:`meta` names none, by owner."""
+_DEFAULT_GROUP: dict[Owner, str] = {"rollout": "limits", "worker": "worker", "process": "fleet"}
 _METAVAR_OF_UNIT = {"seconds": "SECONDS", "completion tokens": "TOKENS", "characters": "CHARS", "bytes": "BYTES"}
 
 
@@ -137,6 +138,12 @@ class Knob:
     def aliases(self) -> tuple[str, ...]:
         """More flags for the setting (``-n``), as its :func:`~rlmq.common.settings.meta` declares."""
         return tuple(str(a) for a in self.extra.get("aliases", ()))
+
+    @property
+    def group(self) -> str:
+        """The ``--help`` group of its flag (a key of :data:`~rlmq.common.settings_fields.HELP_GROUPS`): its
+        :func:`~rlmq.common.settings.meta` ``group``, else ``limits``, ``worker`` or ``fleet`` by owner."""
+        return str(self.extra.get("group") or _DEFAULT_GROUP[self.owner])
 
     def required_by(self, command: str) -> bool:
         """Whether ``command`` requires the flag."""

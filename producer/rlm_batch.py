@@ -1,4 +1,4 @@
-"""The ``rlm_batch`` service: one call of ``rlm_batch(tasks)`` from a rollout's REPL (issue 22).
+"""The ``rlm_batch`` service: one call of ``rlm_batch(tasks)`` from a rollout's REPL.
 
 Below the tree's depth limit (``depth < max_depth``, :class:`~rlmq.common.tree.TreePosition`)
 each task becomes a child rollout: one :class:`~rlmq.common.schemas.ChildRolloutRequest` job on
@@ -38,6 +38,7 @@ from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for
 from rlmq.producer.llm_batch import TRAJECTORY_PROMPTS, LlmBatchService, redis_failures, refused_results
 from rlmq.producer.rollout import Rollout
+from rlmq.producer.tree_metrics import number
 
 RENDERED_CONTEXT_CHARS = 200_000
 """At the depth limit a task's context is rendered into its prompt, cut to this many characters."""
@@ -249,8 +250,17 @@ class RlmBatchService:
             snap = await rollout.ledger.snapshot()
             lines.append(f"[{snap.charged if snap else 0}/{rollout.ledger.limit} sub-LLM completion tokens used]")
         for r in results:
-            line = f"  [{r.index}] {r.status:<8} {r.completion_tokens:>6} tokens  {r.turns} turn(s)  {r.seconds:6.2f} s"
+            tokens, turns = r.completion_tokens, r.turns
+            if r.child is not None:  # the child's whole subtree: what it charged, its own root turns
+                tokens = number(r.child.metrics.get("tree_charged_completion_tokens", tokens))
+                turns = number(r.child.metrics.get("main_rlm_turns", turns))
+            line = f"  [{r.index}] {r.status:<8} {tokens:>6} tokens  {turns} turn(s)  {r.seconds:6.2f} s"
             if r.child is not None:
+                calls = number(r.child.metrics.get("tree_sub_llm_call_count"))
+                below = number(r.child.metrics.get("tree_rollout_count")) - 1
+                line += f"  {calls} sub-call(s)"
+                if below > 0:
+                    line += f"  {below} child rollout(s)"
                 line += f"  stop={r.child.stop_reason}"
             if r.status == "error" and r.error_kind:
                 line += f"  {r.error_kind}"

@@ -1,4 +1,4 @@
-"""Figures of a rollout tree by depth, from a rollout's nested trajectory (issue 22).
+"""Figures of a rollout tree by depth, from a rollout's nested trajectory.
 
 A rollout's ``rlm_batch(tasks)`` call appends one event to its trajectory::
 
@@ -32,6 +32,10 @@ Tree-wide (the rollout and its whole subtree):
   a rollout of the tree reached);
 * ``tree_root_turns``, ``tree_root_completion_tokens``, ``tree_sub_llm_call_count``,
   ``tree_sub_llm_completion_tokens``: the sums over the depths;
+* ``tree_sub_llm_error_count`` / ``tree_sub_llm_rejected_count``: those sub-LLM calls (as
+  counted in ``tree_sub_llm_call_count``) that ended ``error`` / were ``rejected`` by the budget;
+* ``tree_budget_spent_count``: child rollouts anywhere in the tree that the budget ended
+  (stop reason ``budget_spent``: their next root turn could not get its minimum grant);
 * ``tree_charged_completion_tokens``: what the tree's budget is charged with: every sub-LLM
   completion token of the tree plus the root completion tokens of the rollouts at depth >= 2
   (the top rollout's own root turns are not charged). Summed here from the trajectory; a top
@@ -66,10 +70,14 @@ PER_DEPTH = ("rollouts", "root_turns", "root_completion_tokens", "sub_llm_call_c
 TREE_KEYS = (
     "rlm_call_count", "rlm_batch_count", "rlm_call_failed_count", "tree_rollout_count", "tree_depth",
     "tree_root_turns", "tree_root_completion_tokens", "tree_sub_llm_call_count", "tree_sub_llm_completion_tokens",
-    "tree_charged_completion_tokens",
+    "tree_charged_completion_tokens", "tree_sub_llm_error_count", "tree_sub_llm_rejected_count",
+    "tree_budget_spent_count",
 )  # fmt: skip
 """The tree-wide figures."""
-_SUMS = ("rlm_call_count", "rlm_batch_count", "rlm_call_failed_count")
+_SUMS = (
+    "rlm_call_count", "rlm_batch_count", "rlm_call_failed_count",
+    "tree_sub_llm_error_count", "tree_sub_llm_rejected_count", "tree_budget_spent_count",
+)  # fmt: skip
 _DEPTH_NAME = re.compile(r"depth[0-9]+_(" + "|".join(PER_DEPTH) + ")")
 
 
@@ -148,6 +156,7 @@ def _walk(trajectory: list[dict[str, Any]], own: Mapping[str, Any], depth: int, 
                 tree.sums["rlm_call_count"] += 1
                 tree.sums["rlm_call_failed_count"] += result.get("status") in ("error", "rejected")
             if isinstance(child, dict):
+                tree.sums["tree_budget_spent_count"] += child.get("stop_reason") == "budget_spent"
                 if depth >= MAX_TREE_DEPTH:
                     continue
                 metrics = child.get("metrics")
@@ -156,6 +165,8 @@ def _walk(trajectory: list[dict[str, Any]], own: Mapping[str, Any], depth: int, 
                     _walk(list(_dicts(child.get("trajectory"))), metrics, depth + 1, tree)
                 continue
             tree.add(depth, "sub_llm_call_count", 1)
+            tree.sums["tree_sub_llm_error_count"] += result.get("status") == "error"
+            tree.sums["tree_sub_llm_rejected_count"] += result.get("status") == "rejected"
             tree.add(depth, "sub_llm_completion_tokens", number(result.get("completion_tokens")))
 
 

@@ -1,4 +1,4 @@
-"""The rollout host of a worker that hosts child rollouts (``rlmq worker --repl-slots N``, issue 22).
+"""The rollout host of a worker that hosts child rollouts (``rlmq worker --repl-slots N``).
 
 A child rollout (a task of a parent's ``rlm_batch``) runs on a worker with
 :func:`rlmq.producer.engine.run_rollout`, as a top rollout runs in ``RLMEnv``. What the worker
@@ -20,8 +20,10 @@ under a uid of its own, without network and with a private file system, or the o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from rlmq.common.errors import UncontainedReplError
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
     from rlmq.workers.worker import SubLLMWorker
 
 log = logging.getLogger("rlmq.worker")
+
+SUMMARY_SECONDS = 60.0
+"""How often a REPL host logs what its child rollouts did since its last summary (only when
+something happened), besides its start and stop lines and each failed child."""
 
 
 def fully_contained(c: Containment) -> bool:
@@ -82,6 +88,40 @@ class ChildHost:
         self._host: RolloutHost | None = None
         self.containment: Containment | None = None
         """What the probe REPL was contained by (after :meth:`start`)."""
+        self.running = 0
+        """Child rollouts running on this worker now."""
+        self.ended: Counter[str] = Counter()
+        """Child rollouts this worker finished, by stop reason (all of them)."""
+        self._reported: Counter[str] = Counter()
+
+    def began(self) -> None:
+        """A child rollout starts here (count it as running)."""
+        self.running += 1
+
+    def finished(self, child: str, stop_reason: str, error: str | None = None) -> None:
+        """A child rollout that :meth:`began` ended with ``stop_reason``; one ending in ``error``
+        is logged at once, with its ``error`` text (cut to 300 characters)."""
+        self.running = max(0, self.running - 1)
+        self.ended[stop_reason] += 1
+        if stop_reason == "error":
+            log.warning("worker %s: child rollout %s ended in error: %.300s", self.w.name, child, error or "")
+
+    def summary(self, since: Counter[str] | None = None) -> str:
+        """``"12 finished (answer_ready=11, error=1), 3 running"``: the child rollouts ended since
+        the counts ``since`` (all of them when ``None``) and those running now."""
+        ended = self.ended - (since or Counter())
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(ended.items()))
+        return f"{sum(ended.values())} finished{f' ({reasons})' if reasons else ''}, {self.running} running"
+
+    async def summarize_forever(self, interval: float = SUMMARY_SECONDS) -> None:
+        """Every ``interval`` seconds, log the children finished since the last line and those
+        running, when any finished or runs; until cancelled."""
+        while True:
+            await asyncio.sleep(interval)  # the period of an operator's summary line
+            if self.ended != self._reported or self.running:
+                log.info("worker %s: child rollouts in the last %.0f s: %s", self.w.name, interval,
+                         self.summary(self._reported))  # fmt: skip
+                self._reported = Counter(self.ended)
 
     @property
     def host(self) -> RolloutHost:
@@ -126,16 +166,31 @@ class ChildHost:
                     "worker %s hosts child rollouts with an UNCONTAINED REPL (--allow-uncontained-repl): %s",
                     self.w.name, missing,
                 )  # fmt: skip
+            else:
+                log.info(
+                    "worker %s hosts up to %d child rollouts per depth, each REPL contained (own uid, no network, "
+                    "private file system)", self.w.name, s.repl_slots,
+                )  # fmt: skip
         except BaseException:
             await self.close()
             raise
 
     async def refresh_forever(self) -> None:
-        """Keep the hosted rollouts' keys and ``rlmq status`` entries alive, until cancelled."""
-        await self.host.live.refresh_forever(self.w.settings.rollout_key_ttl / 3)
+        """Keep the hosted rollouts' keys and ``rlmq status`` entries alive, and log a summary of
+        the hosted children every :data:`SUMMARY_SECONDS`, until cancelled."""
+        summaries = asyncio.create_task(self.summarize_forever(), name="child-summary")
+        try:
+            await self.host.live.refresh_forever(self.w.settings.rollout_key_ttl / 3)
+        finally:
+            summaries.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await summaries
 
     async def close(self) -> None:
-        """Stop the interception server and the root client; idempotent."""
+        """Stop the interception server and the root client (logging what the host's children
+        did, when it hosted any); idempotent."""
+        if self._host is not None and (self.ended or self.running):
+            log.info("worker %s hosted child rollouts: %s", self.w.name, self.summary())
         self._host = None
         if self.server is not None:
             with contextlib.suppress(Exception):

@@ -140,9 +140,19 @@ class ChildKind:
         try:
             if self.w.child_host is None:
                 raise ConfigError("this worker hosts no child rollout (--repl-slots 0)")
-            res = await run_rollout(
-                self.w.child_host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree
-            )
+            host = self.w.child_host
+            host.began()
+            ended: tuple[str, str | None] = ("cancelled", None)  # cancelled unless it returns or fails
+            try:
+                res = await run_rollout(
+                    host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree
+                )
+                ended = (res.row.stop_reason, res.row.error)
+            except Exception:
+                ended = ("failed to run", None)  # logged below
+                raise
+            finally:
+                host.finished(node, *ended)
         except Exception as exc:  # Redis failed announcing it, or a bug: the parent gets an error slot
             log.warning("worker %s: child rollout %s failed to run: %s", self.w.name, node, exc)
             return self._fail(slot, job, "host", f"{type(exc).__name__}: {exc}")
@@ -206,8 +216,9 @@ class ChildKind:
     async def end_dead_attempts(self, taken: list[tuple[str, int]]) -> int:
         """End the tree nodes of child-rollout executions a reaper took back (``(job id, attempt)``,
         from :meth:`~rlmq.common.jobstore.JobStore.reap`): the dead attempt's descendants are refused
-        (``parent_gone``) at their next model call now, not when the node's TTL runs out, and
-        ``rlmq status`` stops listing the dead attempt now, not when its lease lapses. A job whose
+        (``parent_gone``) at their next model call now, not when the node's TTL runs out,
+        ``rlmq status`` stops listing the dead attempt now, not when its lease lapses, and its
+        root turns' reservations stop counting as live (:meth:`retire_root_turns`). A job whose
         payload cannot be read is skipped (its node and lease expire). Returns the nodes ended.
 
         Raises:
@@ -229,9 +240,23 @@ class ChildKind:
             node = child_node(req.child_id, attempt)
             await self.w.ledger.close_node(req.ledger_id, node)
             await self.w.redis.zrem(K.LIVE_ROLLOUTS, node)
+            await self.retire_root_turns(req.ledger_id, node)
             log.warning("worker %s: ended tree node %s of dead child rollout job %s", self.w.name, node, jid)
             ended += 1
         return ended
+
+    async def retire_root_turns(self, ledger_id: str, node: str) -> int:
+        """Retire the root-turn reservations (``<node>:root:<turn>``) of a dead child attempt: they
+        stay charged in full, but stop counting as live now, so calls of the tree that wait for
+        tokens held by running calls stop waiting for them (they were live until the child's
+        deadline: a whole sub-call deadline of waiting). Returns how many were live.
+
+        Raises:
+            redis.RedisError: Redis away (they then stop being live at their deadline).
+        """
+        keys = K.LedgerKeys(ledger_id)
+        ids = [k async for k, _ in self.w.redis.hscan_iter(keys.reservations, match=f"{node}:root:*")]
+        return await self.w.ledger.retire(ledger_id, [i.decode() if isinstance(i, bytes) else i for i in ids])
 
     def abandoned(self, job_id: str, meta: bytes | None) -> str:
         """The result (JSON) the reaper delivers for a child job whose retries are used up."""

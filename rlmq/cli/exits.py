@@ -34,6 +34,9 @@ not answer, or no live worker served the sub-LLM queue (:mod:`rlmq.cli.preflight
 EXIT_SUB_CALLS_FAILED = 6
 """No rollout ended in ``error``, but more than ``--max-sub-call-error-rate`` of the sub-LLM
 calls did (all of them, when the sub-model's server is down): the answers are not the model's."""
+EXIT_BUDGET_STARVED = 7
+"""Neither 1 nor 6, but the tree budget ended at least one child rollout (stop reason
+``budget_spent``): the trees' answers were cut short by ``--sub-llm-max-completion-tokens``."""
 
 
 def explain(exc: BaseException) -> tuple[int, str]:

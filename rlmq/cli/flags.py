@@ -15,9 +15,29 @@ from collections.abc import Callable
 from typing import Any
 
 from rlmq.common.settings import Settings, build_settings
+from rlmq.common.settings_fields import HELP_GROUPS
 from rlmq.common.settings_schema import Knob, knobs
 
-SETTINGS_GROUP = "settings (flag > RLMQ_* variable > default)"
+REQUIRED_GROUP = "required flags"
+SETTINGS_NOTE = "(a flag > its RLMQ_* variable > the default)"
+
+
+def help_group(parser: argparse.ArgumentParser, name: str) -> Any:
+    """The argument group ``name`` of ``parser`` (``required`` or a key of
+    :data:`~rlmq.common.settings_fields.HELP_GROUPS`), made on first use; every group is made at once,
+    in the order ``--help`` shows them (empty ones are not shown).
+
+    Raises:
+        KeyError: ``name`` is not a group.
+    """
+    groups: dict[str, Any] | None = getattr(parser, "_rlmq_groups", None)
+    if groups is None:
+        groups = {"required": parser.add_argument_group(REQUIRED_GROUP)}
+        for key, title in HELP_GROUPS.items():
+            note = SETTINGS_NOTE if key == "common" else None
+            groups[key] = parser.add_argument_group(title, note)
+        parser._rlmq_groups = groups  # type: ignore[attr-defined]
+    return groups[name]
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,9 +84,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, command: str) -> list[Kn
     Raises:
         argparse.ArgumentError: a flag is already on the parser (a setting flag written by hand).
     """
-    group = parser.add_argument_group(SETTINGS_GROUP)
     taken = [k for k in knobs() if command in k.commands]
     for k in taken:
+        group = help_group(parser, "required" if k.required_by(command) else k.group)
         kwargs: dict[str, Any] = {"dest": k.name, "default": None, "help": k.help()}
         if k.scalar is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

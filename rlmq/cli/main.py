@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
 from rlmq.cli.exits import EXIT_INTERNAL, explain, say
-from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, settings_from_flags
+from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, help_group, settings_from_flags
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import current_latch, signal_latch
 from rlmq.common.aio import run as run_loop
@@ -34,36 +34,62 @@ if TYPE_CHECKING:
 
 
 def _command_flags(p: argparse.ArgumentParser, command: str) -> None:
-    """The flags of ``run`` / ``demo`` that are not settings, then the settings' own (generated)."""
-    p.add_argument("--output", metavar="FILE", help="write result rows (JSONL) here")
-    p.add_argument(
+    """The flags of ``run`` / ``demo`` that are not settings, then the settings' own (generated),
+    each in its ``--help`` group (:func:`~rlmq.cli.flags.help_group`)."""
+    common, fleet, sampling = (help_group(p, name) for name in ("common", "fleet", "sampling"))
+    common.add_argument("--output", metavar="FILE", help="write result rows (JSONL) here")
+    common.add_argument(
         "--run-dir",
         metavar="DIR",
         help="run folder: rows.jsonl, trajectories.jsonl, meta.json, report.html (default runs/<UTC time>-<command>)",
     )
-    p.add_argument("--metrics-port", type=PORT, metavar="PORT", help="serve Prometheus metrics here (0: any free port)")
-    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="metrics address (default 127.0.0.1)")
-    p.add_argument(
+    common.add_argument("--quiet", action="store_true", help="no progress bar")
+    common.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    fleet.add_argument(
+        "--metrics-port", type=PORT, metavar="PORT", help="serve Prometheus metrics here (0: any free port)"
+    )
+    fleet.add_argument(
+        "--metrics-host", default="127.0.0.1", metavar="HOST", help="metrics address (default 127.0.0.1)"
+    )
+    fleet.add_argument(
         "--workers", type=bounded(int, 1), default=2, metavar="N", help="local workers without Redis (default 2)"
     )
-    p.add_argument(
+    sampling.add_argument(
         "-T", "--temperature", type=float, metavar="X", help="root model's sampling temperature (over --sampling-args)"
     )
-    p.add_argument("--top-p", type=float, metavar="X", help="root model's top_p (over --sampling-args)")
-    p.add_argument(
+    sampling.add_argument("--top-p", type=float, metavar="X", help="root model's top_p (over --sampling-args)")
+    sampling.add_argument(
         "-t",
         "--max-tokens",
         type=int,
         metavar="TOKENS",
         help="completion tokens of one root-model call (over --sampling-args)",
     )
-    p.add_argument(
+    sampling.add_argument(
         "--sub-temperature", type=float, metavar="X", help="sub-LLM sampling temperature (over --sub-sampling-args)"
     )
-    p.add_argument("--sub-top-p", type=float, metavar="X", help="sub-LLM top_p (over --sub-sampling-args)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    sampling.add_argument("--sub-top-p", type=float, metavar="X", help="sub-LLM top_p (over --sub-sampling-args)")
     add_settings_flags(p, command)
+
+
+RUN_USAGE = "rlmq run DATASET.jsonl --base-url URL --model NAME [--sub-model NAME] [--output FILE] [options]"
+RUN_DESCRIPTION = """\
+Rollouts of a JSONL dataset (one {"id", "question", "context", "answer"?, "info"?} per line)
+against any OpenAI-compatible server. Sub-LLM calls run on the workers serving the sub-model's
+queue; without --redis-url / REDIS_URL, an embedded Redis and two local workers.
+
+example:
+  rlmq run rlmq/data/sample.jsonl --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B \\
+      --sub-llm-max-completion-tokens 20000 --output rows.jsonl
+
+The flags below: those every run needs, the common ones, then tuning knobs by topic."""
+DEMO_USAGE = "rlmq demo [--output FILE] [--max-depth N] [--rollouts N] [options]"
+DEMO_DESCRIPTION = """\
+Everything embedded (a private Redis, two workers, the scripted model, a test double):
+needle-in-a-haystack rollouts over CPython's documentation.
+
+example:
+  rlmq demo --max-depth 3 --output rows.jsonl   # rollout trees three levels deep"""
 
 
 def _version() -> str:
@@ -84,9 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="everything embedded: Redis, workers, the scripted model, real text")
-    demo.add_argument("--rollouts", type=bounded(int, 1), default=8, metavar="N", help="number of rollouts (default 8)")
-    demo.add_argument(
+    raw = argparse.RawDescriptionHelpFormatter
+    demo = sub.add_parser(
+        "demo",
+        help="everything embedded: Redis, workers, the scripted model, real text",
+        usage=DEMO_USAGE,
+        description=DEMO_DESCRIPTION,
+        formatter_class=raw,
+    )
+    help_group(demo, "common").add_argument(
+        "--rollouts", type=bounded(int, 1), default=8, metavar="N", help="number of rollouts (default 8)"
+    )
+    help_group(demo, "common").add_argument(
         "--min-chars",
         type=bounded(int, 0),
         default=100_000,
@@ -95,9 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _command_flags(demo, "demo")
 
-    run = sub.add_parser("run", help="rollouts of a JSONL dataset against an OpenAI-compatible server")
+    run = sub.add_parser(
+        "run",
+        help="rollouts of a JSONL dataset against an OpenAI-compatible server",
+        usage=RUN_USAGE,
+        description=RUN_DESCRIPTION,
+        formatter_class=raw,
+    )
     run.add_argument("dataset", help="JSONL rows: id, question, context, answer?, info?")
-    run.add_argument(
+    help_group(run, "common").add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="continue the run whose folder this is: its finished rows are kept and not run again "
@@ -106,7 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _command_flags(run, "run")
 
-    worker = sub.add_parser("worker", help="one worker process serving one model")
+    worker = sub.add_parser(
+        "worker",
+        help="one worker process serving one model",
+        usage=worker_cli.USAGE,
+        description=worker_cli.DESCRIPTION,
+        formatter_class=raw,
+    )
     worker_cli.add_arguments(worker)
 
     mock = sub.add_parser("mock-llm", help="the scripted OpenAI-compatible model (a test double)")
@@ -295,7 +342,7 @@ def _evaluate(
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rlmq.cli.demo import needle_rows
-    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet
+    from rlmq.cli.local import COMMAND_WORKER_GRACE_SECONDS, LocalFleet, local_repl_slots
 
     check_output(args.output, run_dir=args.run_dir)
     settings0 = _settings(args, "demo")
@@ -314,6 +361,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         redis_url=settings0.redis_url,
         model="scripted",
         workers=args.workers,
+        # with max_depth > 1 the scripted roots recurse: their children run on these workers
+        repl_slots=local_repl_slots(int(settings0.max_depth), settings0.repl_slots),
+        allow_uncontained_repl=settings0.allow_uncontained_repl,
         worker_grace=COMMAND_WORKER_GRACE_SECONDS,
         log_dir=log_dir,
         say=say,

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from rlmq.cli.report_html import CSS, bar_chart, correct_cell, cut, e, num, stop_bar, stop_chip
-from rlmq.cli.report_trajectory import TreeView, depth_table_html, trajectory_html
+from rlmq.cli.report_trajectory import TreeView, depth_table_html, trajectory_html, tree_outline_html
+from rlmq.cli.results import tree_totals, whole_figure
 from rlmq.cli.run_folder import trajectory_line
 from rlmq.common.connection import mask_url
 from rlmq.producer.env import RolloutResult
@@ -96,42 +97,48 @@ def write_run(folder: str | Path, results: Sequence[RolloutResult], meta: dict[s
     return path
 
 
+def _whole(m: dict[str, Any], name: str) -> int:
+    """A rollout's figure ``name`` (``sub_llm_call_count``, ...) over its whole tree when its row
+    has the tree figure (``tree_<name>``), else its own."""
+    return whole_figure(m, f"tree_{name}", name)
+
+
 def _summary(rows: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[str, str]:
+    """The accuracy text and the summary cards: each figure once, whole trees counted."""
     n = len(rows)
     graded = [r for r in rows if r.get("correct") is not None]
     right = sum(1 for r in graded if r["correct"])
     acc_text = f"{right}/{len(graded)} = {right / len(graded):.1%}" if graded else "not graded"
     acc_cls = "" if not graded else ("good" if right == len(graded) else ("bad" if right * 2 < len(graded) else ""))
-    tot = {k: sum(num(r.get("metrics", {}), k) for r in rows) for k in (
-        "sub_llm_call_count", "sub_llm_completion_tokens", "sub_llm_prompt_tokens", "main_rlm_prompt_tokens",
-        "main_rlm_completion_tokens", "repl_total_time_seconds", "sub_llm_error_count", "sub_llm_rejected_count",
+    metrics = [r.get("metrics") or {} for r in rows]
+    tot = {k: sum(num(m, k) for m in metrics) for k in (
+        "main_rlm_prompt_tokens", "main_rlm_completion_tokens", "repl_total_time_seconds",
     )}  # fmt: skip
+    whole = tree_totals(rows)
+    sub_tokens = sum(_whole(m, "sub_llm_completion_tokens") for m in metrics)
+    errors = sum(1 for r in rows if r.get("error"))
     cards = [
         ("accuracy", acc_text, acc_cls),
         ("rollouts", f"{n}", ""),
-        ("errors", f"{sum(1 for r in rows if r.get('error'))}", "bad" if any(r.get("error") for r in rows) else ""),
-        ("sub-LLM calls", f"{tot['sub_llm_call_count']:,.0f}", ""),
-        ("sub-LLM completion tokens", f"{tot['sub_llm_completion_tokens']:,.0f}", ""),
+        ("rollouts ended in error", f"{errors}", "bad" if errors else ""),
+        ("sub-LLM calls", f"{whole['sub_calls']:,}", ""),
+        ("sub-LLM completion tokens", f"{sub_tokens:,}", ""),
         ("root tokens (prompt / completion)",
          f"{tot['main_rlm_prompt_tokens']:,.0f} / {tot['main_rlm_completion_tokens']:,.0f}", ""),
         ("REPL time", f"{tot['repl_total_time_seconds']:.2f} s", ""),
     ]  # fmt: skip
     if meta.get("seconds") is not None:
         cards.append(("wall time", f"{float(meta['seconds']):.1f} s", ""))
-    tree = {k: sum(number(r.get("metrics", {}).get(k)) for r in rows) for k in (
-        "rlm_call_count", "tree_rollout_count", "tree_charged_completion_tokens",
-    )}  # fmt: skip
-    if tree["rlm_call_count"]:
-        children = tree["tree_rollout_count"] - n
+    if whole["rlm_tasks"]:
         cards += [
-            ("rlm_batch tasks / child rollouts", f"{tree['rlm_call_count']:,} / {children:,}", ""),
-            ("tree completion tokens charged", f"{tree['tree_charged_completion_tokens']:,}", ""),
+            ("rlm_batch tasks / child rollouts", f"{whole['rlm_tasks']:,} / {whole['children']:,}", ""),
+            ("deepest tree", f"depth {whole['depth']}", ""),
+            ("tree completion tokens charged", f"{whole['charged']:,}", ""),
         ]
-    if tot["sub_llm_error_count"] or tot["sub_llm_rejected_count"]:
-        cards.append(
-            ("sub-calls error / rejected", f"{tot['sub_llm_error_count']:.0f} / {tot['sub_llm_rejected_count']:.0f}",
-             "bad"),
-        )  # fmt: skip
+    if whole["budget_spent"]:
+        cards.append(("children ended by the budget", f"{whole['budget_spent']:,}", "bad"))
+    if whole["sub_failed"] or whole["sub_rejected"]:
+        cards.append(("sub-calls error / rejected", f"{whole['sub_failed']:,} / {whole['sub_rejected']:,}", "bad"))
     acc_id = ' id="accuracy"'
     html_cards = "".join(
         f'<div class="card"><div class="k">{e(k)}</div><div class="v {c}"{acc_id if k == "accuracy" else ""}>'
@@ -142,50 +149,79 @@ def _summary(rows: list[dict[str, Any]], meta: dict[str, Any]) -> tuple[str, str
 
 
 def _rollout_table(rows: list[dict[str, Any]]) -> str:
+    """One line per rollout; its sub-calls and their tokens over its whole tree, and its child
+    rollouts when the run started any."""
+    trees = any(number((r.get("metrics") or {}).get("rlm_call_count")) for r in rows)
     head = (
         "<tr><th>#</th><th>rollout</th><th>result</th><th>stop reason</th><th>final answer</th><th>expected</th>"
-        "<th>root turns</th><th>sub-calls</th><th>sub completion tokens</th><th>REPL s</th></tr>"
+        "<th>root turns</th><th>sub-calls</th><th>sub completion tokens</th>"
+        + ("<th>child rollouts</th><th>tokens charged</th>" if trees else "")
+        + "<th>REPL s</th></tr>"
     )
     body = []
     for i, r in enumerate(rows):
-        m = r.get("metrics", {})
+        m = r.get("metrics") or {}
         stop = r.get("stop_reason", "")
+        tree_cells = ""
+        if trees:
+            children = max(0, number(m.get("tree_rollout_count")) - 1)
+            tree_cells = (
+                f'<td class="num">{children:,}</td>'
+                f'<td class="num">{number(m.get("tree_charged_completion_tokens")):,}</td>'
+            )
         body.append(
             f'<tr><td class="num">{i + 1}</td><td><a href="#{rollout_dom_id(i)}">{e(r.get("id"))}</a></td>'
             f"<td>{correct_cell(r.get('correct'))}</td>"
             f"<td>{stop_chip(stop)}</td>"
             f"<td>{e(cut(str(r.get('final_answer') or ''), 200))}</td><td>{e(r.get('answer') or '')}</td>"
             f'<td class="num">{num(m, "main_rlm_turns"):.0f}</td>'
-            f'<td class="num">{num(m, "sub_llm_call_count"):.0f}</td>'
-            f'<td class="num">{num(m, "sub_llm_completion_tokens"):,.0f}</td>'
+            f'<td class="num">{_whole(m, "sub_llm_call_count"):,}</td>'
+            f'<td class="num">{_whole(m, "sub_llm_completion_tokens"):,}</td>{tree_cells}'
             f'<td class="num">{num(m, "repl_total_time_seconds"):.2f}</td></tr>'
         )
     return f"<table>{head}{''.join(body)}</table>"
 
 
+def _charts(ids: list[str], metrics: list[dict[str, Any]]) -> list[str]:
+    """The per-rollout charts that have something to show (a chart whose every bar is 0, as in
+    a run interrupted before any rollout finished, is left out rather than drawn empty)."""
+    trees = any(number(m.get("rlm_call_count")) for m in metrics)
+    sub = [("sub-LLM calls", "#ef6c00", [float(_whole(m, "sub_llm_completion_tokens")) for m in metrics])]
+    if trees:  # what the children's own root turns added to the tree's charge
+        child_roots = [
+            float(max(0, number(m.get("tree_charged_completion_tokens")) - _whole(m, "sub_llm_completion_tokens")))
+            for m in metrics
+        ]
+        sub.append(("child root turns", "#8d6e63", child_roots))
+    specs = [
+        ("Completion tokens charged per rollout tree" if trees else "Sub-LLM completion tokens per rollout", sub,
+         "", "{:,.0f}"),
+        ("Root-model tokens per rollout",
+         [("prompt", "#90caf9", [num(m, "main_rlm_prompt_tokens") for m in metrics]),
+          ("completion", "#1565c0", [num(m, "main_rlm_completion_tokens") for m in metrics])], "", "{:,.0f}"),
+        ("REPL time per rollout (seconds)", [("REPL", "#2e7d32", [num(m, "repl_total_time_seconds") for m in metrics])],
+         " s", "{:.2f}"),
+    ]  # fmt: skip
+    return [
+        bar_chart(title, ids, series, unit=unit, fmt=fmt)
+        for title, series, unit, fmt in specs
+        if any(v > 0 for _, _, values in series for v in values)
+    ]
+
+
 def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str:
-    """The whole ``report.html`` as a string (static: inline CSS and SVG, no script)."""
+    """The whole ``report.html`` as a string (static: inline CSS and SVG, no script).
+
+    The summary cards, the rollout table and the charts count each rollout's whole tree; each
+    rollout's trajectory is collapsed (a ``<details>`` whose summary line says what it holds),
+    and a rollout that started children shows its tree (per-depth figures and an outline of its
+    child rollouts) above it.
+    """
     rows = [r.row.model_dump() for r in results]
     ids = [str(r["id"]) for r in rows]
     acc_text, cards = _summary(rows, meta)
     stops: Counter[str] = Counter(str(r["stop_reason"]) for r in rows)
-    metrics = [r.get("metrics", {}) for r in rows]
-    charts = [
-        bar_chart(
-            "Sub-LLM completion tokens per rollout", ids,
-            [("completion", "#ef6c00", [num(m, "sub_llm_completion_tokens") for m in metrics])],
-        ),
-        bar_chart(
-            "Root-model tokens per rollout", ids,
-            [("prompt", "#90caf9", [num(m, "main_rlm_prompt_tokens") for m in metrics]),
-             ("completion", "#1565c0", [num(m, "main_rlm_completion_tokens") for m in metrics])],
-        ),
-        bar_chart(
-            "REPL time per rollout (seconds)", ids,
-            [("REPL", "#2e7d32", [num(m, "repl_total_time_seconds") for m in metrics])],
-            unit=" s", fmt="{:.2f}",
-        ),
-    ]  # fmt: skip
+    charts = _charts(ids, [r.get("metrics") or {} for r in rows])
     command = meta.get("command")
     command_text = " ".join(command) if isinstance(command, list) else str(command or "")
     started = meta.get("started")
@@ -195,19 +231,31 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
         err = f'<div class="err">{e(row["error"])}</div>' if row.get("error") else ""
         m = row.get("metrics", {})
         budget = ""
-        if "sub_llm_budget_limit" in m:
+        if "sub_llm_budget_limit" in m and number(m.get("rlm_call_count")):  # its use: the tree table's
+            budget = (
+                f" · sub-LLM budget of the tree: <b>{num(m, 'sub_llm_budget_limit'):,.0f}</b> completion tokens, "
+                f"{num(m, 'sub_llm_budget_rejections'):,.0f} rejected"
+            )
+        elif "sub_llm_budget_limit" in m:
             budget = (
                 f" · sub-LLM budget: <b>{num(m, 'sub_llm_budget_used'):,.0f}/{num(m, 'sub_llm_budget_limit'):,.0f}"
                 f"</b> completion tokens used, {num(m, 'sub_llm_budget_rejections'):,.0f} rejected"
             )
         stop = row["stop_reason"]
+        kinds = Counter(str(ev.get("type")) for ev in res.trajectory if isinstance(ev, dict))
+        traj_line = (
+            f"trajectory: {kinds['root']} root turn(s), {kinds['cell']} REPL cell(s), "
+            f"{kinds['llm_batch']} llm_batch, {kinds['rlm_batch']} rlm_batch call(s)"
+        )
         sections.append(
             f'<section class="rollout" id="{rollout_dom_id(i)}"><h3>{i + 1}. {e(row["id"])} '
             f"{correct_cell(row.get('correct'))} "
             f"{stop_chip(stop)}</h3>"
             f'<div class="meta">final answer: <b>{e(cut(str(row.get("final_answer") or ""), 500))}</b>'
             f" · expected: <b>{e(row.get('answer') or '–')}</b>{budget}</div>{err}"
-            f"{depth_table_html(m, res.trajectory)}{_question_html(res)}{_trajectory(i, res)}</section>"
+            f"{depth_table_html(m, res.trajectory)}{tree_outline_html(res.trajectory)}"
+            f'<details class="traj"><summary>{e(traj_line)}</summary>'
+            f"{_question_html(res)}{_trajectory(i, res)}</details></section>"
         )
     settings = meta.get("settings") or {}
     stopped = meta.get("interrupted")
@@ -219,17 +267,26 @@ def render_report(results: Sequence[RolloutResult], meta: dict[str, Any]) -> str
         else ""
     )
     settings_rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in settings.items() if v is not None)
+    body = banner + (f'<h2>Summary</h2><div class="cards">{cards}</div>' if rows else "")
+    if rows:
+        body += f"<h2>Stop reasons</h2>{stop_bar(stops, len(rows))}"
+    if charts:
+        body += f'<h2>Tokens and time</h2><div class="charts">{"".join(charts)}</div>'
+    if rows:
+        body += (
+            f"<h2>Rollouts</h2>{_rollout_table(rows)}"
+            f'<h2>Trajectories</h2><p class="note">Each rollout\'s trajectory is folded: open it to read its '
+            f"turns, cells and calls.</p>{''.join(sections)}"
+        )
+    else:  # nothing to count or draw: no empty cards or chart frames
+        body += '<h2>Summary</h2><p class="note">No rollout finished: there is nothing to show.</p>'
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{e(CSP)}">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>rlmq report: {e(acc_text)}</title><style>{CSS}</style></head><body>"
         f'<header><h1>rlmq run report</h1><div class="sub">{e(when)} · {e(command_text)}</div></header><main>'
-        f'{banner}<h2>Summary</h2><div class="cards">{cards}</div>'
-        f"<h2>Stop reasons</h2>{stop_bar(stops, len(rows))}"
-        f'<h2>Tokens and time</h2><div class="charts">{"".join(charts)}</div>'
-        f"<h2>Rollouts</h2>{_rollout_table(rows)}"
-        f"<h2>Trajectories</h2>{''.join(sections)}"
+        f"{body}"
         f"<h2>Settings</h2><details><summary>settings of this run</summary><table>{settings_rows}</table></details>"
         '<p class="note">Full texts: rows.jsonl, trajectories.jsonl and meta.json in this folder.</p>'
         "</main></body></html>\n"

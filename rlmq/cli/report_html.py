@@ -20,7 +20,7 @@ DEFAULT_COLOR = "#607d8b"
 
 STOP_COLORS = {
     "answer_ready": "#2e7d32", "max_turns": "#ef6c00", "no_tool_call": "#6a1b9a", "prompt_too_long": "#ad1457",
-    "code_timeout": "#00838f", "error": "#c62828",
+    "code_timeout": "#00838f", "error": "#c62828", "budget_spent": "#6d4c41",
 }  # fmt: skip
 STATUS_COLORS = {"ok": "#2e7d32", "rejected": "#ef6c00", "error": "#c62828"}
 
@@ -128,10 +128,12 @@ def bar_chart(
 
 
 def stop_bar(stops: Counter[str], total: int) -> str:
-    """One stacked bar of stop reasons (inline SVG) with a legend."""
+    """One stacked bar of stop reasons (inline SVG); each count is written once: inside its
+    segment, or in a legend below for a segment too narrow to hold it."""
     width, height = 600, 26
     x = 0.0
     parts = [f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">']
+    narrow: list[tuple[str, int]] = []
     for reason, n in sorted(stops.items(), key=lambda kv: -kv[1]):
         w = n / max(1, total) * width
         colour = STOP_COLORS.get(reason, DEFAULT_COLOR)
@@ -139,15 +141,18 @@ def stop_bar(stops: Counter[str], total: int) -> str:
             f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{height}" fill="{colour}">'
             f"<title>{e(reason)}: {n}</title></rect>"
         )
-        if w > 40:
-            parts.append(f'<text x="{x + 6:.1f}" y="17" class="in">{e(reason)} {n}</text>')
+        label = f"{reason} {n}"
+        if w > 8 + 7 * len(label):  # the label fits inside its segment
+            parts.append(f'<text x="{x + 6:.1f}" y="17" class="in">{e(label)}</text>')
+        else:
+            narrow.append((reason, n))
         x += w
     parts.append("</svg>")
     legend = " ".join(
         f'<span class="chip" style="background:{STOP_COLORS.get(k, DEFAULT_COLOR)}">{e(k)}: {v}</span>'
-        for k, v in sorted(stops.items())
+        for k, v in sorted(narrow)
     )
-    return "".join(parts) + f'<div class="legend">{legend}</div>'
+    return "".join(parts) + (f'<div class="legend">{legend}</div>' if legend else "")
 
 
 CSS = """
@@ -198,6 +203,13 @@ details.child{border:1px solid #d9c8e6;border-left:4px solid #6a1b9a;border-radi
 details.child>summary{padding:4px 8px;color:#1d2330}
 details.child>summary .tag{color:#6a1b9a;font-weight:700;font-size:12px;text-transform:uppercase}
 details.child>.kid{padding:2px 10px 8px 14px;background:#fff}
+details.traj{border:1px solid #d5dbe7;border-radius:6px;margin:8px 0;background:#fff}
+details.traj>summary{padding:6px 10px;font-weight:600}
+details.outline{margin:8px 0}
+.tree ul{list-style:none;margin:0;padding-left:18px;border-left:2px solid #d9c8e6}
+.tree>ul{padding-left:6px}
+.tree li{margin:3px 0;font-size:13px}
+.tree .tag{color:#6a1b9a;font-weight:700;font-size:12px;text-transform:uppercase}
 .cutnote{color:#8a4b00;font-size:12px;margin:4px 0}
 table.depths{width:auto;margin:6px 0}
 """

@@ -98,8 +98,10 @@ def _slot_row(r: dict[str, Any], prompt: str | None, depth: int) -> str:
     """One table row of a sub-call slot: status, tokens, turns, times, prompt, answer."""
     status = str(r.get("status", ""))
     err = ""
-    if status == "error":
-        err = f'<div class="meta">{e(r.get("error_kind") or "")}: {e(cut(str(r.get("error") or ""), 500))}</div>'
+    if status == "error":  # the error text once: the answer slot often is that text already
+        text = str(r.get("error") or "")
+        detail = "" if not text or text in str(r.get("content", "")) else f": {e(cut(text, 500))}"
+        err = f'<div class="meta">{e(r.get("error_kind") or "error")}{detail}</div>'
     return (
         f'<tr><td class="num">{number(r.get("index"))}</td>'
         f"<td>{chip(status, STATUS_COLORS.get(status, DEFAULT_COLOR))}</td>"
@@ -363,4 +365,52 @@ def depth_table_html(metrics: dict[str, Any], trajectory: list[dict[str, Any]]) 
         f'<div class="meta">rlm_batch: {number(m.get("rlm_call_count")):,} task(s) in '
         f"{number(m.get('rlm_batch_count')):,} call(s), {number(m.get('rlm_call_failed_count')):,} failed or refused; "
         f"charged to the tree's budget: {number(m.get('tree_charged_completion_tokens')):,} completion tokens</div>"
+    )
+
+
+MAX_OUTLINE_NODES = 150
+"""Child rollouts listed in one rollout's tree outline (the rest are counted in a note)."""
+
+
+def tree_outline_html(trajectory: list[dict[str, Any]]) -> str:
+    """A rollout's tree at a glance (``""`` when it started no child): one line per child rollout,
+    nested under its parent, with its depth, stop reason, answer, sub-calls, the completion tokens
+    its subtree charged and its own children. At most :data:`MAX_OUTLINE_NODES` lines (a note
+    counts the rest); everything from the run is escaped."""
+    shown = 0
+    left_out = 0
+
+    def level(traj: list[dict[str, Any]], depth: int) -> str:
+        nonlocal shown, left_out
+        items: list[str] = []
+        for ev in _dicts(traj):
+            if ev.get("type") != "rlm_batch":
+                continue
+            for r in sorted(_dicts(ev.get("results")), key=lambda x: number(x.get("index"))):
+                child = r.get("child")
+                if not isinstance(child, dict):
+                    continue
+                if shown >= MAX_OUTLINE_NODES:
+                    left_out += 1
+                    continue
+                shown += 1
+                m = child["metrics"] if isinstance(child.get("metrics"), dict) else {}
+                calls = number(m.get("tree_sub_llm_call_count", m.get("sub_llm_call_count")))
+                charged = number(m.get("tree_charged_completion_tokens"))
+                answer = cut(str(r.get("content", "")).strip(), 80).splitlines()[0] if r.get("content") else ""
+                below = level(_dicts(child.get("trajectory")), depth + 1)
+                items.append(
+                    f'<li><span class="tag">child {number(r.get("index"))}</span> depth {depth + 1} '
+                    f"{stop_chip(child.get('stop_reason', ''))} answer <b>{e(answer or '–')}</b> · "
+                    f"{calls:,} sub-call(s) · {charged:,} tokens charged{below}</li>"
+                )
+        return f"<ul>{''.join(items)}</ul>" if items else ""
+
+    body = level(trajectory, 1)
+    if not body:
+        return ""
+    note = f'<p class="cutnote">{left_out} more child rollout(s) not listed</p>' if left_out else ""
+    return (
+        f'<details class="outline" open><summary>tree: {shown + left_out} child rollout(s)</summary>'
+        f'<div class="tree">{body}</div>{note}</details>'
     )

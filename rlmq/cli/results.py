@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
-from rlmq.cli.exits import EXIT_OK, EXIT_ROLLOUT_ERRORS, EXIT_SUB_CALLS_FAILED, say
+from rlmq.cli.exits import EXIT_BUDGET_STARVED, EXIT_OK, EXIT_ROLLOUT_ERRORS, EXIT_SUB_CALLS_FAILED, say
 from rlmq.common.aio import current_latch
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError
@@ -198,21 +198,26 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     errors = [r for r in rows if r.get("error")]
     for r in errors[:5]:
         lines.append(f"  error in {r['id']}: {r['error']}")
-    calls = sum(int(r["metrics"].get("sub_llm_call_count", 0)) for r in rows)
+    whole = tree_totals(rows)
+    calls, failed, refused = whole["sub_calls"], whole["sub_failed"], whole["sub_rejected"]
     if calls:
-        # In all, not as a mean: a run whose sub-calls all failed (no worker on the queue, say)
-        # must not look healthy just because its rollouts ended with an answer.
-        failed = sum(int(r["metrics"].get("sub_llm_error_count", 0)) for r in rows)
-        refused = sum(int(r["metrics"].get("sub_llm_rejected_count", 0)) for r in rows)
+        # In all, not as a mean, and over the whole tree of each rollout: a run whose sub-calls all
+        # failed (no worker on the queue, say) must not look healthy because its rollouts answered.
         line = f"sub-LLM calls: {calls} in all, {failed} ended in error, {refused} rejected by the budget"
         lines.append(line + ("  <- see the errors in the run folder's report" if failed else ""))
-    rlm_calls = sum(int(r["metrics"].get("rlm_call_count", 0)) for r in rows)
+    rlm_calls = whole["rlm_tasks"]
     if rlm_calls:
-        children = sum(int(r["metrics"].get("tree_rollout_count", 1)) - 1 for r in rows)
-        charged = sum(int(r["metrics"].get("tree_charged_completion_tokens", 0)) for r in rows)
         lines.append(
-            f"rlm_batch: {rlm_calls} task(s) in all, {children} child rollout(s) reported, "
-            f"{charged} completion tokens charged to the trees' budgets"
+            f"rlm_batch: {rlm_calls} task(s) in all, {whole['children']} child rollout(s) reported, "
+            f"{whole['charged']} completion tokens charged to the trees' budgets; "
+            f"the deepest tree reached depth {whole['depth']}"
+        )
+    if whole["budget_spent"]:
+        starved = whole["starved_rollouts"]
+        lines.append(
+            f"budget: {whole['budget_spent']} child rollout(s) ended by the tree budget (budget_spent) in "
+            f"{starved} of {n} rollout(s)  <- the budget starved these trees; "
+            "raise --sub-llm-max-completion-tokens"
         )
     keys: list[str] = []
     for r in rows:
@@ -224,6 +229,42 @@ def summarize(rows: list[dict[str, Any]]) -> str:
             vals = [r["metrics"][k] for r in rows if k in r["metrics"]]
             lines.append(f"  {k:<36} {sum(vals) / len(vals):>14.4f}")
     return "\n".join(lines)
+
+
+def whole_figure(metrics: dict[str, Any], tree_key: str, own_key: str) -> int:
+    """``metrics[tree_key]`` (the rollout's whole tree) when the row has it, else ``metrics[own_key]``."""
+    value = metrics[tree_key] if tree_key in metrics else metrics.get(own_key, 0)
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
+
+
+def tree_totals(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Whole-tree figures of result rows, summed over the rows (every rollout's own calls and
+    those of all its child rollouts, :mod:`rlmq.producer.tree_metrics`).
+
+    Returns:
+        ``sub_calls``, ``sub_failed``, ``sub_rejected``: sub-LLM calls, those that ended in
+        ``error``, those the budget rejected; ``rlm_tasks``: ``rlm_batch`` tasks; ``children``:
+        child rollouts that reported; ``depth``: the deepest depth a rollout reached (1 without
+        children); ``charged``: completion tokens charged to the trees' budgets;
+        ``budget_spent``: child rollouts the budget ended; ``starved_rollouts``: rows with one or more.
+    """
+    out = dict.fromkeys(
+        ("sub_calls", "sub_failed", "sub_rejected", "rlm_tasks", "children", "depth", "charged", "budget_spent"), 0
+    )
+    out["starved_rollouts"] = 0
+    for r in rows:
+        m = r.get("metrics") or {}
+        out["sub_calls"] += whole_figure(m, "tree_sub_llm_call_count", "sub_llm_call_count")
+        out["sub_failed"] += whole_figure(m, "tree_sub_llm_error_count", "sub_llm_error_count")
+        out["sub_rejected"] += whole_figure(m, "tree_sub_llm_rejected_count", "sub_llm_rejected_count")
+        out["rlm_tasks"] += whole_figure(m, "rlm_call_count", "rlm_call_count")
+        out["children"] += max(0, whole_figure(m, "tree_rollout_count", "tree_rollout_count") - 1)
+        out["depth"] = max(out["depth"], whole_figure(m, "tree_depth", "tree_depth") or 1)
+        out["charged"] += whole_figure(m, "tree_charged_completion_tokens", "tree_charged_completion_tokens")
+        spent = whole_figure(m, "tree_budget_spent_count", "tree_budget_spent_count")
+        out["budget_spent"] += spent
+        out["starved_rollouts"] += spent > 0
+    return out
 
 
 def public_argv(argv: list[str]) -> list[str]:
@@ -301,14 +342,16 @@ def exit_code(rows: list[dict[str, Any]], max_sub_call_error_rate: float) -> int
 
     :data:`EXIT_ROLLOUT_ERRORS` when a rollout ended in ``error``; else
     :data:`EXIT_SUB_CALLS_FAILED` when more than ``max_sub_call_error_rate`` (0..1) of the
-    sub-LLM calls ended in error (rejections by the budget are not errors); else ``0``.
+    sub-LLM calls of the rollouts' whole trees ended in error (rejections by the budget are not
+    errors); else :data:`EXIT_BUDGET_STARVED` when the budget ended a child rollout
+    (``budget_spent``) in any tree; else ``0``.
     """
     errors = sum(1 for r in rows if r.get("error"))
     if errors:
         say(f"rlmq: {errors} of {len(rows)} rollouts ended in error (exit code {EXIT_ROLLOUT_ERRORS})")
         return EXIT_ROLLOUT_ERRORS
-    calls = sum(int(r["metrics"].get("sub_llm_call_count", 0)) for r in rows)
-    failed = sum(int(r["metrics"].get("sub_llm_error_count", 0)) for r in rows)
+    whole = tree_totals(rows)
+    calls, failed = whole["sub_calls"], whole["sub_failed"]
     if calls and failed / calls > max_sub_call_error_rate:
         what = "all" if failed == calls else f"{failed} of {calls} ({failed / calls:.0%})"
         say(
@@ -316,4 +359,10 @@ def exit_code(rows: list[dict[str, Any]], max_sub_call_error_rate: float) -> int
             f"{max_sub_call_error_rate:g}: the answers are not the sub-model's (exit code {EXIT_SUB_CALLS_FAILED})"
         )
         return EXIT_SUB_CALLS_FAILED
+    if whole["budget_spent"]:
+        say(
+            f"rlmq: the budget starved {whole['starved_rollouts']} of {len(rows)} rollout tree(s): "
+            f"{whole['budget_spent']} child rollout(s) ended budget_spent (exit code {EXIT_BUDGET_STARVED})"
+        )
+        return EXIT_BUDGET_STARVED
     return EXIT_OK

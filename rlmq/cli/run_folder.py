@@ -41,7 +41,9 @@ RESUME_MAY_CHANGE = frozenset(
     {"rollout_timeout", "sub_call_timeout", "max_startup_wait_seconds", "rollout_key_ttl", "max_sub_llm_parallelism"}
 )
 """Rollout options a resumed run may set otherwise: how long or how wide it may run, not what it computes."""
-RESUME_SAME = ("model", "sub_model", *(n for n in RolloutOptions.model_fields if n not in RESUME_MAY_CHANGE))
+RESUME_SAME = tuple(  # each once: sub_model is a rollout option too
+    dict.fromkeys(("model", "sub_model", *(n for n in RolloutOptions.model_fields if n not in RESUME_MAY_CHANGE)))
+)
 """The settings a resumed run must share with the run whose rows it keeps."""
 
 

@@ -13,7 +13,8 @@ Three tables:
   host refreshes it every few seconds, so a killed host's rollouts drop out within the lease, as
   a killed worker does; plus each rollout's ``info`` and ``budget`` hashes): depth and parent
   (a child rollout of ``rlm_batch``, hosted by a worker: depth >= 2), model, age, sub-LLM budget
-  used / limit.
+  used / limit, and for a top rollout whose tree has live children the tree's figures from its
+  ledger (model calls, completion tokens charged, refusals).
 
 :func:`collect` reads a snapshot (a JSON-able dict, what ``--json`` prints),
 :func:`render` turns it into plain text tables; both are pure enough to test on fakeredis.
@@ -163,6 +164,7 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
                 "queue": info.get("queue") or None,
                 "depth": _int(info.get("depth"), 1),
                 "parent": info.get("parent") or None,
+                "ledger": info.get("ledger") or rid,
                 "age": None if not started else max(0.0, now - float(started)),
                 "expires_in": float(expires) - server_now,
                 "budget_limit": _int(budget.get("limit")),
@@ -171,8 +173,46 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
                 "budget_rejections": _int(budget.get("rejections"), 0) if budget else None,
             }
         )
+    _add_trees(redis, rollouts)
     rollouts.sort(key=lambda r: -(r["age"] or 0.0))
     return {"time": now, "queues": queues, "workers": workers, "rollouts": rollouts, "rollouts_total": total}
+
+
+def _add_trees(redis: Any, rollouts: list[dict[str, Any]]) -> None:
+    """Give each listed top rollout whose tree has children (live now, or that reserved from its
+    ledger) a ``tree`` entry: ``live_children`` (listed rollouts of its ledger), ``model_calls``
+    (grants of the tree's ledger: its sub-LLM calls and child root turns), ``charged`` (completion
+    tokens charged to the tree), ``limit`` (``None``: no budget) and ``rejections`` (model calls
+    the budget refused, child root turns that ended a child as ``budget_spent`` among them)."""
+    children: dict[str, int] = {}
+    for r in rollouts:
+        if (r.get("depth") or 1) > 1:
+            children[r["ledger"]] = children.get(r["ledger"], 0) + 1
+    for r in rollouts:
+        if (r.get("depth") or 1) > 1 or r["id"] not in children:
+            continue
+        ledger = _hash(redis.hgetall(K.LedgerKeys(r["id"]).budget))
+        r["tree"] = {
+            "live_children": children[r["id"]],
+            "model_calls": _int(ledger.get("grants"), 0),
+            "charged": _int(ledger.get("charged"), 0),
+            "limit": _int(ledger.get("limit")),
+            "rejections": _int(ledger.get("rejections"), 0),
+        }
+
+
+def _tree(r: dict[str, Any]) -> str:
+    tree = r.get("tree")
+    if (r.get("depth") or 1) > 1:
+        return f"in {r['ledger']}'s tree"
+    if not tree:
+        return "-"
+    if tree["limit"] is None:  # a tree without a budget counts nothing in its ledger
+        return f"{tree['live_children']} live children (no budget: nothing charged)"
+    text = f"{tree['live_children']} live children, {tree['model_calls']} model calls, {tree['charged']} charged"
+    if tree["rejections"]:
+        text += f", {tree['rejections']} refused by the budget"
+    return text
 
 
 def fmt_age(seconds: float | None) -> str:
@@ -265,7 +305,7 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     if rs:
         out.append(
             table(
-                ["ROLLOUT", "DEPTH", "PARENT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT"],
+                ["ROLLOUT", "DEPTH", "PARENT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT", "TREE"],
                 [
                     [
                         r["id"],
@@ -276,6 +316,7 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
                         r["sub_model"] or "-",
                         fmt_age(r["age"]),
                         _budget(r),
+                        _tree(r),
                     ]
                     for r in rs
                 ],  # fmt: skip

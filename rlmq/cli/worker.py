@@ -16,30 +16,50 @@ from __future__ import annotations
 import argparse
 import logging
 
-from rlmq.cli.flags import PORT, add_settings_flags, bounded, settings_from_flags
+from rlmq.cli.flags import PORT, add_settings_flags, bounded, help_group, settings_from_flags
 from rlmq.common.aio import run as run_loop
+
+USAGE = "rlmq worker --base-url URL --model NAME [--redis-url URL] [--concurrency K] [--repl-slots N] [options]"
+DESCRIPTION = """\
+One worker process serving one model's queue: it takes sub-LLM calls (and, with --repl-slots,
+child rollouts) from Redis and calls the model server. The Redis is --redis-url or REDIS_URL.
+
+example:
+  REDIS_URL=redis://127.0.0.1:6379/0 rlmq worker --base-url http://127.0.0.1:8000/v1 --model Qwen/Qwen3-8B
+
+The flags below: the common ones, then tuning knobs by topic."""
+
+
+QUIET_LOGGERS = ("httpx", "httpcore", "openai", "aiohttp.access")
+"""Libraries that log every request at INFO: a worker logs their warnings only (``-v``: all)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``rlmq worker``: its own, then the settings it takes (generated)."""
-    p.add_argument(
+    """The flags of ``rlmq worker``: its own, then the settings it takes (generated), each in its
+    ``--help`` group (:func:`~rlmq.cli.flags.help_group`)."""
+    common, tuning, fleet = (help_group(p, name) for name in ("common", "worker", "fleet"))
+    tuning.add_argument(
         "--redis-wait",
         type=bounded(float, 0),
         metavar="SECONDS",
         help="how long to wait for Redis at start, retrying with backoff (default: as long as it takes)",
     )
-    p.add_argument(
+    tuning.add_argument(
         "--grace",
         type=bounded(float, 0),
         default=30.0,
         metavar="SECONDS",
         help="on SIGINT/SIGTERM/SIGHUP, seconds in-flight sub-calls get before they are handed back (default 30)",
     )
-    p.add_argument("--burst", action="store_true", help="exit once the queue is empty and nothing is in flight")
-    p.add_argument("--name", metavar="NAME", help="RQ worker name (default host.pid.xxxx)")
-    p.add_argument("--metrics-port", type=PORT, metavar="PORT", help="serve Prometheus metrics here (0: a free port)")
-    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="metrics address (default 127.0.0.1)")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    common.add_argument("--burst", action="store_true", help="exit once the queue is empty and nothing is in flight")
+    common.add_argument("--name", metavar="NAME", help="RQ worker name (default host.pid.xxxx)")
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    fleet.add_argument(
+        "--metrics-port", type=PORT, metavar="PORT", help="serve Prometheus metrics here (0: a free port)"
+    )
+    fleet.add_argument(
+        "--metrics-host", default="127.0.0.1", metavar="HOST", help="metrics address (default 127.0.0.1)"
+    )
     add_settings_flags(p, "worker")
 
 
@@ -54,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if not args.verbose:  # a line per HTTP request (the hosted children's root calls) is no operator's news
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     settings = settings_from_flags(args, "worker")
     if not settings.redis_url:
         raise ConfigError("rlmq worker needs --redis-url or REDIS_URL")

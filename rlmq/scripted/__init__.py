@@ -46,7 +46,13 @@ Turn ``k`` is one plus the number of assistant messages in the conversation.
 
 * Turn 1: one ``call_python_repl`` tool call whose code (:func:`root_code_for`) splits
   ``context`` into chunks, asks ``llm_batch`` one prompt per chunk, takes the answer most
-  chunks agree on and sets ``answer["content"]`` and ``answer["ready"] = True``.
+  chunks agree on and sets ``answer["content"]`` and ``answer["ready"] = True``. When the
+  system message says ``rlm_batch`` starts child rollouts at this depth (the line
+  ``rlm_batch: recursive (depth D of M)``, ``D < M``), the code
+  (:func:`~rlmq.scripted.root_script.recursive_root_code_for`) instead splits ``context`` in
+  two and asks ``rlm_batch`` for one child rollout per part, with the same question; each
+  child does the same one level down, and at the deepest level (``D == M``) uses ``llm_batch``
+  as above. So ``rlmq demo --max-depth 3`` runs a tree of three levels without any directive.
 * Later turns: plain text, ``The answer is in answer['content'].`` (no tool call).
 
 Directives, read from the FIRST user message (which carries the question):
@@ -62,8 +68,8 @@ Directives, read from the FIRST user message (which carries the question):
   tool) with the question (directive removed) and answers with ``str()`` of its result, or
   ``[tool failed] <message>`` when it raises.
 
-* ``[[mock:rlm-split:<K>]]``: the recursive needle search (issue 22,
-  :mod:`rlmq.scripted.recursion`): turn 1 splits ``context`` into ``K`` parts and calls
+* ``[[mock:rlm-split:<K>]]``: the recursive needle search
+  (:mod:`rlmq.scripted.recursion`): turn 1 splits ``context`` into ``K`` parts and calls
   ``rlm_batch([{"prompt": <the first user message>, "context": part}, ...])`` when the system
   message has the line ``rlm_batch: recursive (depth D of M)``, else (the line
   ``rlm_batch: plain sub-LLM calls (depth D of M)``, or no such line) ``llm_batch`` with one

@@ -24,7 +24,7 @@ from rlmq.scripted.markers import (
     _root_codes,
 )
 from rlmq.scripted.recursion import is_needle_prompt, needle_answer, recursion_of, split_parts, split_root_code
-from rlmq.scripted.root_script import root_code_for, root_tool_code
+from rlmq.scripted.root_script import recursive_root_code_for, root_code_for, root_tool_code
 
 
 def _text(content: Any) -> str:
@@ -212,7 +212,11 @@ def _root_reply(messages: Sequence[dict[str, Any]]) -> _Reply:
             code = split_root_code(first_user, parts, recurse=where.recurses)
             return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
     if turn == 1:
-        return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": root_code_for(first_user)}))])
+        system = "\n".join(_text(m.get("content")) for m in messages if m.get("role") == "system")
+        # rlm_batch starts child rollouts at this depth: the root recurses, as a real RLM may
+        recurses = "rlm_batch" in system and recursion_of(system).recurses
+        code = recursive_root_code_for(first_user) if recurses else root_code_for(first_user)
+        return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
     return _Reply(content=ROOT_FOLLOW_UP)
 
 

@@ -1,4 +1,4 @@
-"""The scripted model's recursive needle search (issue 22): a root that splits ``context`` and recurses.
+"""The scripted model's recursive needle search: a root that splits ``context`` and recurses.
 
 One server plays every part of a rollout tree, from the prompt alone:
 

@@ -97,3 +97,67 @@ def root_code_for(question: str) -> str:
     ``answer["ready"] = True``.
     """
     return _ROOT_CODE_TEMPLATE.replace("__QUESTION__", repr(question), 1)
+
+
+RECURSIVE_PARTS = 2
+"""Children a recursive root (:func:`recursive_root_code_for`) starts per ``rlm_batch``."""
+
+_RECURSIVE_ROOT_TEMPLATE = '''\
+# Scripted root model (rlmq test double): rlm_batch is available at this depth, so split
+# `context` in parts and give each part to a child rollout with the same question;
+# keep the answer that most children agree on.
+import json
+from collections import Counter
+
+question = __QUESTION__
+PARTS = __PARTS__
+
+
+def split(value, k):
+    """k contiguous parts of a str (by lines) or a list/tuple (by items); a dict as its JSON text."""
+    if isinstance(value, dict):
+        value = json.dumps(value, ensure_ascii=False, indent=1)
+    items = list(value) if isinstance(value, (list, tuple)) else str(value).splitlines()
+    k = max(1, min(k, len(items)))
+    bounds = [len(items) * i // k for i in range(k + 1)]
+    parts = [items[bounds[i]:bounds[i + 1]] for i in range(k)]
+    return parts if isinstance(value, (list, tuple)) else ["\\n".join(part) for part in parts]
+
+
+def is_answer(reply):
+    """False for NOT FOUND, an empty reply and rlmq's error strings."""
+    reply = str(reply).strip()
+    if reply.startswith(("[error]", "[rejected]")):
+        return False
+    return bool(reply) and reply.rstrip(".") != "NOT FOUND"
+
+
+parts = split(context, PARTS)
+replies = rlm_batch([{"prompt": question, "context": part} for part in parts])
+found = [str(reply).strip() for reply in replies if is_answer(reply)]
+votes = Counter(found)  # most_common keeps first-seen order among ties
+best = votes.most_common(1)[0][0] if votes else "NOT FOUND"
+print(f"{len(parts)} part(s) via rlm_batch, {len(found)} with an answer: {dict(votes)}")
+answer["content"] = best
+answer["ready"] = True
+'''
+
+
+def recursive_root_code_for(question: str, parts: int = RECURSIVE_PARTS) -> str:
+    """The first-turn code of a root whose ``rlm_batch`` starts child rollouts (depth < ``max_depth``).
+
+    The code expects the REPL globals ``context`` (str, list or dict), ``rlm_batch`` and
+    ``answer``. It cuts ``context`` into ``min(parts, lines or items)`` contiguous parts (a str
+    by lines, a list by items, a dict as its JSON text by lines), calls
+    ``rlm_batch([{"prompt": question, "context": part}, ...])`` (each child, a root itself,
+    answers ``question`` over its part, recursing in turn while it can), keeps the most common
+    reply that is neither ``NOT FOUND`` nor an rlmq error string, prints a summary and sets
+    ``answer["content"]`` (``"NOT FOUND"`` when no child found it) and ``answer["ready"] = True``.
+
+    Args:
+        question: the root's first user message, copied verbatim into every child's prompt.
+        parts: children per call (at least 1).
+    """
+    return _RECURSIVE_ROOT_TEMPLATE.replace("__QUESTION__", repr(question), 1).replace(
+        "__PARTS__", str(max(1, int(parts))), 1
+    )

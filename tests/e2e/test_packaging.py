@@ -59,6 +59,7 @@ def test_a_checkout_without_symlinks_builds_the_complete_wheel(tmp_path: Path) -
     missing = sorted(tracked_modules() - names)
     assert not missing, f"the wheel lacks {missing}"
     assert "rlmq/py.typed" in names
+    assert "rlmq/data/sample.jsonl" in names  # the sample dataset of the README's `rlmq run`
     assert not {"rlmq/common", "rlmq/producer", "rlmq/workers"} & names  # no link stub shipped
     # run from that checkout itself (its root first on sys.path), rlmq says why it cannot work
     proc = subprocess.run(

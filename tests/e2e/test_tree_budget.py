@@ -243,7 +243,7 @@ async def test_a_child_root_turn_granted_too_little_ends_the_child_with_its_best
 
 STRESS_RUNS = int(os.environ.get("RLMQ_TREE_STRESS_RUNS", "8"))
 """Trees of the stress test (even); the suite runs 8, the repetition runs 20 and more
-(``RLMQ_TREE_STRESS_RUNS=20``), as docs/recursion.md reports."""
+(``RLMQ_TREE_STRESS_RUNS=20``), as bench/results/tree_budget_2026-11-25.md reports."""
 STRESS_BUDGET = 3_000
 
 

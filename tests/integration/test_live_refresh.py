@@ -23,8 +23,9 @@ from rlmq.producer.live import LiveRollouts
 
 pytestmark = pytest.mark.integration
 
-TTL = 2
-"""Seconds a key of the test's rollouts lives unrefreshed: a tick of 2/3 s."""
+TTL = 3
+"""Seconds a key of the test's rollouts lives unrefreshed: a tick of 1 s, so a key expires only when
+the loop is starved, not when a loaded machine delays one tick by a second."""
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ async def test_a_long_rollouts_keys_live_while_short_ones_keep_entering(redis: R
     finally:
         refresher.cancel()
         await asyncio.gather(refresher, return_exceptions=True)
-    assert entered >= (4 * TTL) / every * 0.5, f"only {entered} short rollouts entered"
+    assert entered >= min(20, (4 * TTL) / every / 4), f"only {entered} short rollouts entered"
     assert gone == [], f"the long rollout's keys expired while it worked (first: {gone[:3]})"
     assert await redis.zscore(K.LIVE_ROLLOUTS, "long") is not None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -142,3 +144,20 @@ def test_a_second_signal_kills_registered_children_and_never_raises() -> None:
             pass
         unhook()
     assert killed == ["group"] and latch.count == 2
+
+
+def test_the_latch_is_found_when_sigint_was_inherited_ignored() -> None:
+    """A command started with SIGINT ignored (``cmd &`` in a script) still finds its latch, by
+    SIGTERM's handler: the run's report then names the signal that stopped it."""
+    code = (
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from rlmq.common.aio import current_latch, signal_latch\n"
+        "with signal_latch() as latch:\n"
+        "    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "    assert current_latch() is latch\n"
+        "assert current_latch() is None\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -218,3 +218,47 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(
     names = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert names == ["20261122T062001Z-run", "20261122T062001Z-run-2", "20261122T062001Z-run-3"]
     assert all((tmp_path / "runs" / n / "rows.jsonl").read_text().count("\n") == 1 for n in names)
+
+
+def test_each_figure_once_folded_trajectories_and_no_empty_frames(tmp_path: Path) -> None:
+    """Stop reasons are counted once (inside the bar, or in a legend for a narrow segment), a
+    sub-call's error text once, each trajectory folded in a details; an interrupted run that
+    finished nothing draws no card and no chart frame."""
+    results = [rollout(f"q-{i}", correct=True) for i in range(9)] + [rollout("q-x", correct=False, stop="max_turns")]
+    page = (write_run(tmp_path / "a", results, {"command": "t"}) / "report.html").read_text()
+    page = re.sub(r"<title>.*?</title>", "", page)  # hover texts are not shown on the page
+    assert page.count("answer_ready 9") + page.count("answer_ready: 9") == 1
+    assert page.count("max_turns: 1") + page.count("max_turns 1") == 1  # a tenth of the bar: in the legend
+    assert page.count("timed out") == 10  # the sub-call's error text, once per rollout (content differs)
+    assert page.count('<details class="traj">') == 10 and '<details class="traj" open' not in page
+    empty = write_run(
+        tmp_path / "b", [], {"command": "t", "interrupted": {"signal": "SIGTERM", "finished": 0, "rollouts": 6}}
+    )
+    page = (empty / "report.html").read_text()
+    assert "Interrupted by SIGTERM: 0 of 6" in page and "No rollout finished" in page
+    assert "<svg" not in page and 'class="card"' not in page and "<figure" not in page
+
+
+def test_a_tree_run_counts_whole_trees_and_outlines_them(tmp_path: Path) -> None:
+    """The cards, the table and the charts count the children's sub-calls; the tree outline lists
+    each child under its parent, and a child ended by the budget is counted in a card."""
+    res = rollout("t-1", correct=True)
+    child = {
+        "rollout_id": "c1",
+        "depth": 2,
+        "stop_reason": "budget_spent",
+        "trajectory": [],
+        "metrics": {"main_rlm_turns": 1, "tree_sub_llm_call_count": 7, "tree_charged_completion_tokens": 300},
+    }
+    res.trajectory.append({"type": "rlm_batch", "batch_id": "r1", "seconds": 1.0, "tasks": ["find it"],
+                           "results": [sub_result(0, content="CHILD-ANSWER", child=child)]})  # fmt: skip
+    res.row.metrics.update({"rlm_call_count": 1, "tree_rollout_count": 2, "tree_depth": 2,
+                            "tree_sub_llm_call_count": 10, "tree_sub_llm_completion_tokens": 40,
+                            "tree_charged_completion_tokens": 340, "tree_budget_spent_count": 1})  # fmt: skip
+    page = (write_run(tmp_path / "t", [res], {"command": "t"}) / "report.html").read_text()
+    cards = dict(re.findall(r'<div class="k">([^<]*)</div><div class="v [^"]*"[^>]*>([^<]*)</div>', page))
+    assert cards["sub-LLM calls"] == "10" and cards["children ended by the budget"] == "1"
+    assert cards["rlm_batch tasks / child rollouts"] == "1 / 1" and cards["deepest tree"] == "depth 2"
+    assert '<details class="outline" open><summary>tree: 1 child rollout(s)</summary>' in page
+    assert "answer <b>CHILD-ANSWER</b> · 7 sub-call(s) · 300 tokens charged" in page
+    assert "Completion tokens charged per rollout tree" in page

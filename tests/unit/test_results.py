@@ -186,3 +186,24 @@ def test_the_summary_shows_tree_figures_only_for_runs_that_started_children() ->
     text = summarize([{**row, "metrics": tree}, {**row, "id": "b", "metrics": flat}])
     assert "rlm_batch: 4 task(s) in all, 3 child rollout(s) reported, 90 completion tokens charged" in text
     assert "depth1_root_turns" in text and "tree_rollout_count" in text
+
+
+def test_whole_tree_figures_and_a_starved_tree_in_the_summary_and_exit_code() -> None:
+    """A depth-3 row whose own sub_llm_call_count is 0 (its children made the calls) still counts
+    them all; a child ended by the budget (budget_spent) is said and gives exit code 7."""
+    from rlmq.cli.exits import EXIT_BUDGET_STARVED, EXIT_OK
+    from rlmq.cli.results import exit_code
+
+    row = {"id": "a", "correct": False, "stop_reason": "answer_ready", "error": None}
+    tree = {"sub_llm_call_count": 0, "sub_llm_error_count": 0, "rlm_call_count": 6, "tree_rollout_count": 7,
+            "tree_depth": 3, "tree_sub_llm_call_count": 8, "tree_sub_llm_error_count": 1,
+            "tree_sub_llm_rejected_count": 2, "tree_charged_completion_tokens": 1601}  # fmt: skip
+    healthy = [{**row, "metrics": tree}]
+    text = summarize(healthy)
+    assert "sub-LLM calls: 8 in all, 1 ended in error, 2 rejected by the budget" in text
+    assert "6 child rollout(s) reported, 1601 completion tokens charged" in text and "depth 3" in text
+    assert "budget_spent" not in text and exit_code(healthy, 0.5) == EXIT_OK
+    starved = [*healthy, {**row, "id": "b", "metrics": {**tree, "tree_budget_spent_count": 3}}]
+    text = summarize(starved)
+    assert "budget: 3 child rollout(s) ended by the tree budget (budget_spent) in 1 of 2 rollout(s)" in text
+    assert exit_code(starved, 0.5) == EXIT_BUDGET_STARVED

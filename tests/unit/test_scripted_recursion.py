@@ -224,3 +224,43 @@ async def test_an_rlm_format_root_gets_a_repl_block(server: ScriptedModelServer)
     body = await chat(server, messages)
     assert body["choices"][0]["message"]["content"] == rlm_format_reply(1)
     assert server.stats["per_role"]["root"]["completions"] == 1
+
+
+# ------------------------------------------------------- a root without directives recurses when it can
+
+
+async def test_a_plain_root_recurses_whenever_rlm_batch_starts_children(server: ScriptedModelServer) -> None:
+    """No ``[[mock:...]]`` directive (the demo's rows): below max_depth the scripted root calls
+    ``rlm_batch``; at max_depth, or without the scaffold line, it asks ``llm_batch`` per chunk."""
+    from rlmq.cli.demo import needle_rows as demo_rows
+    from rlmq.scripted.server import answer_from_chunk
+
+    row = demo_rows(1, min_chars=30_000, seed=4)[0]
+    question, context = str(row["question"]), str(row["context"])
+    codes: dict[int, str] = {}
+    for depth in (1, 2, 3):
+        body = await chat(server, root_messages(f"Scaffold.\n{scaffold_line(depth, 3)}", question), tools=ROOT_TOOLS)
+        codes[depth] = json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["code"]
+    body = await chat(server, root_messages("A depth-1 scaffold that says nothing of children.", question),
+                      tools=ROOT_TOOLS)  # fmt: skip
+    flat = json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])["code"]
+    assert "rlm_batch(" in codes[1] and "rlm_batch(" in codes[2]
+    assert "rlm_batch(" not in codes[3] and "llm_batch(" in codes[3] and "rlm_batch(" not in flat
+
+    counts: dict[int, int] = {}
+
+    def run(depth: int, prompt: str, ctx: Any) -> str:
+        """One rollout of the tree, in process: depth's code with rlm_batch running children."""
+        counts[depth] = counts.get(depth, 0) + 1
+
+        def rlm_batch(tasks: list[dict[str, Any]]) -> list[str]:
+            assert all(t["prompt"] == prompt for t in tasks)  # the question reaches every child verbatim
+            return [run(depth + 1, t["prompt"], t["context"]) for t in tasks]
+
+        def llm_batch(prompts: list[str]) -> list[str]:
+            return [answer_from_chunk(p) for p in prompts]
+
+        return str(run_code(codes[depth], ctx, rlm_batch=rlm_batch, llm_batch=llm_batch)["content"])
+
+    assert run(1, question, context) == row["answer"]
+    assert counts == {1: 1, 2: 2, 3: 4}  # two children per rollout above the deepest level

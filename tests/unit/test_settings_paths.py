@@ -257,3 +257,33 @@ def test_no_float_setting_takes_inf_or_nan(k: Knob, text: str, monkeypatch: pyte
     monkeypatch.setenv(k.env[0], text)
     with pytest.raises(ConfigError, match=k.env[0]):
         load_settings()
+
+
+def test_run_and_worker_help_start_with_usage_and_an_example_then_groups() -> None:
+    """The first screen (24 lines) of ``rlmq run --help`` holds the usage, an example and the two
+    flags every run needs; the settings fall into the groups their declaration names, in order."""
+    from rlmq.common.settings_fields import HELP_GROUPS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, needed in (("run", ("--base-url URL", "--model NAME")), ("worker", ("--base-url", "--model"))):
+        parser = sub.choices[command]
+        text = parser.format_help()
+        lines = text.splitlines()
+        assert lines[0].startswith(f"usage: rlmq {command} ") and len(lines[0]) <= 120, lines[0]
+        assert "example:" in lines[:12] and any(
+            f"  rlmq {command} " in x or f" rlmq {command} " in x for x in lines[:12]
+        )
+        if command == "run":
+            first_screen = "\n".join(lines[:24])
+            assert all(flag in first_screen for flag in needed), first_screen
+        else:
+            assert all(flag in text for flag in needed)
+        titles = [g.title for g in parser._action_groups if g._group_actions]
+        shown = [t for t in titles if t in HELP_GROUPS.values()]
+        assert shown == [t for t in HELP_GROUPS.values() if t in shown], titles  # the declared order
+        for group in parser._action_groups:  # each settings flag sits in the group its field names
+            for action in group._group_actions:
+                k = next((k for k in knobs() if action.dest == k.name), None)
+                if k is not None and not k.required_by(command):
+                    assert group.title == HELP_GROUPS[k.group], (k.name, group.title)
+    assert all(k.group in HELP_GROUPS for k in knobs())

@@ -185,3 +185,28 @@ def test_child_rollouts_are_listed_with_their_depth_and_parent(r: fakeredis.Fake
     assert "DEPTH" in next(ln for ln in lines if ln.startswith("ROLLOUT"))
     assert next(ln for ln in lines if ln.startswith("c7-1 ")).split()[1:3] == ["2", "top"]
     assert next(ln for ln in lines if ln.startswith("top ")).split()[1:3] == ["1", "-"]
+
+
+def test_a_top_rollout_shows_its_trees_figures(r: fakeredis.FakeRedis) -> None:
+    """Children (depth >= 2, written with their tree's ledger) count under their top rollout, whose
+    row shows the tree ledger's model calls, charged tokens and refusals."""
+    add_rollout(r, "top", NOW - 9.0, {"limit": 5000, "charged": 1601, "used": 1500, "grants": 21, "rejections": 2})
+    for i, parent in enumerate(("top", "top", "c0")):
+        add_rollout(r, f"c{i}", NOW - 5.0 + i, None)
+        r.hset(K.RolloutKeys(f"c{i}").info, mapping={"depth": 2 if parent == "top" else 3, "parent": parent,
+                                                     "ledger": "top"})  # fmt: skip
+    add_rollout(r, "flat", NOW - 1.0, None)
+    snap = collect(r, now=NOW)
+    rows = {x["id"]: x for x in snap["rollouts"]}
+    assert rows["top"]["tree"] == {"live_children": 3, "model_calls": 21, "charged": 1601, "limit": 5000,
+                                   "rejections": 2}  # fmt: skip
+    assert "tree" not in rows["flat"] and "tree" not in rows["c2"]
+    text = render(snap)
+    top_line = next(line for line in text.splitlines() if line.startswith("top "))
+    assert "3 live children, 21 model calls, 1601 charged, 2 refused by the budget" in top_line
+    assert "in top's tree" in next(line for line in text.splitlines() if line.startswith("c2 "))
+    r.delete(K.RolloutKeys("top").budget)  # a tree without a budget: its ledger counts nothing
+    r.hset(K.RolloutKeys("top").budget, mapping={"unlimited": 1, "ttl": 60})
+    text = render(collect(r, now=NOW))
+    top_line = next(line for line in text.splitlines() if line.startswith("top "))
+    assert "3 live children (no budget: nothing charged)" in top_line and "model calls" not in top_line
