@@ -7,7 +7,7 @@ per prompt) on an embedded Redis, and drives batches through the producer's
 
 Scenarios, each at 0 and 50 ms model latency (``[[mock:sleep:0.05]]``):
 
-* ``fixed``: the case of issue 12: one batch of 112 prompts answered in 250 tokens, budget
+* ``fixed``: the case of one batch of 112 prompts answered in 250 tokens, budget
   3,000, 3 workers x 64 in flight.
 * ``random``: 500 prompts of 1-400 tokens, budgets 500 / 2,000 / 5,000 / 20,000, 4 workers x 64.
 

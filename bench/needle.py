@@ -1,4 +1,4 @@
-"""A long-context needle dataset for recursive rollouts (issue 22), answered by the scripted model.
+"""A long-context needle dataset for recursive rollouts, answered by the scripted model.
 
 ``python -m bench.needle --rows R --lines L --out data.jsonl [--split K] [--seed S] [--leaf spend-all|tokens:A-B]``
 

@@ -1,4 +1,4 @@
-"""Recursive rollouts on the fleet (issue 22): child rollouts per second and added latency per level.
+"""Recursive rollouts on the fleet: child rollouts per second and added latency per level.
 
 ``python -m bench.recursion [--quick] [--depths 1,2,3] [--rows R] [--lines L] [--split K]
 [--latency S] [--workers N] [--repl-slots N] [--concurrency C] [--rlms-python PATH] [--out STEM]``
@@ -110,9 +110,9 @@ class Bench:
     def skip_reason(self, depth: int) -> str | None:
         """Why this checkout cannot run ``depth`` yet, or ``None``."""
         if depth > 1 and not self.has_max_depth:
-            return "rlmq run has no --max-depth yet (issue 22's rlm_batch branch is not merged)"
+            return "rlmq run has no --max-depth yet (this checkout predates rlm_batch)"
         if depth > 1 and not self.has_repl_slots:
-            return "rlmq worker has no --repl-slots yet (issue 22's REPL-host branch is not merged)"
+            return "rlmq worker has no --repl-slots yet (this checkout predates REPL hosts)"
         return None
 
     def rlmq_run(self, depth: int, concurrency: int) -> dict[str, Any]:

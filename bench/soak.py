@@ -20,7 +20,7 @@ overshoot (tokens the model server served to a rollout beyond its budget; must b
 wedged workers (alive, but still holding jobs or silent 30 s after the load stopped; must be
 0) and p50/p99 batch time, overall and for batches overlapping a fault window (fault time + 15 s).
 
-Fleet conditions (issue 23): ``--acl`` runs the workers and the producer as the ACL users of
+Fleet conditions: ``--acl`` runs the workers and the producer as the ACL users of
 :mod:`rlmq.common.acl` (a tenant producer, confined to ``soak_*`` rollouts; the users are
 created again after each Redis restart); ``--skew S`` keeps one worker whose wall clock runs
 ``S`` seconds ahead (libfaketime); ``--result-ttl`` sets the workers' RQ result TTL; every

@@ -115,7 +115,7 @@ class LedgerKeys:
     """Key names of one budget ledger (all share the hash tag ``{ledger_id}``).
 
     A ledger is addressed by its own id, not by a rollout's: every rollout of one tree charges
-    the one ledger its top rollout opened (issue 22). A depth-1 rollout opens a ledger whose id
+    the one ledger its top rollout opened. A depth-1 rollout opens a ledger whose id
     is its own rollout id, so its ledger keys then share its rollout keys' hash tag (and names).
     The ledger's owner refreshes these keys' TTL; the TTL itself is stored in the ledger.
 

@@ -57,7 +57,7 @@ for every call of a rollout it has not seen without one (:meth:`BudgetLedger.kno
 
 A ledger is addressed by its own id (:class:`rlmq.common.keys.LedgerKeys`), which every job
 charging it carries: a depth-1 rollout opens one whose id is its rollout id; all rollouts of one
-tree will share their top rollout's (issue 22). Its reservations have a *kind* (:data:`SUB_LLM`, a
+tree will share their top rollout's. Its reservations have a *kind* (:data:`SUB_LLM`, a
 sub-LLM turn, the default; :data:`ROOT`, a root-model turn), each with its own per-call cap; the
 budget is one for all kinds. The ledger stores the TTL its owner chose (``ttl``): every script that
 touches its keys uses that one, never the caller's own, so a worker configured with a shorter TTL

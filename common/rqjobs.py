@@ -54,7 +54,7 @@ JOB_FIELDS = {
 # record: renaming one would make old and new workers of one fleet refuse each other's jobs.
 SUB_LLM_FUNC = "rlmq.workers.job.run_sub_llm"
 CHILD_ROLLOUT_FUNC = "rlmq.workers.job.run_child_rollout"
-"""A child rollout of ``rlm_batch`` (issue 22): its one argument is a
+"""A child rollout of ``rlm_batch``: its one argument is a
 :class:`~rlmq.common.schemas.ChildRolloutRequest`, its result a
 :class:`~rlmq.common.schemas.SubLLMResult` with ``child`` set. The function it names refuses on a
 stock RQ worker (:func:`rlmq.workers.job.run_child_rollout`): a child needs a REPL host."""

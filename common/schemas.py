@@ -172,7 +172,7 @@ class SubLLMRequest(SubCallOptions):
     A job naming a ledger other than its rollout's is budgeted whatever it claims: that ledger
     must exist (:attr:`charged_ledger`)."""
     nodes: list[str] = Field(default_factory=list, max_length=64)
-    """The tree chain of the rollout that made the call (issue 22): node ids from the top rollout
+    """The tree chain of the rollout that made the call: node ids from the top rollout
     to the calling rollout itself, each ``[A-Za-z0-9_-]{1,64}``; every one must be alive in the
     ledger for a grant. Empty for a call of a top rollout (its payload stays as before)."""
     session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
@@ -218,7 +218,7 @@ class LaneEntry(_Strict):
 
 class ChildRolloutRequest(_Strict):
     """One child rollout of an ``rlm_batch`` call, enqueued as one RQ job on
-    :func:`~rlmq.common.keys.child_queue` ``(queue, depth)`` (issue 22).
+    :func:`~rlmq.common.keys.child_queue` ``(queue, depth)``.
 
     The slot fields (``rollout_id`` = the parent's id, ``batch_id``, ``index``) name where the
     answer goes, as for a :class:`SubLLMRequest`: the parent's reply stream
@@ -303,7 +303,7 @@ class SubLLMResult(_Strict):
     messages: list[dict[str, Any]] | None = None
     """The sub-LLM's own conversation, when the producer asked for it in the trajectory."""
     child: ChildOutcome | None = None
-    """Set on the answer of a child rollout (``rlm_batch``, issue 22)."""
+    """Set on the answer of a child rollout (``rlm_batch``)."""
 
     @classmethod
     def failure(
@@ -351,7 +351,7 @@ class RlmTask(_Strict):
 
 
 class RlmBatchRequest(_Strict):
-    """Body of ``POST /rlm_batch`` on the interception server (issue 22):
+    """Body of ``POST /rlm_batch`` on the interception server:
     ``{"tasks": [{"prompt": str, "context": JSON}, ...]}`` (the REPL turns a bare str task into
     ``{"prompt": str}``)."""
 

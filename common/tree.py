@@ -1,4 +1,4 @@
-"""Where a rollout sits in a rollout tree (issue 22: recursive sub-RLMs).
+"""Where a rollout sits in a rollout tree (recursive sub-RLMs).
 
 A top rollout (depth 1) is started by a producer; its REPL's ``rlm_batch`` starts child
 rollouts (depth 2, ...) as jobs on the fleet, each with its own REPL and root model. The whole

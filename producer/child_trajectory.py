@@ -1,4 +1,4 @@
-"""Size bounds on the child trajectories a rollout tree carries (issue 22).
+"""Size bounds on the child trajectories a rollout tree carries.
 
 A child rollout's trajectory travels in its :class:`~rlmq.common.schemas.SubLLMResult`
 (``child.trajectory``) through Redis into its parent's trajectory, and nests: a child's own

@@ -220,7 +220,7 @@ async def run_rollout(
         rollout_id: ``[A-Za-z0-9_-]{1,64}``; a fresh uuid4 hex when ``None``.
         rollout_index: which of the row's rollouts this is (from 0), the result row's
             ``rollout``; ``None`` when the row has one.
-        tree: the rollout's place in its rollout tree (issue 22); ``None``: a top rollout (depth 1,
+        tree: the rollout's place in its rollout tree; ``None``: a top rollout (depth 1,
             ``max_depth`` = ``options.max_depth``). Its ``rlm_batch`` starts child rollouts while
             ``depth < max_depth``, else runs plain sub-LLM calls.
             Its depth and parent are announced with the rollout (``rlmq status``).

@@ -20,7 +20,7 @@ connections open (extras are closed as soon as they are accepted), the TCP endpo
 ``POST /llm_batch`` ``{"prompts": [str, ...]}`` ->
 ``200 {"results": [str, ...], "summary": str}``.
 
-``POST /rlm_batch`` ``{"tasks": [{"prompt": str, "context": JSON}, ...]}`` (issue 22: child
+``POST /rlm_batch`` ``{"tasks": [{"prompt": str, "context": JSON}, ...]}`` (child
 rollouts, :mod:`rlmq.producer.rlm_batch`) -> ``200 {"results": [str, ...], "summary": str}``;
 bounded and refused as ``/llm_batch`` is (tasks count as prompts, contexts count in the bytes).
 

@@ -29,7 +29,7 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "tool_timeout": float (s), "max_tool_bytes": int}
 
    ``llm_batch`` posts ``{"prompts"}`` to ``url``; ``rlm_batch`` posts ``{"tasks": [{"prompt",
-   "context"}, ...]}`` to ``<url's folder>/rlm_batch`` (child rollouts, issue 22), both with
+   "context"}, ...]}`` to ``<url's folder>/rlm_batch`` (child rollouts), both with
    the same limits (``max_batch_prompts`` items, ``max_batch_bytes`` bytes of JSON).
 
    Each of ``tools`` becomes a REPL global of its name (a root tool), which posts

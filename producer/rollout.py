@@ -133,7 +133,7 @@ class Rollout:
     """Its tree chain, top .. itself, carried by its calls (empty for a top rollout: its calls
     carry none; see :class:`~rlmq.common.tree.TreePosition`)."""
     kept_children: KeptChildren = field(default_factory=KeptChildren)
-    """What is left of its allowance of child trajectories (issue 22, :mod:`rlmq.producer.child_trajectory`)."""
+    """What is left of its allowance of child trajectories (:mod:`rlmq.producer.child_trajectory`)."""
     inflight: RolloutInFlight = field(init=False)
     """Its sub-calls queued or running at once over all its batches (``max_sub_llm_parallelism``)."""
 

@@ -1,5 +1,5 @@
 """A child rollout's root turns under its tree's budget: a :class:`~rlmq.producer.root.RootClient`
-wrapper that reserves before every root call (issue 22).
+wrapper that reserves before every root call.
 
 Every root-model completion token of a child rollout (depth >= 2) counts against the tree's one
 budget, the top rollout's ledger, exactly like a sub-LLM turn: before each root turn the wrapper

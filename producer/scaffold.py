@@ -63,7 +63,7 @@ def root_system_prompt(
         sub_llm_max_turns (turns of one sub-LLM), max_output_length (characters of a cell's
             output) and parallelism (sub-LLM calls at once).
         tools: one line per root tool (``RootTool.summary``): its signature and first doc line.
-        depth / max_depth: the rollout's depth in its rollout tree and the tree's limit (issue 22);
+        depth / max_depth: the rollout's depth in its rollout tree and the tree's limit;
             with ``max_depth`` 1 nothing is said of ``rlm_batch`` (the text is as before it).
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.

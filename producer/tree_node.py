@@ -1,4 +1,4 @@
-"""A rollout's place in its tree, as the rollout engine keeps it in Redis (issue 22).
+"""A rollout's place in its tree, as the rollout engine keeps it in Redis.
 
 The whole tree charges one ledger, its top rollout's (:mod:`rlmq.common.ledger`), and every rollout
 of the tree is a *node* of it, alive while its host refreshes it:

@@ -1,8 +1,8 @@
 """A worker's capacity: named pools of slots, and the rules by which jobs take and give them back.
 
 :data:`MODEL_CALLS`: a sub-LLM job holds one of its slots from ``START`` until its result is
-recorded (``worker_concurrency`` slots). A worker that hosts child rollouts (``repl_slots`` > 0,
-issue 22) also has one pool of REPL slots *per depth* (:func:`repl_pool`), ``repl_slots`` each,
+recorded (``worker_concurrency`` slots). A worker that hosts child rollouts (``repl_slots`` > 0)
+also has one pool of REPL slots *per depth* (:func:`repl_pool`), ``repl_slots`` each,
 for the depths 2 .. :data:`MAX_HOSTED_DEPTH`; a job kind names the pool family it takes
 (:mod:`rlmq.workers.kinds`), the queue it came from names the depth.
 
@@ -164,7 +164,7 @@ class Capacity:
         self._resuming = dict.fromkeys(self.pools, 0)
 
     def add_pool(self, name: str, spec: PoolSpec) -> None:
-        """Add a pool (a job kind that takes another capacity: issue 22's REPL slots).
+        """Add a pool (a job kind that takes another capacity: the REPL slots).
 
         Raises:
             ValueError: a pool of that name exists.

@@ -1,4 +1,4 @@
-"""The child-rollout job kind (issue 22): one task of a parent's ``rlm_batch``, run as a whole RLM
+"""The child-rollout job kind: one task of a parent's ``rlm_batch``, run as a whole RLM
 rollout (its own REPL and root loop) on a REPL-hosting worker.
 
 Payload :class:`~rlmq.common.schemas.ChildRolloutRequest`, enqueued on

@@ -7,7 +7,7 @@ validate its one argument (its payload model), how to run it, how many execution
 capacity pool it takes (:mod:`rlmq.workers.capacity`) and what result it ends with when it
 fails without running (an invalid payload, a timeout, its worker gone: ``failure``). The
 sub-LLM call (:mod:`rlmq.workers.subllm_kind`) is registered on every worker; a child rollout
-(:mod:`rlmq.workers.child_kind`, issue 22) on a worker started with ``--repl-slots``. A kind's
+(:mod:`rlmq.workers.child_kind`) on a worker started with ``--repl-slots``. A kind's
 ``pool`` names a pool family; the queue a job came from picks the pool (one per depth for child
 rollouts, :func:`rlmq.workers.capacity.pool_of_queue`).
 """

@@ -1,4 +1,4 @@
-"""Workers hosting child rollouts (issue 22), end to end: real ``rlmq worker --repl-slots`` processes,
+"""Workers hosting child rollouts, end to end: real ``rlmq worker --repl-slots`` processes,
 the scripted model and a real Redis. A child-rollout job is enqueued by hand through the job store,
 as a parent's dispatcher does, on the child queue of depth 2; its result (a ``SubLLMResult`` with
 ``child``) must reach the parent's reply stream. Also: the containment check at start, ``kill -9``

@@ -1,4 +1,4 @@
-"""The knobs of an eval tool (issue 25, item 5), through the real ``rlmq run``: real worker
+"""The knobs of an eval tool, through the real ``rlmq run``: real worker
 processes, a real Redis, the scripted model (a test double) recording what each request asked.
 
 Sampling arguments reach the model server (root and sub-LLM calls), ``-n`` and ``-r`` shape the

@@ -1,4 +1,4 @@
-"""An interrupted run keeps only the rollouts that finished (issue 25, item 2): real signals.
+"""An interrupted run keeps only the rollouts that finished: real signals.
 
 ``rlmq demo`` with many small rollouts, a dozen at once, so REPLs start all the time; a real
 SIGINT or SIGTERM at a different point of each run. Before the fix, a rollout cancelled while

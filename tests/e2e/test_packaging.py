@@ -1,4 +1,4 @@
-"""The layout fails loudly, never silently (issue 21).
+"""The layout fails loudly, never silently.
 
 ``rlmq.common``, ``rlmq.producer`` and ``rlmq.workers`` are the top-level folders
 ``common/``, ``producer/`` and ``workers/`` (``rlmq/`` links to them). A checkout made without

@@ -1,4 +1,4 @@
-"""Failures that used to pass for success (issue 25, item 3): real commands, real processes.
+"""Failures that used to pass for success: real commands, real processes.
 
 Before: with the sub-model's server down, or no worker on the queue, ``rlmq run`` exited 0 with
 0 % accuracy and the worker's log said nothing; an unreachable root ``--base-url`` cost every

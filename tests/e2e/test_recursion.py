@@ -1,4 +1,4 @@
-"""Recursive sub-RLMs (issue 22) end to end, as a user runs them: ``python -m bench.needle`` writes a
+"""Recursive sub-RLMs end to end, as a user runs them: ``python -m bench.needle`` writes a
 needle-in-a-haystack dataset, ``rlmq run data.jsonl --max-depth D`` answers it with the scripted
 model (which splits ``context`` into ``K`` parts at every level and recurses with ``rlm_batch``),
 child rollouts run as jobs on real ``rlmq worker --repl-slots`` processes over a real Redis.

@@ -1,4 +1,4 @@
-"""One hard budget for a rollout tree at depth 3 (issue 22), end to end: a top rollout in this
+"""One hard budget for a rollout tree at depth 3, end to end: a top rollout in this
 process (``RLMEnv``, ``max_depth=3``), real ``rlmq worker --repl-slots`` processes hosting its
 children and grandchildren, the scripted model serving every root turn and leaf, a real Redis.
 

@@ -306,7 +306,7 @@ BUDGET_VAR = "RLMQ_SUB_LLM_MAX_COMPLETION_TOKENS"
 @pytest.mark.parametrize(
     ("variables", "knobs"),
     [
-        ({BUDGET_VAR: "3"}, []),  # issue 21, reproduction 1: the harness passed None, the budget was off
+        ({BUDGET_VAR: "3"}, []),  # the harness passed None, the budget was off
         ({BUDGET_VAR: "1000"}, ["--env.agent.harness.sub-llm-max-completion-tokens", "3"]),  # the knob beats it
     ],
     ids=["budget-from-the-environment", "knob-beats-the-environment"],

@@ -2,7 +2,7 @@
 and oversized requests answered with a 4xx at once (a declared ``Content-Length`` far over the
 limit, a body that never arrives, a prompt holding a lone surrogate), under uvloop and asyncio's
 own loop, and a legitimate batch of 10,000 prompts through the real handler with the default limits.
-``/rlm_batch`` (issue 22) gets the same treatment."""
+``/rlm_batch`` gets the same treatment."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Who decides how long a rollout's keys live: the producer, never a worker (issue 21, reproduction 2).
+"""Who decides how long a rollout's keys live: the producer, never a worker.
 
 A worker whose own ``rollout_key_ttl`` is 10 s serves a rollout whose producer chose 40 s. On the
 old code the reservations hash took the worker's TTL at the first grant and expired at about

@@ -1,4 +1,4 @@
-"""Nothing lost and nothing wedged on the queue path (issue 13), each fault injected for real.
+"""Nothing lost and nothing wedged on the queue path, each fault injected for real.
 
 * a TCP proxy (:mod:`tests.faults.proxy`) between Redis and both sides (producer and worker
   processes) that drops the connection after Redis ran a command, before its reply returns;

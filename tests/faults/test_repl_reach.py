@@ -1,4 +1,4 @@
-"""What a hostile cell can reach of its host and of other rollouts (issue 24), each attack with
+"""What a hostile cell can reach of its host and of other rollouts, each attack with
 a victim rollout beside it that must see no failure.
 
 Every test runs under uvloop and under asyncio's own loop, with namespaces and without
@@ -506,7 +506,7 @@ print("FOUND", found)
 def test_on_a_worker_host_the_cell_reaches_no_redis_and_no_key(
     run: Runner, namespaces: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker host (issue 22): the producer's environment holds a Redis URL with its password
+    """A worker host: the producer's environment holds a Redis URL with its password
     and a model key, it holds a connection to that Redis, and the Redis also listens on a Unix
     socket outside ``/tmp`` and ``/run``. The cell (given the password and both addresses)
     finds no secret in its environment nor in any ``/proc`` it can read; with namespaces it

@@ -1,4 +1,4 @@
-"""Faults in a real rollout tree (issue 22): a top rollout (``RLMEnv`` with ``max_depth=3``, in a
+"""Faults in a real rollout tree: a top rollout (``RLMEnv`` with ``max_depth=3``, in a
 process of its own), real ``rlmq worker --repl-slots 1`` processes and the scripted model
 (:mod:`tests.faults.tree`: top -> one child -> grandchildren that call ``llm_batch`` in a loop).
 

@@ -1,4 +1,4 @@
-"""A real rollout tree for the recursion fault tests (issue 22): a top rollout (``RLMEnv``, in a
+"""A real rollout tree for the recursion fault tests: a top rollout (``RLMEnv``, in a
 process of its own so it can be killed) whose REPL calls ``rlm_batch`` on one child (depth 2), whose
 REPL calls ``rlm_batch`` on ``grandchildren`` children (depth 3 of 3), each of which calls
 ``llm_batch`` in a loop for ``leaf_seconds`` (or until a call is refused) and answers

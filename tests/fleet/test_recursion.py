@@ -1,4 +1,4 @@
-"""The main job with recursion (issue 22) under the conditions of a real fleet: trees of depth 3
+"""The main job with recursion under the conditions of a real fleet: trees of depth 3
 (top rollouts on the producer, child rollouts on REPL-hosting workers, plain sub-calls at the
 deepest level) with the documented ACL users, where a REPL host acts as a producer too.
 

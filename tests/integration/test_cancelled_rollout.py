@@ -1,4 +1,4 @@
-"""A rollout that a cancellation cut short never becomes a row (issue 25, item 2), on a real Redis.
+"""A rollout that a cancellation cut short never becomes a row, on a real Redis.
 
 ``RLMEnv.rollout`` is cancelled at every suspension point of a whole rollout (REPL start, root
 call, cell, the end), on uvloop as the ``rlmq`` commands run it: each attempt either finishes

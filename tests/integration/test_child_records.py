@@ -1,6 +1,6 @@
 """A REPL host's bookkeeping of child-rollout jobs on a real Redis: the reaper of a child queue
 re-runs a dead worker's child under the next attempt (a fresh node id), then, out of attempts,
-gives its slot the child kind's error result (issue 22)."""
+gives its slot the child kind's error result."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``rlm_batch`` from a rollout's REPL to child-rollout jobs on a real Redis (issue 22).
+"""``rlm_batch`` from a rollout's REPL to child-rollout jobs on a real Redis.
 
 A top rollout (``max_depth=2``, scripted in-memory root model, the real sandboxed REPL and
 interception server) calls ``rlm_batch`` in a cell; a test-only REPL host takes the

@@ -4,7 +4,7 @@
 settles, pub/sub connection kills, connect latency and pool state on fakeredis, driving the real
 :class:`~rlmq.common.ledger.BudgetLedger` (its Lua) and :class:`~rlmq.common.budget_wait.ReleaseWaits`,
 and checks that no call is left waiting once its tokens are free and nothing runs. On the code
-before issue 25's fix the explorer's fifth schedule is a counterexample:
+before its fix the explorer's fifth schedule is a counterexample:
 ``[call(R0) +0 call(R1) +quiet settle(R0) +0 settle(R1) +quiet] connect_turns=2 warm=False``
 (two first waits made two pub/sub connections; R0's call parked on the one nobody read).
 ``python -m bench.budget_wake --explore`` runs the larger spaces (11,520 schedules).

@@ -1,4 +1,4 @@
-"""A rollout cut short by a cancellation is not a finished rollout (issue 25, item 2).
+"""A rollout cut short by a cancellation is not a finished rollout.
 
 After Ctrl-C, ``rlmq run`` wrote rows with ``stop_reason: error`` and ``ReplStartupError: the
 REPL failed to start: [Errno 9] Bad file descriptor``: uvloop closes the reply pipe when its

@@ -1,4 +1,4 @@
-"""The per-depth REPL-slot pools of a worker hosting child rollouts (issue 22): each queue gets a
+"""The per-depth REPL-slot pools of a worker hosting child rollouts: each queue gets a
 share of its own pool, a full pool never stops another's queues, and a tree of any depth finishes
 on the smallest worker (one model-call slot, one REPL slot per depth)."""
 

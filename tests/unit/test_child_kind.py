@@ -1,5 +1,5 @@
 """The child-rollout job kind's results that need no rollout: a deadline already passed, invalid
-options, an abandoned job (issue 22)."""
+options, an abandoned job."""
 
 from __future__ import annotations
 

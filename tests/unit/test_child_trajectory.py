@@ -1,4 +1,4 @@
-"""Size bounds on child trajectories (issue 22): a child's on its worker, a parent's allowance."""
+"""Size bounds on child trajectories: a child's on its worker, a parent's allowance."""
 
 from __future__ import annotations
 

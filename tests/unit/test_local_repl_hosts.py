@@ -1,4 +1,4 @@
-"""``rlmq run``'s local fleet starts REPL-hosting workers when its rollouts recurse (issue 22)."""
+"""``rlmq run``'s local fleet starts REPL-hosting workers when its rollouts recurse."""
 
 from __future__ import annotations
 

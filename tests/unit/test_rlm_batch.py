@@ -1,4 +1,4 @@
-"""``rlm_batch`` (issue 22) on fakeredis and in-process: the scaffold per depth, the child-rollout
+"""``rlm_batch`` on fakeredis and in-process: the scaffold per depth, the child-rollout
 jobs the dispatcher writes, the service's results, event and stats, the interception route's
 refusals and the REPL global's validation."""
 

@@ -1,4 +1,4 @@
-"""The suite cannot hang (issue 25 item 4): tests do not depend on the signal dispositions it
+"""The suite cannot hang: tests do not depend on the signal dispositions it
 inherited, and every test has a timeout that fails it and still runs its fixtures' cleanup."""
 
 from __future__ import annotations
