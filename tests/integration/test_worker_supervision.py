@@ -97,7 +97,9 @@ async def test_results_redis_keeps_refusing_are_left_to_the_reaper(
                 call=SubCallOptions(model=MODEL),
             )
             batch = asyncio.create_task(Dispatcher(client).run_batch(spec, ["[[mock:sleep:0.5]] who keeps the key?"]))
-            await await_until(lambda: asyncio.sleep(0, len(w.jobs) == 1), 10, "the job in flight")
+            # the model call under way (past the ledger's check, which a refusal would only delay):
+            # the writes it needs to finish are the ones refused
+            await await_until(lambda: asyncio.sleep(0, model.stats["in_flight"] == 1), 10, "the model call")
             proxy.refuse_writes(4.0)
             results = await asyncio.wait_for(batch, 60)
         finally:
