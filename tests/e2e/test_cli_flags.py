@@ -283,7 +283,7 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
             "--system-prompt", SYSTEM_B, "--system-prompt-mode", "append", "--no-sub-llm-final-answer-turn",
             "--max-startup-wait-seconds", "200", "--pip-install-packages", str(toy_wheel(tmp_path)),
             "--no-include-sub-llm-in-trajectory", "--no-abort-on-code-timeout", "--max-depth", "2",
-            "--child-root-min-grant-tokens", "300",
+            "--child-root-min-grant-tokens", "300", "--root-model-timeout", "300",
         ]  # fmt: skip
         for flag, value in FLAGS_B.items():
             argv_b += [flag] if value is None else [flag, value]
@@ -452,6 +452,8 @@ def check_run_b(folder: Path, run: Run) -> None:
     # --child-root-min-grant-tokens: recorded here; its effect (a child ending budget_spent) is
     # tests/e2e/test_tree_budget.py's
     assert settings["child_root_min_grant_tokens"] == 300
+    # --root-model-timeout: recorded (that the root client takes it: tests/unit/test_settings_declared_once.py)
+    assert settings["root_model_timeout"] == 300
     assert settings["tools"] == ["rlmq.workers.tools:count_words"] and settings["root_tools"] == ["json:dumps"]
     # --concurrency 1: the second rollout's cell started after the first one's ended
     spans = sorted(tuple(float(t) for t in row["final_answer"].split()) for row in rows)
