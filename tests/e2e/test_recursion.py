@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from rlmq.cli.local import LocalFleet, ProcessGroup, child_env, rlmq_command, start_mock_llm
+from rlmq.cli.status import render
 from rlmq.common import keys as K
 from rlmq.scripted.server import root_code_directive
 
@@ -210,6 +211,7 @@ def test_depth2_needle_on_separate_repl_hosts_visible_in_status_and_rq(
                 snaps.append(snap["rollouts"])
                 tops = {x["id"] for x in snap["rollouts"] if x["depth"] == 1}
                 child_rows = [x for x in snap["rollouts"] if x["depth"] == 2 and x["parent"] in tops]
+                seen = snap  # the snapshot that listed children: its text is what `rlmq status` printed then
             if not descriptions:
                 for cq in child_queues(r, base_queue, 2):
                     for job_id in [m.decode().split(":")[0] for m in r.zrange(K.rq_started(cq), 0, -1)]:
@@ -220,11 +222,16 @@ def test_depth2_needle_on_separate_repl_hosts_visible_in_status_and_rq(
         assert child_rows, snaps
         assert descriptions, "no child job seen in the started registry of a depth-2 queue"
         assert all("depth=2" in d and "parent=" in d for d in descriptions), descriptions
-        text = subprocess.run(
+        # the command prints (the children may have ended by now: a second snapshot would race them)...
+        cli = subprocess.run(
             rlmq_command("status", "--redis-url", redis_url),
             capture_output=True, text=True, timeout=60, env=child_env(), check=False,
-        ).stdout  # fmt: skip
+        )  # fmt: skip
+        assert cli.returncode == 0 and "LIVE ROLLOUTS" in cli.stdout, cli.stdout + cli.stderr
+        # ...and the snapshot that listed the children renders them with their depth and parent
+        text = render(seen)
         assert "DEPTH" in text and "PARENT" in text
+        assert all(row["parent"] in text and row["id"] in text for row in child_rows), text
         out, err = proc.communicate(timeout=RUN_DEADLINE)
         assert proc.returncode == 0, out.decode()[-3000:] + err.decode()[-3000:]
     finally:
