@@ -192,11 +192,16 @@ def test_resume_with_other_settings_is_refused_and_with_a_longer_deadline_runs(t
     assert [r["id"] for r in read_rows(tmp_path / "rows.jsonl")] == ids
 
 
+ROWS_IN_USE = 24
+"""Rows of the first run of the in-use test: about 40 s of rollouts, so it is still running when the
+refused commands start (each takes seconds to import on a loaded machine; 6 rows once ran out)."""
+
+
 def test_a_run_folder_in_use_is_refused_and_free_again_after_kill_9(tmp_path: Path, slow_model: str) -> None:
     """A second ``rlmq run`` on the folder of a live run (``--resume`` it "because it looks stuck",
     or the same ``--run-dir``) would replace rows.jsonl under the first, whose later rows then
     went to a deleted file: it is refused, one line, exit 2, and the first run's rows stay."""
-    write_rows(tmp_path / "ds.jsonl", 6)
+    write_rows(tmp_path / "ds.jsonl", ROWS_IN_USE)
     base = ["run", "ds.jsonl", "--base-url", slow_model, "--model", "scripted", "--quiet"]
     cmd = Command(*base, "--concurrency", "1", "--run-dir", "run", cwd=tmp_path)
     wait_for_lines(tmp_path / "run" / "rows.jsonl", 1)
@@ -212,4 +217,4 @@ def test_a_run_folder_in_use_is_refused_and_free_again_after_kill_9(tmp_path: Pa
     assert kept >= 2
     res = rlmq(*base, "--resume", "run", cwd=tmp_path, timeout=300)  # the lock died with it
     assert res.returncode == 0, res.stdout + res.stderr
-    assert f"{kept} of 6 rollouts finished before" in res.stdout
+    assert f"{kept} of {ROWS_IN_USE} rollouts finished before" in res.stdout
