@@ -6,9 +6,21 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
+from redis.asyncio import Redis
 
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
+
+
+@pytest.fixture
+async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis]:
+    """An asyncio client on the session's Redis, whose database ``real_redis`` flushes before and after."""
+    client = Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -24,13 +23,6 @@ from rlmq.workers.worker import SubLLMWorker
 from tests.replies import reply_results
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 async def test_a_dead_hosts_child_is_rerun_under_the_next_attempt_then_given_an_error_slot(

@@ -7,13 +7,11 @@ job back retires it at once (it stays charged in full), so those calls are answe
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.connection import async_client
 from rlmq.common.ledger import ROOT, WAIT, BudgetLedger
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, encode_job_data
 from rlmq.common.schemas import ChildRolloutRequest
@@ -24,19 +22,8 @@ from rlmq.workers.worker import SubLLMWorker
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = async_client(redis_url)
-    await client.flushdb()
-    try:
-        yield client
-    finally:
-        await client.flushdb()
-        await client.aclose()
-
-
 async def test_the_reaper_retires_a_dead_child_attempts_root_turn_so_the_tree_stops_waiting(
-    redis: Redis, redis_url: str
+    aredis: Redis, redis_url: str
 ) -> None:
     now = time.time()
     req = ChildRolloutRequest.model_validate({
@@ -44,8 +31,8 @@ async def test_the_reaper_retires_a_dead_child_attempts_root_turn_so_the_tree_st
         "depth": 2, "max_depth": 2, "prompt": "p", "model": "m", "enqueued_at": now, "deadline": now + 900,
     })  # fmt: skip
     jid = "top-b1-0"
-    await redis.hset(K.rq_job(jid), "data", encode_job_data(CHILD_ROLLOUT_FUNC, [req.model_dump(mode="json")]))
-    ledger = BudgetLedger(redis)
+    await aredis.hset(K.rq_job(jid), "data", encode_job_data(CHILD_ROLLOUT_FUNC, [req.model_dump(mode="json")]))
+    ledger = BudgetLedger(aredis)
     await ledger.open("top", 1000, 800, kind_caps={ROOT: 600})
     dead = child_node("c9", 1)
     await ledger.open_node("top", "top", 60)
@@ -60,7 +47,7 @@ async def test_the_reaper_retires_a_dead_child_attempts_root_turn_so_the_tree_st
     assert waiting.code == WAIT
     settings = load_settings(redis_url=redis_url, base_url="http://127.0.0.1:1/v1", model="m", repl_slots=1)
     worker = SubLLMWorker(settings, name="reaper-test")
-    worker.redis, worker.ledger = redis, ledger
+    worker.redis, worker.ledger = aredis, ledger
     assert worker.children is not None
     assert await worker.children.end_dead_attempts([(jid, 1)]) == 1
     # the dead turn no longer counts as live: the call gets the last remainder now, not at +120 s

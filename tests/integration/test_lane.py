@@ -40,13 +40,6 @@ async def model() -> AsyncIterator[ScriptedModelServer]:
         yield server
 
 
-@pytest.fixture
-async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
-
-
 def make_worker(redis_url: str, model: ScriptedModelServer, name: str, **kw: object) -> SubLLMWorker:
     settings = load_settings(redis_url=redis_url, base_url=model.url, model=MODEL, **kw)
     return SubLLMWorker(settings, name=name, metrics=Metrics())

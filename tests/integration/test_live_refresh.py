@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
 from rlmq.producer.live import LiveRollouts
 
@@ -26,17 +24,6 @@ pytestmark = pytest.mark.integration
 TTL = 3
 """Seconds a key of the test's rollouts lives unrefreshed: a tick of 1 s, so a key expires only when
 the loop is starved, not when a loaded machine delays one tick by a second."""
-
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = async_client(redis_url)
-    await client.flushdb()
-    try:
-        yield client
-    finally:
-        await client.flushdb()
-        await client.aclose()
 
 
 async def churn(live: LiveRollouts, ledger: BudgetLedger, every: float, until: float) -> int:
@@ -55,12 +42,12 @@ async def churn(live: LiveRollouts, ledger: BudgetLedger, every: float, until: f
     return n
 
 
-async def missing_keys(redis: Redis, keys: list[str], until: float) -> list[tuple[float, str]]:
+async def missing_keys(aredis: Redis, keys: list[str], until: float) -> list[tuple[float, str]]:
     """``(seconds, key)`` for every poll (each 50 ms until ``until``) that found a key gone."""
     gone: list[tuple[float, str]] = []
     start = time.monotonic()
     while time.monotonic() < until:
-        for key, pttl in zip(keys, [await redis.pttl(k) for k in keys], strict=True):
+        for key, pttl in zip(keys, [await aredis.pttl(k) for k in keys], strict=True):
             if pttl < 0:
                 gone.append((round(time.monotonic() - start, 2), key))
         await asyncio.sleep(0.05)  # sampling period of the watch
@@ -68,26 +55,26 @@ async def missing_keys(redis: Redis, keys: list[str], until: float) -> list[tupl
 
 
 @pytest.mark.parametrize("every", [0.05, 0.3])
-async def test_a_long_rollouts_keys_live_while_short_ones_keep_entering(redis: Redis, every: float) -> None:
-    live = LiveRollouts(redis)
-    ledger = BudgetLedger(redis)
+async def test_a_long_rollouts_keys_live_while_short_ones_keep_entering(aredis: Redis, every: float) -> None:
+    live = LiveRollouts(aredis)
+    ledger = BudgetLedger(aredis)
     await ledger.open_node("tree", "long", TTL)
     await live.enter("long", TTL, {"model": "m"}, node=("tree", TTL))
     refresher = asyncio.create_task(live.refresh_forever(3600 / 3))  # the host's own key TTL is an hour
     until = time.monotonic() + 4 * TTL
     watched = [K.LedgerKeys("tree").node("long"), K.RolloutKeys("long").info]
     try:
-        entered, gone = await asyncio.gather(churn(live, ledger, every, until), missing_keys(redis, watched, until))
+        entered, gone = await asyncio.gather(churn(live, ledger, every, until), missing_keys(aredis, watched, until))
     finally:
         refresher.cancel()
         await asyncio.gather(refresher, return_exceptions=True)
     assert entered >= min(20, (4 * TTL) / every / 4), f"only {entered} short rollouts entered"
     assert gone == [], f"the long rollout's keys expired while it worked (first: {gone[:3]})"
-    assert await redis.zscore(K.LIVE_ROLLOUTS, "long") is not None
+    assert await aredis.zscore(K.LIVE_ROLLOUTS, "long") is not None
 
 
-async def test_the_periods_follow_the_shortest_ttls_entered(redis: Redis) -> None:
-    live = LiveRollouts(redis)
+async def test_the_periods_follow_the_shortest_ttls_entered(aredis: Redis) -> None:
+    live = LiveRollouts(aredis)
     assert live.periods(1200) == (1200, 1200)
     await live.enter("a", 60, {"model": "m"})  # a child whose parent chose a 60 s key TTL
     assert live.periods(1200) == (20, 10)  # its keys every 20 s, its 30 s status lease every 10 s

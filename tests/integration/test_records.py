@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis
@@ -23,13 +22,6 @@ from tests.replies import reply_raw, reply_results
 
 pytestmark = pytest.mark.integration
 QUEUE = "rlmq.sub.records-test"
-
-
-@pytest.fixture
-async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 async def enqueue(aredis: Redis, n: int, timeout: float = 30.0) -> BatchSpec:

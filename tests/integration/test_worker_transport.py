@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
-import redis
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
@@ -70,13 +69,6 @@ class PromptModel:
 
     async def close(self) -> None:
         """Nothing to close."""
-
-
-@pytest.fixture
-async def aredis(real_redis: redis.Redis, redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 @contextlib.asynccontextmanager
