@@ -162,6 +162,10 @@ class _Link:
             await self.conn.disconnect(nowait=True)
 
 
+CLOSE_WAIT_SECONDS = 5.0
+"""Seconds :meth:`ReleaseWaits.aclose` waits for its cancelled tasks and for its connection to close."""
+
+
 class ReleaseWaits:
     """The parked budgeted calls of one process and their pub/sub subscriptions.
 
@@ -474,11 +478,15 @@ class ReleaseWaits:
             timer.cancel()
         self._lease_ends.clear()
         self._wake_all()
-        for task in (self._reader, self._syncer):
-            if task is not None:
-                task.cancel()
+        tasks = {t for t in (self._reader, self._syncer) if t is not None}
+        for task in tasks:
+            task.cancel()
+        if tasks:  # bounded: a task stuck on a dead connection must not hang its process's stop
+            done, _ = await asyncio.wait(tasks, timeout=CLOSE_WAIT_SECONDS)
+            for task in done:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                    task.result()
         if self._link is not None:
-            await self._link.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._link.close(), CLOSE_WAIT_SECONDS)
             self._link = None
