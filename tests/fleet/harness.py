@@ -82,6 +82,7 @@ async def main_job(
     timeout: float = 60.0,
     tenant: str = "t",
     label: str = "job",
+    ledger_ttl: int | None = None,
 ) -> Outcome:
     """Run the main job once and count it (see the module docstring).
 
@@ -94,6 +95,8 @@ async def main_job(
         tokens / sleep: each call answers in ``tokens`` tokens after ``sleep`` seconds.
         timeout: seconds per sub-call.
         tenant: rollout ids are ``<tenant>_<label>...`` (a tenant producer's own).
+        ledger_ttl: seconds the rollouts' ledgers live after their last write (default: the
+            ledger's default, the rollout key TTL).
     """
     client = async_client(producer_url)
     ledger = BudgetLedger(client)
@@ -103,7 +106,7 @@ async def main_job(
     before = model_stats(base_url)["per_user"]
 
     async def one(rid: str) -> list[SubLLMResult]:
-        await ledger.open(rid, budget, cap=max(128, budget // 8))
+        await ledger.open(rid, budget, cap=max(128, budget // 8), ttl=ledger_ttl)
         spec = BatchSpec(
             rollout_id=rid, batch_id="b1", queue=queue, sub_call_timeout=timeout, parallelism=calls,
             call=SubCallOptions(model=model, budgeted=True),
