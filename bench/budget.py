@@ -37,9 +37,9 @@ from rlmq.cli.local import LocalFleet
 from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model
-from rlmq.common.ledger import BudgetLedger, default_cap
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SubCallOptions
-from rlmq.common.settings import Settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.scripted.server import answer_tokens
 
@@ -69,7 +69,7 @@ async def one_batch(
         rid = f"bench-{kind}-{uuid.uuid4().hex[:10]}"
         ledger = BudgetLedger(redis, ttl=600)
         if budget is not None:  # as RLMEnv opens it: the per-call cap, else the default grant
-            await ledger.open(rid, budget, cap or default_cap(budget, Settings().sub_llm_budget_grant_tokens))
+            await ledger.open(rid, budget, cap or DEFAULT_CALL_MAX_TOKENS)
         prompts = prompts_for(kind, n, latency, rid)
         demand = [answer_tokens(p) or 0 for p in prompts]
         spec = BatchSpec(

@@ -40,9 +40,9 @@ from rlmq.cli.local import LocalFleet
 from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model
-from rlmq.common.ledger import BudgetLedger, default_cap
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SubCallOptions
-from rlmq.common.settings import Settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 RESULTS = Path(__file__).parent / "results"
@@ -71,7 +71,7 @@ async def small_budget_round(
     try:
         ledger = BudgetLedger(redis, ttl=600)
         dispatcher = Dispatcher(redis)
-        cap = default_cap(budget, Settings().sub_llm_budget_grant_tokens)
+        cap = DEFAULT_CALL_MAX_TOKENS
 
         async def one() -> dict[str, Any]:
             rid = f"wake-{uuid.uuid4().hex[:10]}"

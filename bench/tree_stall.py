@@ -53,9 +53,9 @@ from rlmq.cli.local import LocalFleet
 from rlmq.common.aio import run as run_loop
 from rlmq.common.connection import async_client
 from rlmq.common.keys import LedgerKeys, queue_name_for_model
-from rlmq.common.ledger import BudgetLedger, default_cap
+from rlmq.common.ledger import BudgetLedger
+from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
-from rlmq.common.settings import Settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 
 RESULTS = Path(__file__).parent / "results"
@@ -80,7 +80,7 @@ async def one_run(fleet: LocalFleet, a: argparse.Namespace) -> list[dict[str, An
     try:
         ledger = BudgetLedger(redis, ttl=600)
         dispatcher = Dispatcher(redis)
-        cap = default_cap(a.budget, Settings().sub_llm_budget_grant_tokens)
+        cap = DEFAULT_CALL_MAX_TOKENS
         queue = queue_name_for_model(fleet.model)
 
         async def child(top: str, name: str) -> list[SubLLMResult]:

@@ -16,19 +16,18 @@ been spent): never refunded twice, never lost.
 The policy (what "spent" means):
 
 * ``free = limit - charged``; ``charged`` = tokens servers reported + tokens held by open
-  reservations. ``cap`` = the ledger's per-call cap: ``sub_llm_per_call_max_tokens``, else
-  :func:`default_cap` (an eighth of the budget, at least 128 and at most
-  ``sub_llm_budget_grant_tokens``, default 512), lowered (never raised) by the job's own.
-* A call is granted ``min(cap, free)`` when ``free`` is at least half a full grant
-  (``ceil(min(cap, limit) / 2)``): a call does not wait for a whole ``cap`` when most of one is
-  free (waiting for the whole cap serialised the calls of a small budget: with a budget of
-  1,000 and a cap of 512, the second call waited though 488 tokens were free).
+  reservations. ``cap`` = the ledger's per-call cap of the kind (the producer stores the rollout's
+  per-call ``max_tokens``: :func:`rlmq.common.sampling.sub_call_max_tokens`), lowered (never
+  raised) by the job's own.
+* A call is granted a *whole* cap, ``min(cap, limit)``, when that much is free: an answer is never
+  cut while the budget can still pay for it.
 * Otherwise, while *live* reservations exist (open, and their call's deadline has not
   passed), the call is told to **wait**: those calls may give tokens back. It parks until the
   settle script publishes a release (:mod:`rlmq.common.budget_wait`), until the earliest live
   deadline, or until its own deadline, when it is rejected clearly (never left hanging).
 * With nothing live left, a call gets whatever is free, even less than ``cap`` (the last
-  remainder; the answer may be cut, ``finish_reason == "length"``, counted as truncated).
+  remainder; the answer may be cut, ``finish_reason == "length"``, counted as truncated; the
+  grant says so: :attr:`Grant.cut`). Such calls run one at a time, each on what the last left.
 * Only with nothing free and nothing live is a call **rejected**: the budget is spent
   (``limit - used`` is 0, or held by dead workers' reservations, which stay charged; they stop
   being live at their deadline, or earlier when their job runs again: :meth:`BudgetLedger.retire`).
@@ -41,11 +40,9 @@ right before its model call. A grant never begun goes back: at once when its cal
 reclaimed by the ledger's next reservation; parked calls are told when a lease ends. A begun grant
 is never reclaimed (its call may be spending it): the budget stays hard.
 
-The trade-off: small grants answer *many* calls, each cut short; grants as large as an
-answer answer *fewer* calls, *fully*, and the others wait for releases. This ledger leans to
-the second, bounded by the first: one call holds at most an eighth of a small budget, so
-several calls run at once instead of one after another. The figures, measured with the
-scripted model, are in the README's budget section and ``bench/results/budget.json``
+The trade-off: whole answers before many answers. Calls run in parallel as far as the budget
+pays for whole caps (``limit // cap`` at once); the others wait for releases. The figures, measured
+with the scripted model, are in ``docs/budget.md`` and ``bench/results/budget.json``
 (``python -m bench.budget``).
 
 Compared with the reference ``RLMEnv`` (verifiers, March 2026), which checks a counter
@@ -92,12 +89,12 @@ from rlmq.common.keys import LedgerKeys
 from rlmq.common.ledger_calls import LedgerCalls
 from rlmq.common.ledger_script import COUNT_REJECTIONS_LUA, LEDGER_LUA
 from rlmq.common.ledger_tree import NODE_TTL, LedgerTree, node_ttl
-from rlmq.common.ledger_wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement, default_cap
+from rlmq.common.ledger_wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.settings import setting_default
 
 __all__ = [
     "LEDGER_LUA", "NODE_TTL", "ROOT", "SUB_LLM", "BudgetLedger", "BudgetSnapshot", "Code", "Grant", "Settlement",
-    "default_cap", "node_ttl",
+    "node_ttl",
     "GRANTED", "REJECTED", "NO_LEDGER", "ALREADY_SETTLED", "WAIT", "WAITED_OUT", "TREE_CLOSED", "NODE_GONE",
     "UNLIMITED",
 ]  # fmt: skip

@@ -53,9 +53,10 @@ def _lua(text: str) -> str:
 #   the grant it waits for). An open reservation with the same id returns its grant again (begun
 #   or not); an unleased reserve ('r') of a leased grant not begun yet begins it (its caller calls
 #   the model at once, without a begin of its own).
-#   The grant is min(cap, free), free = limit - charged, cap = min(ledger cap, caller's cap); it is
-#   given when free >= need = ceil(min(cap, limit) / 2) (half a full grant; no cap: free > 0), or,
-#   when no live reservation is left, whatever is free (the last remainder).
+#   The grant is a whole cap: min(cap, limit) (a full grant), given when free >= that, free = limit -
+#   charged, cap = min(ledger cap, caller's cap) (no cap: whatever is free, when free > 0); or, when
+#   no live reservation is left, whatever is free (the last remainder, which may cut its answer). A
+#   grant's reply carries the full grant in 'need': a grant below it is a cut remainder.
 # * leased reserve ('L'): a new grant is also *leased*: it must be begun ('b') within ARGV_LEASE
 #   seconds, i.e. before its call reaches the model. A reserve finds the leases that ended unbegun
 #   (the lease set, scored by their end) and reclaims them first: their grants go back to the
@@ -213,7 +214,7 @@ for i = 1, nops do
       if n > 0 and (cap <= 0 or n < cap) then cap = n end
       local free = limit - f.charged
       local full = 1
-      if cap > 0 then full = math.ceil(math.min(cap, limit) / 2) end
+      if cap > 0 then full = math.min(cap, limit) end
       local grant = 0
       if free >= full then
         grant = free
@@ -243,7 +244,7 @@ for i = 1, nops do
           redis.call('ZADD', leases, now + lease, id)
           leased = true
         end
-        out[i] = reply(grant, f.charged, limit, $GRANTED, 0, 0)
+        out[i] = reply(grant, f.charged, limit, $GRANTED, 0, full)
       elseif not out[i] then
         f.rejections = f.rejections + 1
         changed.rejections = true

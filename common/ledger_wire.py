@@ -25,7 +25,7 @@ from enum import IntEnum, StrEnum
 
 __all__ = [
     "COUNTERS", "HASH_FIELDS", "HEAD_ARGS", "SCRIPT_KEYS", "BeginCode", "BudgetSnapshot", "Code", "Grant", "Op",
-    "Release", "Reply", "SettleCode", "default_cap", "lua_names",
+    "Release", "Reply", "SettleCode", "lua_names",
 ]  # fmt: skip
 
 
@@ -165,7 +165,8 @@ class Reply:
         code: :class:`Code` of a reserve, :class:`SettleCode` of a settle.
         detail: for :data:`Code.WAIT`, the earliest live reservation's deadline in ms (Unix); for
             :data:`Code.NODE_GONE`, the gone node's position in the chain (from 1); else 0.
-        need: for :data:`Code.WAIT`, the grant the call waits for (tokens); else 0.
+        need: for :data:`Code.WAIT`, the grant the call waits for (tokens); for a new grant, the
+            full grant (``min(cap, limit)``; a grant below it is the last remainder); else 0.
     """
 
     value: int
@@ -224,7 +225,9 @@ class Grant:
         code: a :class:`Code`.
         retry_at: for :data:`Code.WAIT`, the Unix time (seconds) at which the earliest live
             reservation's deadline passes and it stops counting as live (0 otherwise).
-        need: for :data:`Code.WAIT`, the grant the call waits for (tokens free before it is given).
+        need: for :data:`Code.WAIT`, the grant the call waits for (tokens free before it is given);
+            for a new grant, the full grant its cap asked for (0 when the ledger did not say: a
+            grant asked for again). A grant below it is the budget's last remainder (:attr:`cut`).
         gone_node: for :data:`Code.NODE_GONE`, the first node of the chain whose key is gone.
         leased: the grant is leased (:meth:`rlmq.common.ledger.BudgetLedger.reserve` with
             ``leased``): its holder must :meth:`~rlmq.common.ledger.BudgetLedger.begin` it before its
@@ -264,6 +267,11 @@ class Grant:
     @property
     def granted(self) -> bool:
         return self.tokens > 0
+
+    @property
+    def cut(self) -> bool:
+        """True for a grant below its full cap: the budget's last remainder (its answer may be cut)."""
+        return self.granted and self.tokens < self.need
 
 
 @dataclass(frozen=True)
@@ -306,24 +314,3 @@ class BudgetSnapshot:
     def held(self) -> int:
         """Tokens held by open reservations (running calls, or calls of dead workers)."""
         return self.charged - self.used
-
-
-DEFAULT_CAP_SHARE = 8
-"""Without a per-call cap, one call holds at most ``limit // DEFAULT_CAP_SHARE`` tokens of a budget."""
-DEFAULT_CAP_FLOOR = 128
-"""...but never less than this many tokens (or the whole budget, when that is smaller)."""
-
-
-def default_cap(limit: int, grant_tokens: int) -> int:
-    """The per-call cap of a rollout whose ``sub_llm_per_call_max_tokens`` is unset (tokens).
-
-    ``min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE))``: budgets of 4,096
-    tokens and more get ``grant_tokens`` (``sub_llm_budget_grant_tokens``, default 512); a
-    smaller budget is shared by about eight calls at once (budget 1,000: 128 a call) rather than
-    handed out one large grant at a time.
-
-    Args:
-        limit: the rollout's budget, completion tokens (>= 1).
-        grant_tokens: the largest grant of one call, tokens (>= 1).
-    """
-    return max(1, min(grant_tokens, max(DEFAULT_CAP_FLOOR, limit // DEFAULT_CAP_SHARE)))

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
+from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
 from rlmq.common.settings_fields import field_env_vars, meta, validated
 from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
@@ -23,6 +24,7 @@ from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 Verbosity = Literal["light", "medium", "heavy"]
 SystemPromptMode = Literal["prepend", "append", "replace"]
 
+_CAP_TEXT = f"the sub-sampling, else the sampling max_tokens, else {DEFAULT_CALL_MAX_TOKENS}"
 BUDGET_ZERO = "must be >= 1: a budget of 0 would refuse every sub-LLM call; leave it unset for no budget"
 
 
@@ -72,32 +74,28 @@ class RolloutOptions(BaseModel):
     sub_llm_per_call_max_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="max_tokens of every sub-LLM model call; with a budget, also the largest grant",
-        json_schema_extra=meta(group="budget", unit="completion tokens", default_text="no cap"),
-    )
-    sub_llm_budget_grant_tokens: int = Field(
-        default=512,
-        ge=1,
-        description=(
-            "with a budget and no per-call cap: the largest grant of one model call (a rollout's cap is "
-            "an eighth of its budget, at least 128, at most this)"
-        ),
-        json_schema_extra=meta(group="budget", unit="completion tokens"),
+        description="max_tokens of every sub-LLM call and child root turn (the budget's whole grant); overrides "
+        "the sampling and sub-sampling arguments' max_tokens",
+        json_schema_extra=meta(group="budget", unit="completion tokens", default_text=_CAP_TEXT),
     )
     child_root_min_grant_tokens: int = Field(
         default=256,
         ge=1,
         description=(
-            "a child rollout's root turn granted fewer completion tokens than this by the tree budget ends "
-            "the child with its best answer (stop reason budget_spent) instead of a cut tool call; a full "
-            "root grant is at least twice this"
+            "a child rollout's root turn is granted its whole max_tokens by the tree budget or not started "
+            "(the child ends with its best answer, stop reason budget_spent); a grant of unknown size below "
+            "this ends it too; the tree's root cap is at least twice this"
         ),
         json_schema_extra=meta(group="recursion", unit="completion tokens"),
     )
     root_max_completion_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="the root model's own completion tokens per rollout; each root call gets what is left",
+        description=(
+            "the root model's own completion tokens per rollout, told to the root in its system prompt; a "
+            f"root turn (max_tokens: the sampling max_tokens, else {DEFAULT_CALL_MAX_TOKENS}) starts only when "
+            "its whole max_tokens is left, else the rollout stops with its current answer"
+        ),
         json_schema_extra=meta(group="budget", unit="completion tokens", default_text="no limit"),
     )
     max_sub_llm_parallelism: int = Field(
@@ -199,15 +197,17 @@ class RolloutOptions(BaseModel):
     sampling_args: dict[str, Any] = Field(
         default_factory=dict,
         description="sampling arguments of every root-model call, a JSON object: temperature, top_p, "
-        "max_tokens (completion tokens per call), extra_body (a server's own keys, merged in)",
+        "max_tokens (completion tokens per call), extra_body (a server's own keys, merged in); sub-LLM "
+        "calls and child root turns sample with them too, unless the sub-sampling arguments say otherwise",
         json_schema_extra=meta(
             group="sampling", flag="--sampling-args", aliases=("-S",), metavar="JSON", default_text="{}"
         ),
     )
     sub_sampling_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="sampling arguments of every sub-LLM model call, a JSON object: temperature, top_p, "
-        "extra_body; its max_tokens is --sub-llm-per-call-max-tokens (and the budget's grant)",
+        description="sampling arguments of every sub-LLM model call and child root turn, a JSON object: "
+        "temperature, top_p, max_tokens, extra_body; each key overrides the sampling arguments' own "
+        "(--sub-llm-per-call-max-tokens overrides max_tokens)",
         json_schema_extra=meta(group="sampling", metavar="JSON", default_text="{}"),
     )
     rollout_key_ttl: int = Field(
@@ -287,7 +287,10 @@ class RolloutOptions(BaseModel):
     @field_validator("sub_sampling_args", mode="before")
     @classmethod
     def _sub_sampling(cls, value: Any) -> dict[str, Any]:
-        return normalize_sampling(value, sub=True)
+        flat = normalize_sampling(value, sub=False)  # max_tokens allowed here: it is the per-call cap
+        cap = flat.pop("max_tokens", None)
+        normalize_sampling(flat, sub=True)  # the rest as a sub-call's body: no user, n, ...
+        return flat if cap is None else {**flat, "max_tokens": cap}
 
     @field_validator("sub_llm_max_completion_tokens", mode="before")
     @classmethod
@@ -362,9 +365,7 @@ class WorkerOptions(BaseModel):
     )
     allowed_sub_tools: list[str] = Field(
         default_factory=list,
-        description=(
-            "a sub-tool this worker may run, as a dotted import path (repeatable; a job asking for others fails)"
-        ),
+        description="a sub-tool this worker may run, a dotted import path (repeatable; a job asking for others fails)",
         json_schema_extra=meta(group="repl", flag="--allow-tool", metavar="DOTTED.PATH", default_text="none"),
     )
     lane_early_calls: bool = Field(

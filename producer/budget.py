@@ -13,7 +13,8 @@ from collections.abc import Mapping
 
 from redis.asyncio import Redis
 
-from rlmq.common.ledger import BudgetLedger, BudgetSnapshot, default_cap
+from rlmq.common.ledger import BudgetLedger, BudgetSnapshot
+from rlmq.common.sampling import sub_call_max_tokens
 from rlmq.common.settings import RolloutOptions
 
 LEDGER_LOST = (
@@ -30,8 +31,8 @@ class RolloutBudget:
         ledger_id: the ledger's own id (a depth-1 rollout: its rollout id; see
             :class:`~rlmq.common.keys.LedgerKeys`).
         options: the rollout's options: ``sub_llm_max_completion_tokens`` (the limit, tokens,
-            >= 1), ``sub_llm_per_call_max_tokens`` / ``sub_llm_budget_grant_tokens`` (the
-            per-call cap) and ``rollout_key_ttl`` (seconds the ledger lives without a write).
+            >= 1), the per-call cap (:func:`~rlmq.common.sampling.sub_call_max_tokens`: a whole
+            grant) and ``rollout_key_ttl`` (seconds the ledger lives without a write).
 
     Raises:
         ValueError: the options set no budget.
@@ -44,7 +45,7 @@ class RolloutBudget:
         self.ledger_id = ledger_id
         self.ttl = options.rollout_key_ttl
         self.limit: int = limit
-        self.cap: int = options.sub_llm_per_call_max_tokens or default_cap(limit, options.sub_llm_budget_grant_tokens)
+        self.cap: int = sub_call_max_tokens(options)
         self._ledger = BudgetLedger(redis, ttl=options.rollout_key_ttl)
 
     async def open(self, kind_caps: Mapping[str, int] | None = None) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from redis.asyncio import Redis
 
 from rlmq.common.metrics import Metrics
+from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
 from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.tree import TreePosition
@@ -352,6 +353,8 @@ class _RolloutRun:
             tools=[t.summary() for t in toolbox.tools.values()] if toolbox else [],
             depth=self.pos.depth,
             max_depth=self.pos.max_depth,
+            root_budget=o.root_max_completion_tokens,
+            root_turn_tokens=root_turn_max_tokens(o),
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]

@@ -15,6 +15,7 @@ import time
 from redis.exceptions import RedisError
 
 from rlmq.common.metrics import Metrics
+from rlmq.common.sampling import sub_call_max_tokens, sub_call_sampling
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.common.settings import setting_default
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
@@ -96,9 +97,9 @@ class LlmBatchService:
                 sub_tools=list(dict.fromkeys(t.strip().replace(":", ".") for t in [*o.sub_tools, *o.tools])),
                 final_answer_turn=o.sub_llm_final_answer_turn,
                 max_turns=o.sub_llm_max_turns,
-                max_completion_tokens=o.sub_llm_per_call_max_tokens,
+                max_completion_tokens=sub_call_max_tokens(o),  # sent with or without a budget
                 budgeted=rollout.budget is not None,
-                sampling=dict(o.sub_sampling_args),
+                sampling=sub_call_sampling(o),
                 include_messages=o.include_sub_llm_in_trajectory,
             ),
             result_ttl=self.result_ttl,
@@ -163,21 +164,35 @@ class LlmBatchService:
         return batch_id, results, seconds
 
     async def summary(self, rollout: Rollout, results: list[SubLLMResult], seconds: float) -> str:
-        """The text ``llm_batch`` prints: a header, the budget line when set, one line per prompt."""
+        """The text ``llm_batch`` prints: a header, the budget line when set (tokens used, tokens
+        left, a line each), one line per prompt; an answer cut short says so, and why (``CUT``)."""
         counts = {k: sum(1 for r in results if r.status == k) for k in ("ok", "rejected", "error")}
+        cut = sum(1 for r in results if r.truncated)
         lines = [
             f"llm_batch: {len(results)} prompt(s) in {seconds:.2f} s: "
             + ", ".join(f"{v} {k}" for k, v in counts.items())
+            + (f", {cut} cut short" if cut else "")
         ]
         if rollout.ledger is not None:
             # Right under the header, so a long batch's truncated output still shows it.
             snap = await rollout.ledger.snapshot()
-            lines.append(f"[{snap.charged if snap else 0}/{rollout.ledger.limit} sub-LLM completion tokens used]")
+            used, limit = (snap.charged if snap else 0), rollout.ledger.limit
+            lines.append(f"[{used}/{limit} sub-LLM completion tokens used]")
+            lines.append(f"[{max(0, limit - used)} sub-LLM completion tokens left]")
+        cap = sub_call_max_tokens(rollout.options)
         for r in results:
             lines.append(
                 f"  [{r.index}] {r.status:<8} {r.completion_tokens:>6} tokens  {r.turns} turn(s)  {r.seconds:6.2f} s"
                 + (f"  {r.error_kind}" if r.status == "error" and r.error_kind else "")
-                + ("  truncated (cut at its token grant)" if r.truncated else "")
+                + (f"  {_cut_note(r, cap)}" if r.truncated else "")
                 + ("  final-answer turn skipped (budget spent)" if r.final_turn == "skipped" else "")
             )
         return "\n".join(lines)
+
+
+def _cut_note(result: SubLLMResult, cap: int) -> str:
+    """Why an answer was cut: the budget's last remainder (a grant below the per-call cap) or its
+    own ``max_tokens`` (``cap``, tokens)."""
+    if 0 < result.granted_tokens < cap:
+        return f"CUT: the budget's last {result.granted_tokens} tokens"
+    return f"CUT: reached max_tokens {cap}"

@@ -33,6 +33,7 @@ from rlmq.common import keys as K
 from rlmq.common.jobstore import NewJob
 from rlmq.common.metrics import Metrics
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
+from rlmq.common.sampling import child_root_sampling
 from rlmq.common.schemas import ChildRolloutRequest, RlmTask, SubLLMResult
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for
@@ -149,7 +150,9 @@ class RlmBatchService:
     ) -> BatchSpec:
         """The batch of child rollouts of ``rollout`` at ``tree`` with ``seconds`` to live."""
         options = rollout.options.model_dump(mode="json")
-        options.update(rollout_timeout=seconds, max_depth=tree.max_depth)
+        # A child's root turns sample as this rollout's sub-calls do (max_tokens: the per-call cap).
+        sampling = child_root_sampling(rollout.options)
+        options.update(rollout_timeout=seconds, max_depth=tree.max_depth, sampling_args=sampling)
         base = self.batches.spec(rollout, batch_id)
         base.queue = K.child_queue(rollout.queue, tree.depth + 1)
         base.sub_call_timeout = seconds

@@ -75,7 +75,7 @@ class RolloutStats:
         batches = self.batches
         times = self.repl_times
         return {
-            "sub_llm_call_count": len(sub),
+            "sub_llm_call_count": sum(1 for r in sub if r.status != "rejected"),  # the calls that ran
             "sub_llm_total_turns": sum(r.turns for r in sub),
             "sub_llm_prompt_tokens": sum(r.prompt_tokens for r in sub),
             "sub_llm_completion_tokens": sum(r.completion_tokens for r in sub),

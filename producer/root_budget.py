@@ -8,8 +8,10 @@ the tree or an ancestor has ended), calls the root model with ``max_tokens`` = t
 settles with the completion tokens the server reported (the whole grant when it reported none, or
 when the call failed: the tokens may have been spent). Zero overshoot holds as for sub-LLM calls.
 
-A grant smaller than ``child_root_min_grant_tokens`` (the last remainder of a spent budget) would
-cut the root's tool call mid-code: the wrapper gives it back (settled at 0) and raises
+A root turn is whole or not started: a grant below the turn's full ``max_tokens`` (the last
+remainder of a spent budget, :attr:`~rlmq.common.ledger.Grant.cut`; or, for a grant whose full size
+the ledger did not say, one below ``child_root_min_grant_tokens``) would cut the root's tool call
+mid-code: the wrapper gives it back (settled at 0) and raises
 :class:`~rlmq.common.errors.RootBudgetSpent`, which the root loop turns into the stop reason
 ``budget_spent`` with the child's best answer so far. A refusal by the tree (``tree_closed``,
 ``parent_gone``) or a lost ledger ends the child the same way. A tree without a budget (a
@@ -42,7 +44,7 @@ class TreeBudgetedRoot:
         ledger_id: the tree's ledger (the top rollout's id).
         nodes: the child's chain, top .. the child itself.
         rollout_id: the child's id (names its reservations ``<rollout_id>:root:<turn>``).
-        min_grant: tokens; a smaller grant ends the child (``child_root_min_grant_tokens``).
+        min_grant: tokens; a grant of unknown full size below it ends the child (``child_root_min_grant_tokens``).
         deadline: Unix seconds, the child's deadline (its reservations are live until then).
 
     Attributes:
@@ -85,7 +87,7 @@ class TreeBudgetedRoot:
         cap = kwargs.get("max_tokens")
         while True:  # a leased grant reclaimed before its call began (this task stalled) is asked for again
             grant = await self._acquire(reservation, cap)
-            if not grant.granted or grant.tokens < self.min_grant or await self._begin(reservation):
+            if not grant.granted or self._partial(grant) or await self._begin(reservation):
                 break
         if grant.code == UNLIMITED:
             return await self.inner.chat(**kwargs)
@@ -98,11 +100,11 @@ class TreeBudgetedRoot:
             raise RootBudgetSpent(
                 f"root turn {self.turn}: the tree budget is spent{waited}: {grant.charged}/{grant.limit} tokens"
             )
-        if grant.tokens < self.min_grant:
+        if self._partial(grant):
             await self._settle(reservation, 0)  # never called: the tokens go back to the tree
             raise RootBudgetSpent(
-                f"root turn {self.turn}: the tree budget granted {grant.tokens} tokens, less than the "
-                f"{self.min_grant} a root turn needs ({grant.charged}/{grant.limit} tokens charged)"
+                f"root turn {self.turn}: the tree budget has {grant.tokens} tokens left, less than the whole "
+                f"{max(grant.need, self.min_grant)} a root turn needs ({grant.charged}/{grant.limit} tokens charged)"
             )
         self.grants += 1
         self.granted_tokens += grant.tokens
@@ -117,6 +119,11 @@ class TreeBudgetedRoot:
         finally:
             self.used_tokens += used
             await self._settle(reservation, used)
+
+    def _partial(self, grant: Grant) -> bool:
+        """A grant the turn must not run under: below its full size (the budget's last remainder),
+        or, when the ledger did not say the full size (a reservation asked again), below ``min_grant``."""
+        return grant.cut or (grant.need == 0 and grant.tokens < self.min_grant)
 
     async def _acquire(self, reservation: str, cap: Any) -> Grant:
         """The root turn's grant, leased: a call cancelled before it begins gives it back, and a

@@ -21,6 +21,7 @@ import time
 from typing import Any, Protocol
 
 from rlmq.common.errors import ModelError, PromptTooLongError, RootBudgetSpent
+from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import StopReason
 from rlmq.producer.repl.cell import CellResult
 from rlmq.producer.rollout import Rollout
@@ -75,9 +76,10 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
 
     The final answer is ``answer["content"]`` of the cell that set ``answer["ready"]``; on the
     other stops it is the last non-empty ``answer["content"]`` so far (or, for ``no_tool_call``
-    without one, the reply's text). Each root call carries ``sampling_args`` and gets
-    ``max_tokens`` = what is left of ``root_max_completion_tokens`` (tokens) when that is set,
-    at most the sampling arguments' ``max_tokens``. Tool calls other than
+    without one, the reply's text). Each root call carries ``sampling_args`` and ``max_tokens`` =
+    :func:`~rlmq.common.sampling.root_turn_max_tokens`; under ``root_max_completion_tokens`` a turn
+    starts only while that many tokens are left (whole or not started), else the rollout stops
+    (``max_turns``) with its current answer. Tool calls other than
     ``call_python_repl(code)`` and malformed arguments get an ``[error]`` tool message, not an
     exception.
 
@@ -96,17 +98,18 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
         turn += 1
         kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [REPL_TOOL]}
         sampling = dict(o.sampling_args)  # checked: never model, messages, tools, n, stream
-        per_call = sampling.pop("max_tokens", None)
+        sampling.pop("max_tokens", None)
+        per_call = root_turn_max_tokens(o)
         if sampling:
             kwargs["extra_body"] = sampling  # merged into the request body as they are
         if per_call is not None:
             kwargs["max_tokens"] = per_call
-        if o.root_max_completion_tokens is not None:
+        if o.root_max_completion_tokens is not None and per_call is not None:
             left = o.root_max_completion_tokens - stats.root_completion_tokens
-            if left <= 0:
-                trajectory.append({"type": "note", "text": "root completion-token limit reached"})
+            if left < per_call:  # a turn is whole or not started: never a tool call cut by the limit
+                text = f"root completion-token limit reached: {max(0, left)} left, a turn needs {per_call}"
+                trajectory.append({"type": "note", "text": text})
                 return "max_turns", last_answer
-            kwargs["max_tokens"] = left if per_call is None else min(left, int(per_call))
         t0 = time.perf_counter()
         try:
             resp = await root.chat(**kwargs)

@@ -52,6 +52,8 @@ def root_system_prompt(
     tools: Sequence[str] = (),
     depth: int = 1,
     max_depth: int = setting_default("max_depth"),
+    root_budget: int | None = None,
+    root_turn_tokens: int | None = None,
 ) -> str:
     """The root model's system message.
 
@@ -65,6 +67,8 @@ def root_system_prompt(
         tools: one line per root tool (``RootTool.summary``): its signature and first doc line.
         depth / max_depth: the rollout's depth in its rollout tree and the tree's limit;
             with ``max_depth`` 1 nothing is said of ``rlm_batch`` (the text is as before it).
+        root_budget: ``root_max_completion_tokens`` (tokens), told to the root as the reference's
+            0.1.14 does, with ``root_turn_tokens`` (a turn's ``max_tokens``), or ``None``.
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
@@ -91,6 +95,13 @@ def root_system_prompt(
             f"Sub-LLM calls share a budget of {budget:,} completion tokens for this task. Each `llm_batch` "
             "prints `[U/B sub-LLM completion tokens used]`; when it is spent, calls are rejected and you must "
             "finish with what you have."
+        )
+    if root_budget is not None:
+        parts.append(
+            f"Your own responses share a budget of {root_budget:,} completion tokens for this task"
+            + (f", up to {root_turn_tokens:,} a turn" if root_turn_tokens else "")
+            + ". A turn starts only while a whole turn's tokens are left; then the task ends with "
+            '`answer["content"]` as it is, so keep it up to date.'
         )
     if verbosity in ("medium", "heavy"):
         turns = f"You have at most {max_turns} turns." if max_turns > 0 else "You have no turn limit, but a time limit."

@@ -17,7 +17,8 @@ rollout's own to the deepest reached (or ``max_depth`` when given):
 * ``depth{d}_root_turns`` / ``depth{d}_root_completion_tokens``: their root-model turns and
   completion tokens (each rollout's ``main_rlm_turns`` / ``main_rlm_completion_tokens``);
 * ``depth{d}_sub_llm_call_count`` / ``depth{d}_sub_llm_completion_tokens``: the sub-LLM calls
-  *made by* the rollouts at depth ``d``: every slot of their ``llm_batch`` calls, and every
+  *made by* the rollouts at depth ``d`` that ran (not refused by the budget; as the reference's
+  ``sub_llm_call_count``): every slot of their ``llm_batch`` calls, and every
   slot of their ``rlm_batch`` calls that no child rollout answered (at ``max_depth`` those run
   as plain sub-LLM calls; a child that never reported, refused or failed, lands here too, with
   its tokens, 0 when none were spent).
@@ -32,10 +33,10 @@ Tree-wide (the rollout and its whole subtree):
   a rollout of the tree reached);
 * ``tree_root_turns``, ``tree_root_completion_tokens``, ``tree_sub_llm_call_count``,
   ``tree_sub_llm_completion_tokens``: the sums over the depths;
-* ``tree_sub_llm_error_count`` / ``tree_sub_llm_rejected_count``: those sub-LLM calls (as
-  counted in ``tree_sub_llm_call_count``) that ended ``error`` / were ``rejected`` by the budget;
+* ``tree_sub_llm_error_count``: those sub-LLM calls that ended ``error``;
+  ``tree_sub_llm_rejected_count``: the sub-LLM calls the budget refused (not in the call count);
 * ``tree_budget_spent_count``: child rollouts anywhere in the tree that the budget ended
-  (stop reason ``budget_spent``: their next root turn could not get its minimum grant);
+  (stop reason ``budget_spent``: their next root turn could not be granted whole);
 * ``tree_charged_completion_tokens``: what the tree's budget is charged with: every sub-LLM
   completion token of the tree plus the root completion tokens of the rollouts at depth >= 2
   (the top rollout's own root turns are not charged). Summed here from the trajectory; a top
@@ -164,7 +165,8 @@ def _walk(trajectory: list[dict[str, Any]], own: Mapping[str, Any], depth: int, 
                 if not _precomputed(metrics, depth + 1, tree):
                     _walk(list(_dicts(child.get("trajectory"))), metrics, depth + 1, tree)
                 continue
-            tree.add(depth, "sub_llm_call_count", 1)
+            if result.get("status") != "rejected":  # the calls that ran, as the reference counts them
+                tree.add(depth, "sub_llm_call_count", 1)
             tree.sums["tree_sub_llm_error_count"] += result.get("status") == "error"
             tree.sums["tree_sub_llm_rejected_count"] += result.get("status") == "rejected"
             tree.add(depth, "sub_llm_completion_tokens", number(result.get("completion_tokens")))

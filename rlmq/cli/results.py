@@ -254,9 +254,11 @@ def tree_totals(rows: list[dict[str, Any]]) -> dict[str, int]:
     out["starved_rollouts"] = 0
     for r in rows:
         m = r.get("metrics") or {}
-        out["sub_calls"] += whole_figure(m, "tree_sub_llm_call_count", "sub_llm_call_count")
+        rejected = whole_figure(m, "tree_sub_llm_rejected_count", "sub_llm_rejected_count")
+        # sub_llm_call_count counts the calls that ran; "in all" adds those the budget refused
+        out["sub_calls"] += whole_figure(m, "tree_sub_llm_call_count", "sub_llm_call_count") + rejected
         out["sub_failed"] += whole_figure(m, "tree_sub_llm_error_count", "sub_llm_error_count")
-        out["sub_rejected"] += whole_figure(m, "tree_sub_llm_rejected_count", "sub_llm_rejected_count")
+        out["sub_rejected"] += rejected
         out["rlm_tasks"] += whole_figure(m, "rlm_call_count", "rlm_call_count")
         out["children"] += max(0, whole_figure(m, "tree_rollout_count", "tree_rollout_count") - 1)
         out["depth"] = max(out["depth"], whole_figure(m, "tree_depth", "tree_depth") or 1)

@@ -71,7 +71,6 @@ FLAGS_A: dict[str, str | None] = {
     "--include-sub-llm-in-trajectory": None,
     "--rollout-timeout": "900",
     "--max-startup-wait-seconds": "90",
-    "--sub-llm-budget-grant-tokens": "16",
     "--sub-llm-final-answer-turn": None,
     "--max-sub-call-error-rate": "0.5",  # one deadline error among its sub-calls: still exit 0
     "--preflight-timeout": "30",  # the check before the rollouts finds its worker
@@ -379,7 +378,7 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
         system = traj[row["id"]]["messages"][0]["content"]
         assert system == root_system_prompt(
             row["context"], verbosity="heavy", budget=60, max_turns=3, sub_llm_max_turns=2,
-            max_output_length=500, parallelism=2,
+            max_output_length=500, parallelism=2, root_budget=300, root_turn_tokens=300,
         )  # fmt: skip
         assert traj[row["id"]]["messages"][1]["content"] == row["question"]
     # --max-batch-prompts 6 / --max-batch-bytes 200000: the REPL refused both batches
@@ -392,12 +391,11 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
     # --rollout-key-ttl 600: the rollouts' keys expire within 600 s (the default is 3600)
     infos = [k for k in r.scan_iter(match="rlmq:*info*") if b"{" in k]
     assert infos and all(0 < r.ttl(k) <= 600 for k in infos), [(k, r.ttl(k)) for k in infos]
-    # --rollout-timeout, --max-startup-wait-seconds, --sub-llm-budget-grant-tokens (no effect these rows
-    # can show: it takes a rollout running for minutes, or a budget without a per-call cap): the
-    # values the run recorded as its rollouts' settings (the budget's settings included)
+    # --rollout-timeout, --max-startup-wait-seconds (no effect these rows can show: it takes a rollout
+    # running for minutes): the values the run recorded as its rollouts' settings (the budget's included)
     recorded = json.loads((folder / "meta.json").read_text(encoding="utf-8"))["settings"]
     assert (recorded["rollout_timeout"], recorded["max_startup_wait_seconds"]) == (900, 90)
-    assert (recorded["sub_llm_budget_grant_tokens"], recorded["sub_llm_max_completion_tokens"]) == (16, 60)
+    assert (recorded["sub_llm_per_call_max_tokens"], recorded["sub_llm_max_completion_tokens"]) == (20, 60)
     # What each sub-call was asked to do, from its RQ job record in Redis
     par = next(e for e in traj["parallel"]["trajectory"] if e["type"] == "llm_batch")
     assert [x["status"] for x in par["results"]] == ["ok"] * 6

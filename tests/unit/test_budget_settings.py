@@ -27,9 +27,9 @@ def test_zero_budget_argument_of_rlmenv_is_refused() -> None:
 
 def test_budget_defaults() -> None:
     s = load_settings(sub_llm_max_completion_tokens=1)
-    assert (s.sub_llm_max_completion_tokens, s.sub_llm_budget_grant_tokens, s.sub_llm_budget_max_parked) == (
+    assert (s.sub_llm_max_completion_tokens, s.sub_llm_per_call_max_tokens, s.sub_llm_budget_max_parked) == (
         1,
-        512,
+        None,
         None,
     )
     with pytest.raises(ConfigError):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlmq.common.ledger as ledger_module
-from rlmq.common.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger, default_cap
+from rlmq.common.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger
 
 
 def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:
@@ -19,44 +19,47 @@ def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:
     return r, BudgetLedger(r, ttl=60)
 
 
-async def test_grant_is_min_of_cap_and_free_and_a_held_remainder_means_wait() -> None:
+async def test_grant_is_a_whole_cap_and_a_held_remainder_means_wait() -> None:
     _, ledger = make()
     await ledger.open("r1", 100)
     deadline = time.time() + 60
-    g1 = await ledger.reserve("r1", "a", 60, deadline)
-    assert (g1.tokens, g1.charged, g1.code) == (60, 60, GRANTED)
-    g2 = await ledger.reserve("r1", "b", 60, deadline)
-    # 40 free: at least half a full grant (30), so granted now rather than waiting for all 60
-    assert (g2.tokens, g2.charged, g2.code) == (40, 100, GRANTED)
-    g3 = await ledger.reserve("r1", "c", 60)
-    # nothing free, and "a" and "b" may give tokens back: wait, until the earliest live deadline
-    assert (g3.tokens, g3.code, g3.granted) == (0, WAIT, False)
+    g1 = await ledger.reserve("r1", "a", 40, deadline)
+    assert (g1.tokens, g1.charged, g1.code) == (40, 40, GRANTED)
+    g2 = await ledger.reserve("r1", "b", 40, deadline)
+    assert (g2.tokens, g2.charged, g2.code) == (40, 80, GRANTED)
+    g3 = await ledger.reserve("r1", "c", 40)
+    # 20 free, less than a whole grant, and "a" and "b" may give tokens back: wait, until the
+    # earliest live deadline (never a grant of 20 that would cut an answer the budget can pay)
+    assert (g3.tokens, g3.code, g3.granted, g3.need) == (0, WAIT, False, 40)
     assert abs(g3.retry_at - deadline) < 0.01
-    await ledger.settle("r1", "a", 10)  # a stopped early: 50 released
-    g4 = await ledger.reserve("r1", "c", 60)
-    assert (g4.tokens, g4.charged, g4.code) == (50, 100, GRANTED)
+    await ledger.settle("r1", "a", 10)  # a stopped early: 30 released
+    g4 = await ledger.reserve("r1", "c", 40)
+    assert (g4.tokens, g4.charged, g4.code, g4.cut) == (40, 90, GRANTED, False)
     snap = await ledger.snapshot("r1")
-    assert snap is not None and (snap.grants, snap.rejections, snap.waits, snap.held) == (3, 0, 1, 90)
+    assert snap is not None and (snap.grants, snap.rejections, snap.waits, snap.held) == (3, 0, 1, 80)
 
 
-async def test_a_call_waits_while_less_than_half_a_grant_is_free() -> None:
+async def test_a_call_waits_for_a_whole_grant_while_running_calls_may_give_tokens_back() -> None:
     _, ledger = make()
     await ledger.open("r1", 100)
     deadline = time.time() + 60
-    assert (await ledger.reserve("r1", "a", 80, deadline)).tokens == 80
-    g = await ledger.reserve("r1", "b", 80)  # 20 free < 40: "a" may give back, so wait
-    assert (g.tokens, g.code) == (0, WAIT)
-    await ledger.settle("r1", "a", 50)  # 30 released: 50 free >= 40
-    assert (await ledger.reserve("r1", "b", 80)).tokens == 50
+    assert (await ledger.reserve("r1", "a", 60, deadline)).tokens == 60
+    g = await ledger.reserve("r1", "b", 60)  # 40 free < a whole 60: "a" may give back, so wait
+    assert (g.tokens, g.code, g.need) == (0, WAIT, 60)
+    c = await ledger.reserve("r1", "c", 40, deadline)  # a smaller cap fits whole at once
+    assert (c.tokens, c.code, c.need, c.cut) == (40, GRANTED, 40, False)
+    await ledger.settle("r1", "a", 50)  # 10 released: 10 free, "c" still running
+    assert (await ledger.reserve("r1", "b", 60)).code == WAIT
+    await ledger.settle("r1", "c", 10)  # 30 released: 40 free, nothing live: the last remainder
+    b = await ledger.reserve("r1", "b", 60)
+    assert (b.tokens, b.code, b.need, b.cut) == (40, GRANTED, 60, True)
 
 
-def test_default_cap_shares_a_small_budget_and_keeps_a_large_one() -> None:
-    assert default_cap(100_000, 512) == 512
-    assert default_cap(4_096, 512) == 512
-    assert default_cap(3_000, 512) == 375  # 250-token answers still fit whole
-    assert default_cap(1_000, 512) == 128  # the floor: several calls at once, none tiny
-    assert default_cap(100, 512) == 128  # a grant never exceeds what is free anyway
-    assert default_cap(1_000, 64) == 64  # sub_llm_budget_grant_tokens is the ceiling
+async def test_a_grant_is_a_whole_cap_and_never_more_than_the_limit() -> None:
+    _, ledger = make()
+    await ledger.open("r1", 100, cap=2048)
+    g = await ledger.reserve("r1", "a", None, time.time() + 60)
+    assert (g.tokens, g.need, g.cut) == (100, 100, False)  # a cap past the budget: the whole budget
 
 
 async def test_the_last_remainder_goes_to_one_call_and_only_a_spent_budget_rejects() -> None:
@@ -65,7 +68,7 @@ async def test_the_last_remainder_goes_to_one_call_and_only_a_spent_budget_rejec
     await ledger.reserve("r1", "a", 60)
     await ledger.settle("r1", "a", 60)
     g = await ledger.reserve("r1", "b", 60)  # 40 free, nothing open: the remainder, not a wait
-    assert (g.tokens, g.code) == (40, GRANTED)
+    assert (g.tokens, g.code, g.need, g.cut) == (40, GRANTED, 60, True)
     assert (await ledger.reserve("r1", "c", 60)).code == WAIT  # b may give some back
     await ledger.settle("r1", "b", 40)
     rejected = await ledger.reserve("r1", "c", 60)
@@ -187,10 +190,10 @@ async def test_parallel_reservations_never_exceed_the_limit() -> None:
     _, ledger = make()
     await ledger.open("r1", 1000)
     grants = await asyncio.gather(*(ledger.reserve("r1", f"c{i}", 64) for i in range(100)))
-    # 15 full grants and the 40 left (at least half of 64) to a 16th; nothing is free for the rest
-    assert sum(g.tokens for g in grants) == 1000
-    assert sorted(g.tokens for g in grants if g.tokens)[:2] == [40, 64]
-    assert sum(1 for g in grants if g.code == WAIT) == 100 - 16
+    # 15 whole grants; the 40 left are less than a whole grant while 15 calls may give tokens back
+    assert sum(g.tokens for g in grants) == 960
+    assert {g.tokens for g in grants if g.tokens} == {64}
+    assert sum(1 for g in grants if g.code == WAIT) == 100 - 15
 
 
 # --- property: random interleavings of reserve, settle, retry and crash --------------------

@@ -33,11 +33,17 @@ async def test_the_summary_marks_an_answer_cut_at_its_grant_and_shows_the_budget
     common = {"rollout_id": "r1", "batch_id": "b1", "job_id": "j", "turns": 1, "seconds": 0.5}
     results = [
         SubLLMResult(index=0, status="ok", content="full", completion_tokens=40, **common),
-        SubLLMResult(index=1, status="ok", content="cut", completion_tokens=88, truncated=True, **common),
-    ]
+        SubLLMResult(index=1, status="ok", content="cut", completion_tokens=88, truncated=True, granted_tokens=88,
+                     **common),
+        SubLLMResult(index=2, status="ok", content="long", completion_tokens=2048, truncated=True,
+                     granted_tokens=2048, **common),
+    ]  # fmt: skip
     text = await service.summary(rollout, results, 0.5)
     lines = text.splitlines()
+    assert lines[0].endswith("3 ok, 0 rejected, 0 error, 2 cut short")
     assert lines[1] == "[128/1000 sub-LLM completion tokens used]"  # right under the header
-    assert "truncated" not in lines[2]
-    assert lines[3].startswith("  [1] ok") and lines[3].endswith("truncated (cut at its token grant)")
+    assert lines[2] == "[872 sub-LLM completion tokens left]"
+    assert "CUT" not in lines[3]
+    assert lines[4].startswith("  [1] ok") and lines[4].endswith("CUT: the budget's last 88 tokens")
+    assert lines[5].startswith("  [2] ok") and lines[5].endswith("CUT: reached max_tokens 2048")
     await redis.aclose()

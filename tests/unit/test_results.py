@@ -167,7 +167,7 @@ def test_the_summary_counts_sub_calls_that_failed_in_all() -> None:
     row = {"id": "a", "correct": None, "stop_reason": "answer_ready", "error": None}
     rows = [
         {**row, "metrics": {"sub_llm_call_count": 3, "sub_llm_error_count": 3, "sub_llm_rejected_count": 0}},
-        {**row, "id": "b", "metrics": {"sub_llm_call_count": 2, "sub_llm_error_count": 2, "sub_llm_rejected_count": 1}},
+        {**row, "id": "b", "metrics": {"sub_llm_call_count": 1, "sub_llm_error_count": 2, "sub_llm_rejected_count": 1}},
     ]
     text = summarize(rows)
     assert "sub-LLM calls: 5 in all, 5 ended in error, 1 rejected by the budget  <- see the errors" in text
@@ -196,7 +196,7 @@ def test_whole_tree_figures_and_a_starved_tree_in_the_summary_and_exit_code() ->
 
     row = {"id": "a", "correct": False, "stop_reason": "answer_ready", "error": None}
     tree = {"sub_llm_call_count": 0, "sub_llm_error_count": 0, "rlm_call_count": 6, "tree_rollout_count": 7,
-            "tree_depth": 3, "tree_sub_llm_call_count": 8, "tree_sub_llm_error_count": 1,
+            "tree_depth": 3, "tree_sub_llm_call_count": 6, "tree_sub_llm_error_count": 1,
             "tree_sub_llm_rejected_count": 2, "tree_charged_completion_tokens": 1601}  # fmt: skip
     healthy = [{**row, "metrics": tree}]
     text = summarize(healthy)

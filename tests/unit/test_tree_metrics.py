@@ -11,7 +11,7 @@ from rlmq.producer.tree_metrics import MAX_TREE_DEPTH, PER_DEPTH, TREE_KEYS, dep
 from tests.trees import cell, child, leaf, llm_batch, rlm_batch, root, sub, three_levels
 
 EXPECTED = {
-    1: {"rollouts": 1, "root_turns": 2, "root_completion_tokens": 110, "sub_llm_call_count": 2,
+    1: {"rollouts": 1, "root_turns": 2, "root_completion_tokens": 110, "sub_llm_call_count": 1,
         "sub_llm_completion_tokens": 7},
     2: {"rollouts": 2, "root_turns": 2, "root_completion_tokens": 60, "sub_llm_call_count": 2,
         "sub_llm_completion_tokens": 10},
@@ -31,7 +31,7 @@ def test_three_levels_by_depth_and_in_all() -> None:
     assert m["rlm_call_failed_count"] == 1 + 2  # the rejected slot, the two error slots
     assert m["tree_rollout_count"] == 7 and m["tree_depth"] == 3
     assert m["tree_root_turns"] == 12 and m["tree_root_completion_tokens"] == 290
-    assert m["tree_sub_llm_call_count"] == 12 and m["tree_sub_llm_completion_tokens"] == 45
+    assert m["tree_sub_llm_call_count"] == 11 and m["tree_sub_llm_completion_tokens"] == 45
     # charged to the tree's budget: every sub-LLM token and the children's root tokens, not the top's
     assert m["tree_charged_completion_tokens"] == 45 + 60 + 120
     assert set(m) == set(TREE_KEYS) | {depth_key(d, n) for d in (1, 2, 3) for n in PER_DEPTH}
@@ -116,8 +116,9 @@ def test_truncated_and_malformed_parts_count_as_nothing() -> None:
     assert m["rlm_batch_count"] == 3 + 2 and m["rlm_call_count"] == 9 + 3
     # the child with neither metrics nor trajectory is a rollout of no turns
     assert m["depth2_rollouts"] == 3 and m["depth2_root_turns"] == EXPECTED[2]["root_turns"]
-    # the two slots without a dict child are calls of no tokens; bool/negative own figures are 0
-    assert m["depth1_sub_llm_call_count"] == 2 + 2 and m["depth1_sub_llm_completion_tokens"] == 7
+    # the two slots without a dict child are calls of no tokens (a rejected slot is no call that
+    # ran); bool/negative own figures are 0
+    assert m["depth1_sub_llm_call_count"] == 1 + 2 and m["depth1_sub_llm_completion_tokens"] == 7
     assert m["depth1_root_turns"] == 0 and m["depth1_root_completion_tokens"] == 0
 
 
