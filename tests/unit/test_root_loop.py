@@ -85,12 +85,22 @@ async def test_a_prompt_refused_for_its_length_is_its_own_stop() -> None:
     assert ro.trajectory[-1]["type"] == "note" and "prompt_too_long" in ro.trajectory[-1]["text"]
 
 
-async def test_the_root_token_cap_is_max_tokens_then_a_stop() -> None:
+async def test_a_root_turn_under_the_root_budget_is_whole_or_not_started() -> None:
+    # 25 tokens, 10 a turn (sampling max_tokens): turns start with 25, 19 and 13 left (6 spent each);
+    # with 7 left a whole turn no longer fits: not started, the rollout ends with its current answer
     root = FakeRoot(code_turn("content:a", completion_tokens=6))
-    ro = rollout(root_max_completion_tokens=10)
+    ro = rollout(root_max_completion_tokens=25, sampling_args={"max_tokens": 10})
     assert await root_loop(root, ro, FakeRepl()) == ("max_turns", "a")
-    assert [c["max_tokens"] for c in root.calls] == [10, 4]  # what is left, then nothing left
-    assert ro.trajectory[-1] == {"type": "note", "text": "root completion-token limit reached"}
+    assert [c["max_tokens"] for c in root.calls] == [10, 10, 10]  # never what is left: a whole turn
+    assert ro.trajectory[-1] == {
+        "type": "note",
+        "text": "root completion-token limit reached: 7 left, a turn needs 10",
+    }
+    # without a sampling max_tokens a turn is 2048 tokens, at most the limit
+    root = FakeRoot(code_turn("content:b", completion_tokens=6))
+    ro = rollout(root_max_completion_tokens=10)
+    assert await root_loop(root, ro, FakeRepl()) == ("max_turns", "b")
+    assert [c["max_tokens"] for c in root.calls] == [10]
 
 
 async def test_a_timed_out_cell_goes_on_by_default_and_ends_the_rollout_when_asked() -> None:

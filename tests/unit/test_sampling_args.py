@@ -51,7 +51,8 @@ def test_a_job_with_plain_sampling_arguments_is_valid() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "expect"),
     [
-        ("sub_sampling_args", {"max_tokens": 5}, "--sub-llm-per-call-max-tokens"),
+        ("sub_sampling_args", {"max_tokens": 0}, "max_tokens must be a whole number"),
+        ("sub_sampling_args", {"user": "x"}, "may not set user"),
         ("sampling_args", {"n": 2}, "may not set n"),
         ("sampling_args", {"max_tokens": 0}, "max_tokens must be a whole number"),
         ("sampling_args", "[1, 2]", "must be a JSON object"),
@@ -109,3 +110,24 @@ def test_a_flag_of_sampling_arguments_nested_too_deeply_is_one_line_exit_2(
     assert main(["run", str(ds), "--model", "m", "--base-url", "http://127.0.0.1:9/v1", flag, DEEP]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "nested too deeply" in err[0] and "sampling-args" in err[0], err
+
+
+def test_sub_calls_sample_as_their_rollout_unless_sub_sampling_arguments_say_otherwise() -> None:
+    from rlmq.common.sampling import (
+        DEFAULT_CALL_MAX_TOKENS,
+        child_root_sampling,
+        sub_call_max_tokens,
+        sub_call_sampling,
+    )
+    from rlmq.common.settings import RolloutOptions
+
+    root = {"temperature": 0.3, "max_tokens": 1000, "user": "u", "extra_body": {"top_k": 5}}
+    o = RolloutOptions(sampling_args=root)
+    assert sub_call_sampling(o) == {"temperature": 0.3, "top_k": 5}  # no user, max_tokens is the cap
+    assert sub_call_max_tokens(o) == 1000
+    o = RolloutOptions(sampling_args=root, sub_sampling_args={"temperature": 0.9, "max_completion_tokens": 700})
+    assert (sub_call_sampling(o), sub_call_max_tokens(o)) == ({"temperature": 0.9, "top_k": 5}, 700)
+    o = RolloutOptions(sampling_args=root, sub_sampling_args={"max_tokens": 700}, sub_llm_per_call_max_tokens=300)
+    assert sub_call_max_tokens(o) == 300
+    assert child_root_sampling(o) == {"temperature": 0.3, "top_k": 5, "max_tokens": 300}
+    assert sub_call_max_tokens(RolloutOptions()) == DEFAULT_CALL_MAX_TOKENS  # never sent uncapped
