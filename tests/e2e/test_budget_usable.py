@@ -59,7 +59,7 @@ answer["ready"] = True
 
 
 async def budgeted_rollout(
-    fleet: LocalFleet, label: str, prompt_expr: str, n: int, budget: int, sub_call_timeout: float
+    fleet: LocalFleet, label: str, prompt_expr: str, n: int, budget: int, sub_call_timeout: float, **options: Any
 ) -> tuple[str, Any]:
     """One rollout whose root code sends ``n`` prompts in one batch under ``budget``; returns
     its rollout id and its :class:`~rlmq.producer.env.RolloutResult`."""
@@ -68,7 +68,9 @@ async def budgeted_rollout(
     )
     code = batch_code(prompt_expr, n)
     rid = f"{label}-{uuid.uuid4().hex[:8]}"
-    async with RLMEnv(settings=settings, sub_llm_max_completion_tokens=budget, max_sub_llm_parallelism=n) as env:
+    async with RLMEnv(
+        settings=settings, sub_llm_max_completion_tokens=budget, max_sub_llm_parallelism=n, **options
+    ) as env:
         res = await env.rollout(
             DatasetRow(id=label, question="Q. " + root_code_directive(code), context="x"), model=MODEL, rollout_id=rid
         )
@@ -213,18 +215,16 @@ async def test_parked_calls_do_not_hold_a_small_worker_hostage(
 async def test_a_budget_under_two_caps_answers_a_batch_at_once_not_one_call_at_a_time(
     early_fleet: LocalFleet,
 ) -> None:
-    """Budget 1,000, no per-call cap set, four calls that each answer in 100 tokens after 2 s,
-    a 6 s deadline per call. With grants of a whole 512-token cap, the second call waited for
-    the first to finish and the last ones missed their deadline while most of the budget sat
-    unused (found by a hostile review); now a small budget is shared (the default cap is an
-    eighth of it, at least 128) and a call takes what is free once that is half a grant, so
-    all four run at once and are answered in full, in one call's time rather than four."""
+    """Budget 1,000, a per-call cap of 250 (the answers' size), four calls that each answer in 100
+    tokens after 2 s, a 6 s deadline per call: four whole caps fit in the budget, so all four run at
+    once and are answered in full, in one call's time rather than four. (Without the per-call cap a
+    call's max_tokens is 2,048, past the whole budget: one whole call at a time, by design.)"""
     budget, n = 1000, 4
     prompt = 'f"Slow part {i}. [[mock:tokens:100]] [[mock:sleep:2]]"'
-    rid, res = await budgeted_rollout(early_fleet, "small", prompt, n, budget, 6)
+    rid, res = await budgeted_rollout(early_fleet, "small", prompt, n, budget, 6, sub_llm_per_call_max_tokens=250)
     assert res.row.stop_reason == "answer_ready", res.row.error
     results = [SubLLMResult(**r) for e in res.trajectory if e["type"] == "llm_batch" for r in e["results"]]
     assert [r.status for r in results] == ["ok"] * n, [r.content[:80] for r in results]
     assert all(r.completion_tokens == 100 and not r.truncated for r in results)
     assert served_to(early_fleet, rid) == 400
-    assert res.row.metrics["sub_llm_budget_waits"] == 0  # nobody waited: 128-token grants, 1,000 free
+    assert res.row.metrics["sub_llm_budget_waits"] == 0  # nobody waited: four 250-token grants, 1,000 free
