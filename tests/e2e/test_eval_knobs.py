@@ -79,17 +79,31 @@ def test_sampling_arguments_reach_the_model_server_for_root_and_sub_calls(tmp_pa
     assert root and sub, params[:3]
     for p in root:
         assert (p["temperature"], p["top_p"], p["top_k"], p["max_tokens"]) == (0.3, 0.8, 7, 900), p
-    for p in sub:
-        assert (p["temperature"], p["top_p"], p["min_p"]) == (0.2, 0.5, 0.1), p
-        assert "max_tokens" not in p and "top_k" not in p  # no cap set; the root's arguments stay the root's
+    for p in sub:  # the sub-sampling arguments override the rollout's, key by key; the rest is inherited
+        assert (p["temperature"], p["top_p"], p["min_p"], p["top_k"], p["max_tokens"]) == (0.2, 0.5, 0.1, 7, 900), p
 
 
-def test_a_sub_llm_max_tokens_in_sampling_arguments_is_refused_with_the_flag_to_use(tmp_path: Path) -> None:
+def test_sub_calls_sample_with_the_rollouts_sampling_arguments_and_are_never_sent_uncapped(
+    tmp_path: Path, model: str
+) -> None:
+    """No sub-sampling flag and no budget: every sub-LLM request carries the rollout's temperature,
+    and its max_tokens as the cap (before, they went out with neither)."""
+    write_rows(tmp_path / "ds.jsonl", 2)
+    res = rlmq("run", "ds.jsonl", "--base-url", model, "--model", "root-m", "--sub-model", "sub-m", "--quiet",
+               "-S", '{"temperature": 0.3, "max_tokens": 1000}', "--output", "rows.jsonl", cwd=tmp_path)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    sub = [p for p in stats(model)["params"] if p["model"] == "sub-m"]
+    assert len(sub) >= 2, sub
+    assert all((p.get("temperature"), p.get("max_tokens")) == (0.3, 1000) for p in sub), sub
+    assert all("user" in p for p in sub)  # rlmq's own field (the rollout), never the root's
+
+
+def test_a_field_a_sub_call_may_not_carry_is_refused_in_one_line(tmp_path: Path) -> None:
     write_rows(tmp_path / "ds.jsonl", 1)
     res = rlmq("run", "ds.jsonl", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
-               "--sub-sampling-args", '{"max_tokens": 99999}', cwd=tmp_path)  # fmt: skip
+               "--sub-sampling-args", '{"n": 3}', cwd=tmp_path)  # fmt: skip
     assert res.returncode == 2, res.stderr
-    assert "--sub-llm-per-call-max-tokens" in res.stderr and "Traceback" not in res.stderr
+    assert "may not set n" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_num_examples_and_rollouts_per_example(tmp_path: Path, model: str) -> None:
