@@ -100,3 +100,46 @@ async def test_zero_overshoot_with_parallel_reservations_across_a_three_level_ch
     assert NODE_GONE in outcomes and WAIT not in outcomes and WAITED_OUT not in outcomes
     assert REJECTED in outcomes  # the budget ran out: the leftover is less than a useful grant
     assert snap.used >= 0.9 * limit, snap
+
+
+async def test_whole_grants_across_a_three_level_tree_never_cut_an_answer_the_budget_could_pay(
+    two: tuple[BudgetLedger, BudgetLedger],
+) -> None:
+    """Depth 3, the tree's one budget of 20,000: 40 sub-LLM calls on the grandchildren (answers
+    of 1,500 tokens, each spending min(grant, 1,500): the worst case) and 4 root turns of the
+    children (300 tokens each), whole caps of 2,048 (the default ``max_tokens``). The tokens spent
+    stay within the budget; at least 12 sub-answers are whole and at most 2 cut; every root turn
+    that ran was granted whole (a remainder is given back, as the child's root client does)."""
+    a, b = two
+    top = f"t{uuid.uuid4().hex[:8]}"
+    limit, cap = 20_000, 2048
+    await a.open(top, limit, cap=cap, kind_caps={ROOT: cap})
+    chains = [(top, f"c{i}", f"g{i}{j}") for i in range(2) for j in range(3)]
+    for node in {n for chain in chains for n in chain}:
+        await a.open_node(top, node)
+    deadline = time.time() + 60
+    sub_spent: list[int] = []
+    root_granted: list[int] = []
+
+    async def call(k: int, kind: str, answer: int) -> None:
+        ledger = a if k % 2 else b
+        chain = chains[k % len(chains)] if kind == "sub" else chains[k % len(chains)][:2]
+        grant, _, _ = await ledger.acquire(top, f"{kind}{k}", cap, deadline, kind=kind, nodes=chain, margin=0.5)
+        if not grant.granted:
+            return
+        if kind == ROOT and grant.cut:  # whole or not started: the remainder goes back
+            await ledger.settle(top, f"{kind}{k}", 0)
+            return
+        used = min(grant.tokens, answer)
+        (root_granted if kind == ROOT else sub_spent).append(grant.tokens if kind == ROOT else used)
+        await asyncio.sleep(0.01 * (k % 5))  # calls overlap and end in another order than they began
+        await ledger.settle(top, f"{kind}{k}", used)
+
+    calls = [call(k, "sub", 1500) for k in range(40)] + [call(100 + k, ROOT, 300) for k in range(4)]
+    await asyncio.wait_for(asyncio.gather(*calls), 60)
+    snap = await a.snapshot(top)
+    assert snap is not None and snap.used <= limit and snap.charged == snap.used, snap
+    whole, cut = sum(1 for u in sub_spent if u == 1500), sum(1 for u in sub_spent if u < 1500)
+    assert whole >= 12 and cut <= 2, (whole, cut, sub_spent)
+    assert all(g == cap for g in root_granted), root_granted
+    assert snap.used >= 0.9 * limit, snap
