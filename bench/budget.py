@@ -1,20 +1,27 @@
-"""Benchmark: how much of a hard sub-LLM budget is served, and what the budget costs in time.
+"""Benchmark: how much of a hard sub-LLM budget is served, how many answers come back whole, and
+what the budget costs in time.
 
 Runs real ``rlmq worker`` processes against the scripted model (which stops early:
-``[[mock:tokens:250]]`` answers in 250 tokens, ``[[mock:tokens:1-400]]`` in a length drawn
-per prompt) on an embedded Redis, and drives batches through the producer's
-:class:`~rlmq.producer.dispatch.Dispatcher` with a ledger opened as ``RLMEnv`` opens it.
+``[[mock:tokens:N]]`` answers in N tokens, or in ``max_tokens`` when that is smaller,
+``[[mock:tokens:1-N]]`` in a length drawn per prompt) on an embedded Redis, and drives batches
+through the producer's :class:`~rlmq.producer.dispatch.Dispatcher` with a ledger opened as
+``RLMEnv`` opens it (the per-call cap: the default ``max_tokens``, 2,048, unless a case sets one).
 
 Scenarios, each at 0 and 50 ms model latency (``[[mock:sleep:0.05]]``):
 
-* ``fixed``: the case of one batch of 112 prompts answered in 250 tokens, budget
-  3,000, 3 workers x 64 in flight.
+* ``whole8`` / ``whole40``: 8 / 40 prompts answered in 1,500 tokens, budget 20,000.
+* ``whole_random``: 48 prompts of 1-1,500 tokens, budget 20,000, beside a sequential oracle
+  (the calls one after another, in order, each granted what is left: its whole answers are the
+  longest prefix that fits).
+* ``fixed``: 112 prompts answered in 250 tokens, budget 3,000 (with a per-call cap of 250, and
+  without one).
 * ``random``: 500 prompts of 1-400 tokens, budgets 500 / 2,000 / 5,000 / 20,000, 4 workers x 64.
 
-For each: sub-calls answered fully / truncated (``finish_reason == "length"``, i.e. fewer
-tokens than the model wanted) / rejected / error, tokens served (the model server's own
-count for the rollout) and the served fraction of ``min(budget, demand)``, the ledger's
-waits, and the wall time of the batch against the same batch unbudgeted.
+For each: sub-calls answered whole / cut (``finish_reason == "length"``) / rejected / error, the
+whole-answer rate (whole / answered), the oracle's whole answers (in prompt order; the fleet serves
+calls in another order, so the two differ by which calls ran, not by how many were cut), tokens served
+(the model server's own count for the rollout) and the served share of ``min(budget, demand)``,
+the ledger's waits, and the wall time of the batch against the same batch unbudgeted.
 
     python -m bench.budget [--quick]
 
@@ -46,11 +53,30 @@ from rlmq.scripted.server import answer_tokens
 RESULTS = Path(__file__).parent / "results"
 
 
+LENGTHS = {
+    "fixed": "[[mock:tokens:250]]",
+    "random": "[[mock:tokens:1-400]]",
+    "whole8": "[[mock:tokens:1500]]",
+    "whole40": "[[mock:tokens:1500]]",
+    "whole_random": "[[mock:tokens:1-1500]]",
+}
+"""The answer-length directive of each scenario's prompts."""
+
+
 def prompts_for(kind: str, n: int, latency: float, tag: str) -> list[str]:
-    """``n`` prompts whose answers are 250 tokens (``fixed``) or 1-400 (``random``)."""
-    tokens = "[[mock:tokens:250]]" if kind == "fixed" else "[[mock:tokens:1-400]]"
+    """``n`` prompts of scenario ``kind`` (:data:`LENGTHS`)."""
     sleep = f" [[mock:sleep:{latency:g}]]" if latency > 0 else ""
-    return [f"Summarise part {i} of {tag}. {tokens}{sleep}" for i in range(n)]
+    return [f"Summarise part {i} of {tag}. {LENGTHS[kind]}{sleep}" for i in range(n)]
+
+
+def oracle_whole(demand: list[int], budget: int) -> int:
+    """Whole answers of the calls run one after another, in order, each granted what is left."""
+    whole, left = 0, budget
+    for d in demand:
+        if d > left:
+            break
+        whole, left = whole + 1, left - d
+    return whole
 
 
 def served_to(base_url: str, rollout_id: str) -> int:
@@ -68,8 +94,9 @@ async def one_batch(
     try:
         rid = f"bench-{kind}-{uuid.uuid4().hex[:10]}"
         ledger = BudgetLedger(redis, ttl=600)
-        if budget is not None:  # as RLMEnv opens it: the per-call cap, else the default grant
-            await ledger.open(rid, budget, cap or DEFAULT_CALL_MAX_TOKENS)
+        cap = cap or DEFAULT_CALL_MAX_TOKENS  # as RLMEnv sends it: max_tokens on every call
+        if budget is not None:  # as RLMEnv opens it: the per-call cap is a whole grant
+            await ledger.open(rid, budget, cap)
         prompts = prompts_for(kind, n, latency, rid)
         demand = [answer_tokens(p) or 0 for p in prompts]
         spec = BatchSpec(
@@ -90,14 +117,18 @@ async def one_batch(
     ok = sum(1 for r in results if r.status == "ok")
     served = served_to(str(fleet.base_url), rid)
     useful = min(budget, sum(demand)) if budget is not None else sum(demand)
+    affordable = oracle_whole([min(d, cap) for d in demand], budget) if budget is not None else n
     return {
         "kind": kind,
         "prompts": n,
         "budget": budget,
+        "cap": cap,
         "latency_s": latency,
         "demand_tokens": sum(demand),
         "full": full,
         "truncated": ok - full,
+        "oracle_whole": affordable,
+        "whole_rate": round(full / ok, 4) if ok else 1.0,
         "rejected": sum(1 for r in results if r.status == "rejected"),
         "error": sum(1 for r in results if r.status == "error"),
         "served_tokens": served,
@@ -147,19 +178,22 @@ async def light(fleet: LocalFleet, n: int) -> dict[str, Any]:
     return out
 
 
-def scenario(fleet: LocalFleet, kind: str, n: int, budgets: list[int], latencies: list[float]) -> list[dict[str, Any]]:
+def scenario(
+    fleet: LocalFleet, kind: str, n: int, budgets: list[int], latencies: list[float], cap: int | None = None
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for latency in latencies:
-        base = run_loop(one_batch(fleet, kind, n, None, latency))
+        base = run_loop(one_batch(fleet, kind, n, None, latency, cap))
         for budget in budgets:
-            row = run_loop(one_batch(fleet, kind, n, budget, latency))
+            row = run_loop(one_batch(fleet, kind, n, budget, latency, cap))
             row["unbudgeted_wall_s"] = base["wall_s"]
             row["wall_ratio"] = round(row["wall_s"] / base["wall_s"], 2) if base["wall_s"] else None
             rows.append(row)
             print(
-                f"{kind:<6} n={n:<4} budget={budget:<6} latency={latency * 1000:>3.0f} ms: "
-                f"full {row['full']:>3}  truncated {row['truncated']:>3}  rejected {row['rejected']:>3}  "
-                f"error {row['error']}  served {row['served_tokens']:>6} ({row['served_fraction']:.1%})  "
+                f"{kind:<12} n={n:<4} budget={budget:<6} cap={row['cap']:<5} latency={latency * 1000:>3.0f} ms: "
+                f"whole {row['full']:>3} ({row['whole_rate']:.0%} of answers; oracle {row['oracle_whole']:>3})  "
+                f"cut {row['truncated']:>3}  rejected {row['rejected']:>3}  error {row['error']}  "
+                f"served {row['served_tokens']:>6} ({row['served_fraction']:.1%})  "
                 f"waits {row['budget_waits']:>4}  wall {row['wall_s']:.2f} s vs {base['wall_s']:.2f} s unbudgeted "
                 f"(x{row['wall_ratio']})",
                 flush=True,
@@ -179,7 +213,11 @@ def main() -> None:
     }
     model = f"bench-budget-{uuid.uuid4().hex[:6]}"
     with LocalFleet(model=model, workers=3, worker_concurrency=64) as fleet:
-        out["fixed"] = scenario(fleet, "fixed", 112, [3000], latencies)
+        out["whole8"] = scenario(fleet, "whole8", 8, [20000], latencies)
+        out["whole40"] = scenario(fleet, "whole40", 40, [20000], latencies)
+        out["whole_random"] = scenario(fleet, "whole_random", 48, [20000], latencies)
+        out["fixed"] = scenario(fleet, "fixed", 112, [3000], latencies, cap=250)
+        out["fixed_default_cap"] = scenario(fleet, "fixed", 112, [3000], latencies)
         out["light_unbudgeted"] = run_loop(light(fleet, 100 if a.quick else 400))
         print("light, unbudgeted one-prompt batches:", json.dumps(out["light_unbudgeted"]), flush=True)
     budgets = [500, 5000] if a.quick else [500, 2000, 5000, 20000]
