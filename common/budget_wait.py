@@ -97,16 +97,24 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+TAIL = -1
+"""What :func:`_fits` says for a release with no live reservation left and tokens free: the last
+remainder goes to one call (whichever asks first), so one parked call is woken, not all of them."""
+
+
 def _fits(data: Any) -> tuple[int | None, float | None]:
     """What a release (:class:`rlmq.common.ledger_wire.Release`) says: the tokens the parked calls
-    may share (``None``: wake them all: no live reservation is left, so each gets the last remainder
-    or a rejection, or the message is not one of these) and when the ledger's earliest grant lease
-    ends (Unix seconds; ``None``: no lease is open). A grant not begun by then is reclaimed by the
-    next ask, so the parked calls ask again then."""
+    may share (``None``: wake them all: nothing is free and no live reservation is left, so each
+    gets a rejection, or the message is not one of these; :data:`TAIL`: nothing live and some
+    tokens free: the last remainder, for one call, whose settle wakes the next) and when the
+    ledger's earliest grant lease ends (Unix seconds; ``None``: no lease is open). A grant not begun
+    by then is reclaimed by the next ask, so the parked calls ask again then."""
     release = Release.of(data if isinstance(data, bytes | str) else str(data))
     if release is None:
         return None, None
-    return (None if release.live <= 0 else release.free), release.lease_end
+    if release.live <= 0:
+        return (TAIL if release.free > 0 else None), release.lease_end
+    return release.free, release.lease_end
 
 
 def _text(value: Any) -> str:
@@ -250,6 +258,8 @@ class ReleaseWaits:
                 failures = self._failures
                 grant = await ledger.reserve_until(give_up, rollout_id, reservation_id, cap, deadline)
                 if grant.code != Code.WAIT:
+                    if not grant.granted:  # refused: a last remainder it was woken for goes to the next
+                        self._wake(rollout_id, TAIL)
                     return grant, parks, parked_seconds
                 if self._abandoned:
                     raise asyncio.CancelledError("the worker is stopping: a parked call is handed back")
@@ -317,10 +327,17 @@ class ReleaseWaits:
                 self._on_change()
 
     def _wake(self, rollout_id: str, free: int | None = None) -> None:
-        """Wake the parked calls of ``rollout_id`` whose grants fit in ``free`` tokens (``None``: all),
-        in arrival order; calls already woken (not yet gone) take no share."""
+        """Wake the parked calls of ``rollout_id`` whose grants fit in ``free`` tokens (``None``: all;
+        :data:`TAIL`: the first, unless one is woken and has not asked yet), in arrival order; calls
+        already woken (not yet gone) take no share."""
         self._seen[rollout_id] = self._seen.get(rollout_id, 0) + 1
         for fut, need in list(self._parked.get(rollout_id, {}).items()):
+            if free == TAIL:  # the last remainder: the first call woken (now or before) asks for it
+                if fut.cancelled():
+                    continue
+                if not fut.done():
+                    _resolve(fut)
+                return
             if fut.done():
                 continue
             if free is not None:
