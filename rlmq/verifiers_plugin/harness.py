@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from verifiers.v1.types import ID
 
 from rlmq.common.errors import ConfigError
-from rlmq.common.schemas import DatasetRow
+from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions, build_settings
 from rlmq.common.settings_schema import unset_model
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
@@ -85,6 +85,17 @@ class RlmqHarnessConfig(vf.HarnessConfig, _RolloutKnobFields):
             tenant=self.tenant,
         )
         return RolloutKnobs(settings={k: v for k, v in settings.items() if v is not None})
+
+
+def trainer_sampling(ctx: Any) -> dict[str, Any]:
+    """The rollout's sampling arguments as verifiers gives them (``ctx.sampling``: temperature,
+    top_p, max_tokens, a provider's own keys), without unset ones and the fields rlmq sets itself:
+    rlmq's ``sampling_args``, so that sub-calls and child root turns inherit them, as the
+    reference's sub-calls inherited the rollout's sampling arguments."""
+    sampling = getattr(ctx, "sampling", None)
+    dump = getattr(sampling, "model_dump", None)
+    args = dump(exclude_none=True) if callable(dump) else {}
+    return {k: v for k, v in args.items() if k not in ROOT_RESERVED_SAMPLING}
 
 
 def dataset_row(data: vf.TaskData, question: str) -> DatasetRow:
@@ -167,13 +178,17 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
         _system, prompt = self.resolve_text_prompt(data)
         row = dataset_row(data, prompt or "")
         rollout_id = rollout_id_for(trace.id)
+        knobs = self.config.knobs()
+        sampling = trainer_sampling(ctx)
+        if sampling and "sampling_args" not in knobs.settings:  # sub-calls sample as the rollout does
+            knobs.settings["sampling_args"] = sampling
         outcome = await run_rollout(
             row,
             model=ctx.model,
             base_url=endpoint,
             api_key=secret,
             rollout_id=rollout_id,
-            knobs=self.config.knobs(),
+            knobs=knobs,
         )
         result = outcome.row
         trace.record_metrics(outcome.metrics)
