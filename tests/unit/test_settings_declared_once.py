@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from rlmq.cli.flags import settings_from_flags
 from rlmq.cli.main import build_parser
 from rlmq.common.errors import ConfigError
+from rlmq.common.sampling import sub_call_max_tokens
 from rlmq.common.settings import RolloutOptions, Settings, setting_default
 from rlmq.producer.llm_batch import LlmBatchService
 
@@ -154,7 +155,7 @@ def test_every_rollout_option_at_its_declared_edge_makes_a_valid_wire_request(na
     options = RolloutOptions(**{name: value})
     spec = LlmBatchService(dispatcher=None, result_ttl=setting_default("result_ttl")).spec(_rollout(options), "b1")  # type: ignore[arg-type]
     assert spec.call.max_turns == options.sub_llm_max_turns
-    assert spec.call.max_completion_tokens == options.sub_llm_per_call_max_tokens
+    assert spec.call.max_completion_tokens == sub_call_max_tokens(options)  # always sent
 
 
 def test_the_edge_guard_catches_a_narrower_wire_bound(monkeypatch: pytest.MonkeyPatch) -> None:
