@@ -68,11 +68,12 @@ def child_root_sampling(options: RolloutOptions) -> dict[str, Any]:
 
 
 def root_turn_max_tokens(options: RolloutOptions) -> int | None:
-    """The ``max_tokens`` of one root turn (tokens): the sampling arguments' ``max_tokens``; under
-    ``root_max_completion_tokens`` without one, :data:`DEFAULT_CALL_MAX_TOKENS` (at most the limit),
-    so that a turn is granted whole or not started; else ``None`` (the server's own default)."""
+    """The ``max_tokens`` of one root turn (tokens): the sampling arguments' ``max_tokens``, else
+    ``None`` (the server's own default); under ``root_max_completion_tokens``, that or
+    :data:`DEFAULT_CALL_MAX_TOKENS`, at most the limit (so that a turn is granted whole or not
+    started, and a limit below the sampling ``max_tokens`` still gets one whole turn)."""
     per_call = _max_tokens(options.sampling_args)
     limit = options.root_max_completion_tokens
-    if per_call is None and limit is not None:
-        per_call = min(DEFAULT_CALL_MAX_TOKENS, limit)
+    if limit is not None:
+        per_call = min(per_call or DEFAULT_CALL_MAX_TOKENS, limit)
     return per_call

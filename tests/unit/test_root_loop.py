@@ -96,11 +96,13 @@ async def test_a_root_turn_under_the_root_budget_is_whole_or_not_started() -> No
         "type": "note",
         "text": "root completion-token limit reached: 7 left, a turn needs 10",
     }
-    # without a sampling max_tokens a turn is 2048 tokens, at most the limit
-    root = FakeRoot(code_turn("content:b", completion_tokens=6))
-    ro = rollout(root_max_completion_tokens=10)
-    assert await root_loop(root, ro, FakeRepl()) == ("max_turns", "b")
-    assert [c["max_tokens"] for c in root.calls] == [10]
+    # without a sampling max_tokens a turn is 2048 tokens, and never more than the limit (a limit
+    # below the sampling max_tokens still gets one whole turn, not none)
+    for sampling in ({}, {"max_tokens": 4096}):
+        root = FakeRoot(code_turn("content:b", completion_tokens=6))
+        ro = rollout(root_max_completion_tokens=10, sampling_args=sampling)
+        assert await root_loop(root, ro, FakeRepl()) == ("max_turns", "b")
+        assert [c["max_tokens"] for c in root.calls] == [10]
 
 
 async def test_a_timed_out_cell_goes_on_by_default_and_ends_the_rollout_when_asked() -> None:
