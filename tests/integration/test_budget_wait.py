@@ -30,14 +30,47 @@ async def test_a_parked_call_is_granted_when_another_process_settles(
     await worker1.open(rid, 1000, cap=900)
     deadline = time.time() + 30
     first = await worker2.reserve(rid, "first", None, deadline)
-    assert first.tokens == 900  # 100 left: less than half a grant, so the next call parks
+    assert first.tokens == 900  # 100 left: less than a whole grant, so the next call parks
     waiter = asyncio.create_task(worker1.acquire(rid, "second", None, deadline))
     await parked(worker1, 1)
     await worker2.settle(rid, "first", 150)  # stopped early: 750 go back, the settle script publishes
     grant, waits, seconds = await asyncio.wait_for(waiter, 10)
-    assert (grant.code, grant.tokens) == (GRANTED, 850)
+    assert (grant.code, grant.tokens, grant.cut) == (GRANTED, 850, True)  # nothing live: the last remainder
     assert waits >= 1 and seconds > 0
     assert worker1.parked == 0
+
+
+async def test_the_last_remainder_wakes_one_parked_call_at_a_time(two: tuple[BudgetLedger, BudgetLedger]) -> None:
+    """Three calls parked for a whole 60-token grant; once nothing runs, each release wakes one of
+    them (it takes what is free), not all three (two of which would only be told to wait again):
+    the ledger counts no extra "wait" answer, and the calls are served one after another."""
+    worker1, worker2 = two
+    rid = f"w{uuid.uuid4().hex[:8]}"
+    await worker1.open(rid, 100, cap=60)
+    deadline = time.time() + 30
+    assert (await worker2.reserve(rid, "a", None, deadline)).tokens == 60
+    waiters = [asyncio.create_task(worker1.acquire(rid, c, None, deadline)) for c in "bcd"]
+    await parked(worker1, 3)
+    snap = await worker1.snapshot(rid)
+    assert snap is not None
+    waits_before = snap.waits
+    await worker2.settle(rid, "a", 10)  # 90 free, nothing live: one call is woken and granted whole
+    done, _ = await asyncio.wait(waiters, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    (first,) = done
+    grant, _, _ = first.result()
+    assert (grant.code, grant.tokens, grant.cut) == (GRANTED, 60, False)
+    await parked(worker1, 2)
+    snap = await worker1.snapshot(rid)
+    assert snap is not None and snap.waits == waits_before  # the other two never asked again
+    rest = [w for w in waiters if w is not first]
+    await worker1.settle(rid, "bcd"[waiters.index(first)], 10)  # 80 free
+    done, _ = await asyncio.wait(rest, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    (second,) = done
+    assert second.result()[0].tokens == 60
+    await worker1.settle(rid, "bcd"[waiters.index(second)], 60)  # 20 free, nothing live: the remainder
+    last = next(w for w in rest if w is not second)
+    grant, _, _ = await asyncio.wait_for(last, 10)
+    assert (grant.code, grant.tokens, grant.cut) == (GRANTED, 20, True)
 
 
 async def test_a_waiter_gives_up_at_its_deadline_with_a_counted_rejection(
