@@ -58,6 +58,7 @@ FLAGS_A: dict[str, str | None] = {
     "--sub-llm-max-completion-tokens": "60",
     "--sub-llm-per-call-max-tokens": "20",
     "--root-max-completion-tokens": "300",
+    "--max-tokens": "100",  # a root turn's max_tokens: whole turns of 100 under the root budget of 300
     "--max-sub-llm-parallelism": "2",
     "--sub-call-timeout": "4",
     "--concurrency": "3",
@@ -321,8 +322,9 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
         assert len(root_b_params) == 2 and len(sub_b_params) == 8
         for p in root_b_params:
             assert (p["top_k"], p["temperature"], p["top_p"], p["max_tokens"]) == (5, 0.4, 0.9, 3000), p
-        for p in sub_b_params:
-            assert (p["min_p"], p["temperature"], p["top_p"]) == (0.2, 0.3, 0.7), p
+        for p in sub_b_params:  # the --sub-* ones over the root's, which sub-calls inherit otherwise
+            got = (p["min_p"], p["temperature"], p["top_p"], p["top_k"], p["max_tokens"])
+            assert got == (0.2, 0.3, 0.7, 5, 3000), p
     finally:
         for run in runs:
             run.stop()
@@ -370,15 +372,16 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
     assert "/60 sub-LLM completion tokens used]" in cells[0]
     if m["sub_llm_completion_tokens"] == 60:
         assert second["results"][0]["status"] == "rejected"
-    # --root-max-completion-tokens 300: the 400-word reply was cut, and the rollout stopped
-    assert rows["rootcap"]["metrics"]["main_rlm_completion_tokens"] == 300
+    # --root-max-completion-tokens 300 with --max-tokens 100: the 400-word reply was cut at its
+    # turn's whole 100 (never at what was left of the budget), and the rollout stopped
+    assert rows["rootcap"]["metrics"]["main_rlm_completion_tokens"] == 100
     assert rows["rootcap"]["stop_reason"] == "no_tool_call"
     # --root-prompt-verbosity heavy (and the limits the scaffold states)
     for row in ROWS_A:
         system = traj[row["id"]]["messages"][0]["content"]
         assert system == root_system_prompt(
             row["context"], verbosity="heavy", budget=60, max_turns=3, sub_llm_max_turns=2,
-            max_output_length=500, parallelism=2, root_budget=300, root_turn_tokens=300,
+            max_output_length=500, parallelism=2, root_budget=300, root_turn_tokens=100,
         )  # fmt: skip
         assert traj[row["id"]]["messages"][1]["content"] == row["question"]
     # --max-batch-prompts 6 / --max-batch-bytes 200000: the REPL refused both batches
