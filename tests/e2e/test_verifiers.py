@@ -338,7 +338,8 @@ def test_the_budget_holds_under_vf_eval_set_by_the_environment_or_by_the_knob(
         served = sum(s.completion_tokens for s in seen if not s.root and s.session_id == t["id"])
         assert m["sub_llm_budget_limit"] == 3, m
         assert 0 < served <= 3, served
-        assert m["sub_llm_call_count"] >= 5 and m["sub_llm_rejected_count"] >= m["sub_llm_call_count"] - 3
+        ran, rejected = m["sub_llm_call_count"], m["sub_llm_rejected_count"]  # ran: the calls that ran
+        assert ran + rejected >= 5 and 1 <= ran <= 3
 
 
 @pytest.mark.parametrize(
