@@ -93,8 +93,9 @@ def root_system_prompt(
     if budget is not None:
         parts.append(
             f"Sub-LLM calls share a budget of {budget:,} completion tokens for this task. Each `llm_batch` "
-            "prints `[U/B sub-LLM completion tokens used]`; when it is spent, calls are rejected and you must "
-            "finish with what you have."
+            "prints `[U/B sub-LLM completion tokens used]` and the tokens left; an answer cut short by the "
+            "budget is marked CUT; when it is spent, calls return a string starting with `[rejected]` and you "
+            "must finish with what you have."
         )
     if root_budget is not None:
         parts.append(
