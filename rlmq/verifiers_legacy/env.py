@@ -308,5 +308,7 @@ def _repl_arguments(given: dict[str, Any]) -> dict[str, Any]:
         elif name in RolloutOptions.model_fields:
             out[name] = value
         elif value not in honoured:
-            raise ConfigError(f"RLMEnv({name}={value!r}) is not supported by this rlmq; it runs {honoured[0]!r}")
+            raise ConfigError(
+                f"RLMEnv({name}={value!r}) is not supported by this rlmq (it supports {name}={honoured[0]!r} only)"
+            )
     return out

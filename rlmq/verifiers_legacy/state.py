@@ -63,7 +63,7 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
     Sets ``final_answer`` (``answer["content"]``; ``""`` when the rollout never set one, as the
     reference reads it back from its REPL), ``raw_prompt`` / ``prompt`` / ``completion``, the
     metric keys, ``stop_condition``, ``is_completed``, ``error`` and ``rlmq`` (rlmq's own row:
-    stop reason, metrics, error).
+    rollout id (the trajectory id), stop reason, metrics, error).
     """
     row = result.row
     metrics = dict(row.metrics)
@@ -87,7 +87,12 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
         state["error"] = vf.Error(row.error or f"rlmq rollout ended with {row.stop_reason}")
     state["stop_condition"] = stop
     state["is_completed"] = True
-    state["rlmq"] = {"stop_reason": row.stop_reason, "metrics": dict(row.metrics), "error": row.error}
+    state["rlmq"] = {
+        "rollout_id": state["trajectory_id"],
+        "stop_reason": row.stop_reason,
+        "metrics": dict(row.metrics),
+        "error": row.error,
+    }
     state["timing"].generation.end = time.time()
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from rlmq.common.tree import MAX_DEPTH
 
-__all__ = ["IGNORED", "MAPPED", "RlmHarnessKeys", "rlm_settings"]
+__all__ = ["IGNORED", "MAPPED", "RlmHarnessKeys", "log_ignored", "rlm_settings"]
 
 log = logging.getLogger("rlmq.verifiers")
 
@@ -118,13 +118,20 @@ def rlm_settings(keys: RlmHarnessKeys, given: dict[str, Any], task_system_prompt
     return out
 
 
+_LOGGED: set[str] = set()
+"""Lines already logged by this process (a config is validated more than once by vf-eval)."""
+
+
 def log_ignored(keys: RlmHarnessKeys) -> list[str]:
-    """Log one line per ``rlm`` key that is set but has no counterpart; return the lines."""
+    """Log one line per ``rlm`` key that is set but has no counterpart (once per process);
+    return the lines for these keys."""
     lines = [
-        f"rlmq harness: rlm key {name!r} has no effect here: {why}"
+        f"rlmq harness: the rlm key {name!r} has no effect here: {why}"
         for name, why in IGNORED.items()
         if getattr(keys, name) is not None
     ]
     for line in lines:
-        log.warning(line)
+        if line not in _LOGGED:
+            _LOGGED.add(line)
+            log.warning(line)
     return lines

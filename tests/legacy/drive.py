@@ -57,6 +57,7 @@ async def main(argv: list[str]) -> int:
                 "completion_messages": len(out.get("completion") or []),
                 "prompt_roles": [m.get("role") for m in out.get("prompt") or []],
                 "trajectory_steps": len(out.get("trajectory") or []),
+                "token_usage": out.get("token_usage"),
             }
         )
     with open(args.out, "w", encoding="utf-8") as fh:
