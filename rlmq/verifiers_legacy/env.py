@@ -65,7 +65,7 @@ _SANDBOX_DEFAULTS: dict[str, Any] = {
 Verbosity = Literal["light", "medium", "heavy"]
 
 
-class RLMEnv(vf.Environment):  # type: ignore[misc]
+class RLMEnv(vf.Environment):
     """A verifiers 0.1.14 ``Environment`` with the reference ``RLMEnv``'s constructor (see the
     module docstring). Arguments not listed here go to ``vf.Environment`` (``dataset``,
     ``eval_dataset``, ``rubric``, ``parser``, ``max_seq_len``, ``sampling_args``, ...).
@@ -203,7 +203,7 @@ class RLMEnv(vf.Environment):  # type: ignore[misc]
                 self._rlmq = env
         return self._rlmq
 
-    @vf.teardown  # type: ignore[misc]
+    @vf.teardown
     async def _close_rlmq(self) -> None:
         """Close the rlmq environment (Redis connection, interception server) at teardown."""
         env, self._rlmq = self._rlmq, None

@@ -131,7 +131,7 @@ def _root_tool_metric(name: str) -> Callable[..., Awaitable[float]]:
     return metric
 
 
-class LegacyMonitorRubric(vf.Rubric):  # type: ignore[misc]
+class LegacyMonitorRubric(vf.Rubric):
     """The reference's monitor metrics (:data:`REFERENCE_METRICS`, ``<tool>_root_calls``) plus
     rlmq's own (``sub_llm_budget_*``, ``sub_llm_rejected_count``, ...), each read from the state;
     weight 0: they report, they do not reward."""

@@ -55,25 +55,27 @@ class RlmHarnessKeys(BaseModel):
     bounds are the ``rlm`` harness's own; what each means here is in :data:`MAPPED` /
     :data:`IGNORED`."""
 
-    max_depth: int | None = Field(None, ge=0, le=MAX_DEPTH - 1, description="rlm meaning: " + MAPPED["max_depth"])
-    max_total_tokens: int | None = Field(None, ge=0, description=MAPPED["max_total_tokens"])
-    max_total_turns: int | None = Field(None, ge=1, description=MAPPED["max_total_turns"])
-    max_concurrent_subagents: int | None = Field(None, ge=1, description=MAPPED["max_concurrent_subagents"])
-    exec_timeout: int | None = Field(None, ge=1, description=MAPPED["exec_timeout"])
-    max_tool_output_bytes: int | None = Field(None, ge=1, description=MAPPED["max_tool_output_bytes"])
-    append_to_system_prompt: str | None = Field(None, description=MAPPED["append_to_system_prompt"])
-    version: str | None = Field(None, description="ignored: " + IGNORED["version"])
-    max_subagent_calls: int | None = Field(None, ge=1, description="ignored: " + IGNORED["max_subagent_calls"])
-    builtin_skills: list[str] | None = Field(None, description="ignored: " + IGNORED["builtin_skills"])
-    builtin_tools: list[str] | None = Field(None, description="ignored: " + IGNORED["builtin_tools"])
-    compaction: dict[str, Any] | bool | None = Field(None, description="ignored: " + IGNORED["compaction"])
-    delegation_prompt: bool | None = Field(None, description="ignored: " + IGNORED["delegation_prompt"])
-    allow_git: bool | None = Field(None, description="ignored: " + IGNORED["allow_git"])
+    max_depth: int | None = Field(
+        default=None, ge=0, le=MAX_DEPTH - 1, description="rlm meaning: " + MAPPED["max_depth"]
+    )
+    max_total_tokens: int | None = Field(default=None, ge=0, description=MAPPED["max_total_tokens"])
+    max_total_turns: int | None = Field(default=None, ge=1, description=MAPPED["max_total_turns"])
+    max_concurrent_subagents: int | None = Field(default=None, ge=1, description=MAPPED["max_concurrent_subagents"])
+    exec_timeout: int | None = Field(default=None, ge=1, description=MAPPED["exec_timeout"])
+    max_tool_output_bytes: int | None = Field(default=None, ge=1, description=MAPPED["max_tool_output_bytes"])
+    append_to_system_prompt: str | None = Field(default=None, description=MAPPED["append_to_system_prompt"])
+    version: str | None = Field(default=None, description="ignored: " + IGNORED["version"])
+    max_subagent_calls: int | None = Field(default=None, ge=1, description="ignored: " + IGNORED["max_subagent_calls"])
+    builtin_skills: list[str] | None = Field(default=None, description="ignored: " + IGNORED["builtin_skills"])
+    builtin_tools: list[str] | None = Field(default=None, description="ignored: " + IGNORED["builtin_tools"])
+    compaction: dict[str, Any] | bool | None = Field(default=None, description="ignored: " + IGNORED["compaction"])
+    delegation_prompt: bool | None = Field(default=None, description="ignored: " + IGNORED["delegation_prompt"])
+    allow_git: bool | None = Field(default=None, description="ignored: " + IGNORED["allow_git"])
     subagent_append_to_system_prompt: str | None = Field(
-        None, description="ignored: " + IGNORED["subagent_append_to_system_prompt"]
+        default=None, description="ignored: " + IGNORED["subagent_append_to_system_prompt"]
     )
     leaf_append_to_system_prompt: str | None = Field(
-        None, description="ignored: " + IGNORED["leaf_append_to_system_prompt"]
+        default=None, description="ignored: " + IGNORED["leaf_append_to_system_prompt"]
     )
 
 

@@ -5,7 +5,7 @@ cannot share one environment, so these tests run their verifiers side as subproc
 second venv, ``.venv-legacy`` at the checkout's root: ``pip install -e '.[verifiers-legacy]'``
 (this checkout, editable, so code changes need no rebuild). It is built by the first test
 session that needs it (a few minutes; PyPI must be reachable) and reused while
-``pyproject.toml`` and ``setup.py`` are unchanged (a stamp file records their hash). A failed
+``pyproject.toml``'s ``[project]`` and ``setup.py`` are unchanged (a stamp file records their hash). A failed
 build fails the tests that need it, with pip's output; nothing is skipped. Sessions in parallel
 (pytest-xdist) wait on one lock file, so the venv is built once.
 """
@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,9 +34,11 @@ BUILD_TIMEOUT = 1200
 
 
 def _stamp() -> str:
-    digest = hashlib.sha256()
-    for name in ("pyproject.toml", "setup.py"):
-        digest.update((ROOT / name).read_bytes())
+    """What the venv was built from: pyproject's ``[project]`` table (dependencies, extras,
+    entry points) and ``setup.py`` (the packages); tool settings do not count."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    digest = hashlib.sha256(json.dumps(project, sort_keys=True).encode())
+    digest.update((ROOT / "setup.py").read_bytes())
     return digest.hexdigest()
 
 
@@ -78,5 +82,5 @@ def legacy_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment of a subprocess in the legacy venv: the reference-style module on
     ``PYTHONPATH``, no ``RLMQ_*`` of the machine, ``extra`` on top."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLMQ_") and k != "REDIS_URL"}
-    env.update(PYTHONPATH=str(ROOT / "tests" / "legacy" / "envs"), RLMQ_TEST_KEY="sk-test", **extra)
+    env.update({"PYTHONPATH": str(ROOT / "tests" / "legacy" / "envs"), "RLMQ_TEST_KEY": "sk-test", **extra})
     return env

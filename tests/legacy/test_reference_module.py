@@ -17,7 +17,6 @@ REPL; until then :data:`LANGUAGES` holds Python only and ``bash`` is refused in 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import uuid
 from collections.abc import Iterator

@@ -66,7 +66,9 @@ def test_max_total_tokens_zero_removes_the_budget_and_both_names_are_refused() -
         RlmqHarnessConfig(max_total_turns=10, max_turns=20)
 
 
-def test_a_key_without_counterpart_gets_one_line(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_key_without_counterpart_gets_one_line(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rlmq.verifiers_plugin import rlm_keys
 
     monkeypatch.setattr(rlm_keys, "_LOGGED", set())
