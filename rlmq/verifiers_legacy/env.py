@@ -30,6 +30,7 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.env import RLMEnv as RlmqEnv
+from rlmq.producer.root_tools import import_path
 from rlmq.verifiers_legacy.root_turns import CURRENT, RootDispatch, RootTurns
 from rlmq.verifiers_legacy.state import LegacyMonitorRubric, fill_state
 
@@ -167,7 +168,7 @@ class RLMEnv(vf.Environment):
             "rollout_timeout": float(sandbox_timeout_minutes) * 60.0,
             "tools": list(tools or []),
             "root_tools": list(root_tools or []),
-            "sub_tools": list(sub_tools or []),
+            "sub_tools": _sub_tool_paths(sub_tools or []),
             **_repl_arguments(given),
         }
         if kwargs.get("max_seq_len") is not None:
@@ -264,6 +265,24 @@ def _row(state: Any) -> DatasetRow:
         answer=answer if isinstance(answer, str) and answer else None,
         info=info,
     )
+
+
+def _sub_tool_paths(tools: list[Callable[..., Any] | str]) -> list[str]:
+    """``sub_tools`` as rlmq's workers import them: a callable becomes its ``module:name`` path.
+
+    Raises:
+        ConfigError: a callable without an import path (a lambda, a nested function).
+    """
+    paths: list[str] = []
+    for tool in tools:
+        path = tool if isinstance(tool, str) else import_path(tool)
+        if path is None:
+            raise ConfigError(
+                f"RLMEnv(sub_tools=[{tool!r}]): the sub-LLMs run on rlmq workers, which import a sub-tool by its path; "
+                "give a module-level function (or put it in tools, which run in this process)"
+            )
+        paths.append(path)
+    return paths
 
 
 def _refuse_unsupported(*, enable_sub_llms: bool, enable_summarization: bool) -> None:

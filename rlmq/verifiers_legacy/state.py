@@ -60,10 +60,11 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
             ``None`` when no root call was made.
         turn_cap: ``max_turns_in_context`` when it, not ``max_turns``, limited the root turns.
 
-    Sets ``final_answer`` (``answer["content"]``; ``""`` when the rollout never set one, as the
-    reference reads it back from its REPL), ``raw_prompt`` / ``prompt`` / ``completion``, the
-    metric keys, ``stop_condition``, ``is_completed``, ``error`` and ``rlmq`` (rlmq's own row:
-    rollout id (the trajectory id), stop reason, metrics, error).
+    Sets ``rollout_id`` (rlmq's, the trajectory id), ``final_answer`` (``answer["content"]``;
+    ``""`` when the rollout never set one, as the reference reads it back from its REPL),
+    ``raw_prompt`` / ``prompt`` / ``completion``, the metric keys, ``stop_condition``,
+    ``is_completed``, ``error`` and ``rlmq`` (rlmq's own row: rollout id, stop reason,
+    metrics, error).
     """
     row = result.row
     metrics = dict(row.metrics)
@@ -76,6 +77,7 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
     for key, value in metrics.items():
         state[key] = value
     state["final_answer"] = _final_answer(row, result)
+    state["rollout_id"] = state["trajectory_id"]
     state["raw_prompt"] = state["prompt"]
     if first_prompt is not None:
         state["prompt"] = first_prompt
