@@ -95,8 +95,8 @@ class RLMEnv(vf.Environment):
         sandbox_*: see :data:`SANDBOX_ARGUMENTS`.
 
     Raises:
-        ConfigError: a refused value (above), both budget names with different values, or a
-            value rlmq's settings refuse (named as the argument).
+        ConfigError: a refused value (above), both budget names with different values, a
+            value rlmq's settings refuse (named as the argument), or no ``REDIS_URL``.
     """
 
     def __init__(
@@ -177,6 +177,8 @@ class RLMEnv(vf.Environment):
         self.repl_language = repl_language
         self.sub_model = sub_model
         self._rlmq_check = RlmqEnv(**self._env_args())  # refuses bad values now, at construction
+        if not self._rlmq_check.settings.redis_url:
+            raise ConfigError("RLMEnv: no Redis for the sub-LLM fleet: set REDIS_URL (or RLMQ_REDIS_URL)")
         super().__init__(**kwargs)
         names = list(self._rlmq_check.toolbox.names)
         self.add_rubric(LegacyMonitorRubric(root_tool_names=names, extra=_RLMQ_METRICS))
@@ -279,7 +281,7 @@ def _sub_tool_paths(tools: list[Callable[..., Any] | str]) -> list[str]:
         if path is None:
             raise ConfigError(
                 f"RLMEnv(sub_tools=[{tool!r}]): the sub-LLMs run on rlmq workers, which import a sub-tool by its path; "
-                "give a module-level function (or put it in tools, which run in this process)"
+                "give a module-level function (root_tools take any callable)"
             )
         paths.append(path)
     return paths

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from typing import Any
 
 from datasets import Dataset
@@ -35,6 +36,14 @@ def _refusal(**kwargs: Any) -> str:
     return "accepted"
 
 
+def _without_redis() -> str:
+    saved = os.environ.pop("REDIS_URL")
+    try:
+        return _refusal(repl_language="python")
+    finally:
+        os.environ["REDIS_URL"] = saved
+
+
 DATA = Dataset.from_list([{"question": "q", "answer": "a", "info": {"context": "c"}}])
 
 
@@ -51,6 +60,7 @@ def main() -> None:
         sandbox_timeout_minutes=5,
         sandbox_memory_gb=8,
         pip_install_packages="numpy pandas",
+        sub_tools=[json.dumps],
         env_id="needle",
     )
     s = env._rlmq_check.settings
@@ -68,6 +78,7 @@ def main() -> None:
             "env_id": env.env_id,
             "eval_rows": len(env.get_eval_dataset()),
             "max_sub_llm_parallelism": s.max_sub_llm_parallelism,
+            "sub_tools": s.sub_tools,
         },  # fmt: skip
         "refused": {
             "both_budgets": _refusal(
@@ -81,6 +92,8 @@ def main() -> None:
             "bad_parallelism": _refusal(repl_language="python", max_sub_llm_parallelism=0),
             "bash": _refusal(),
             "message_history": _refusal(repl_language="python", expose_message_history=True),
+            "lambda_sub_tool": _refusal(repl_language="python", sub_tools=[lambda x: x]),
+            "no_redis": _without_redis(),
         },
     }
     print(json.dumps(facts))

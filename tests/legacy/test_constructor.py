@@ -48,6 +48,7 @@ def test_arguments_map_onto_rlmq_settings_and_base_arguments_pass_through(facts:
         "max_turns": 12, "sub_llm_max_completion_tokens": 500, "root_context_tokens": 32_000,
         "sub_call_timeout": 55.0, "rollout_timeout": 300.0, "pip_install_packages": ["numpy", "pandas"],
         "max_seq_len": 32_000, "env_id": "needle", "eval_rows": 1, "max_sub_llm_parallelism": 5,
+        "sub_tools": ["json:dumps"],
     }  # fmt: skip
 
 
@@ -58,6 +59,8 @@ def test_values_rlmq_cannot_honour_are_refused_in_one_line(facts: dict[str, Any]
     assert refused["no_sub_llms"].startswith("ConfigError: RLMEnv(enable_sub_llms=False) is not supported")
     assert refused["summarization"].startswith("ConfigError: RLMEnv(enable_summarization=True) is not supported")
     assert "RLMEnv argument max_sub_llm_parallelism" in refused["bad_parallelism"]
+    assert refused["lambda_sub_tool"].startswith("ConfigError: RLMEnv(sub_tools=[<function")
+    assert refused["no_redis"].startswith("ConfigError: RLMEnv: no Redis for the sub-LLM fleet: set REDIS_URL")
     for case, field in (("bash", "repl_language"), ("message_history", "expose_message_history")):
         if field in RolloutOptions.model_fields:
             assert refused[case] == "accepted", refused[case]

@@ -96,24 +96,48 @@ def _run(argv: list[str], fleet: Fleet, cwd: Path) -> subprocess.CompletedProces
     return proc
 
 
-def evaluate(legacy: Path, fleet: Fleet, tmp: Path, env_args: dict[str, Any]) -> list[dict[str, Any]]:
-    """``load_environment(**env_args).evaluate(...)`` in the 0.1.14 venv; its outputs."""
+def evaluate(legacy: Path, fleet: Fleet, tmp: Path, runs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``load_environment(**args).evaluate(...)`` for each ``args`` of ``runs``, in one process of
+    the 0.1.14 venv; the outputs of each run."""
     out = tmp / "evaluate.json"
-    argv = [str(legacy), str(DRIVE), str(out), json.dumps(env_args), "--base-url", fleet.proxy.url]
+    argv = [str(legacy), str(DRIVE), str(out), json.dumps(runs), "--base-url", fleet.proxy.url]
     _run([*argv, "--model", fleet.model], fleet, tmp)
     data = json.loads(out.read_text())
     assert data["verifiers"] == "0.1.14" and data["env"] == "rlmq.verifiers_legacy.env", data
-    outputs: list[dict[str, Any]] = data["outputs"]
-    return outputs
+    return [run["outputs"] for run in data["runs"]]
 
 
-def vf_eval(legacy: Path, fleet: Fleet, tmp: Path, env_args: dict[str, Any], n: int) -> list[dict[str, Any]]:
+@dataclass
+class Evaluated:
+    """The module's runs through ``evaluate``: one per REPL language without a budget, one with."""
+
+    plain: dict[str, list[dict[str, Any]]]
+    budgeted: list[dict[str, Any]]
+    root_requests: int
+
+
+@pytest.fixture(scope="module")
+def evaluated(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Evaluated:
+    tmp = tmp_path_factory.mktemp("legacy-evaluate")
+    plain = _rows(tmp / "plain.jsonl", 3)
+    spent = _rows(tmp / "spent.jsonl", 2, suffix=" [[mock:spend-all]]", min_chars=100_000)
+    runs = [{"rows_path": str(plain), "repl_language": language} for language in LANGUAGES]
+    runs.append({"rows_path": str(spent), "sub_llm_max_completion_tokens": BUDGET})
+    before = len(fleet.proxy.requests())
+    outputs = evaluate(legacy, fleet, tmp, runs)
+    roots = sum(1 for s in fleet.proxy.requests()[before:] if s.root)
+    return Evaluated(plain=dict(zip(LANGUAGES, outputs, strict=False)), budgeted=outputs[-1], root_requests=roots)
+
+
+def vf_eval(
+    legacy: Path, fleet: Fleet, tmp: Path, env_args: dict[str, Any], n: int, extra: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """verifiers 0.1.14's ``vf-eval needle_reference_rlm`` (its env server included); the rows of
     its ``results.jsonl``."""
     argv = [
         str(legacy.with_name("vf-eval")), "needle_reference_rlm", "-a", json.dumps(env_args),
         "-m", fleet.model, "-b", fleet.proxy.url, "-k", "RLMQ_TEST_KEY", "-n", str(n), "-r", "1",
-        "--disable-tui", "-s", "-o", str(tmp / "vf-out"),
+        "--disable-tui", "-s", "-o", str(tmp / "vf-out"), "-C", "final_answer,rlmq", *extra,
     ]  # fmt: skip
     _run(argv, fleet, tmp)
     found = list((tmp / "vf-out").rglob("results.jsonl"))
@@ -136,13 +160,11 @@ def test_the_module_differs_from_a_reference_module_by_its_import_only() -> None
 
 
 @pytest.mark.parametrize("language", LANGUAGES)
-def test_evaluate_scores_the_module_without_a_budget(legacy: Path, fleet: Fleet, tmp_path: Path, language: str) -> None:
+def test_evaluate_scores_the_module_without_a_budget(evaluated: Evaluated, language: str) -> None:
     """verifiers' ``evaluate`` runs every row; the module's own rubric scores each 1.0 from
     ``state["final_answer"]``; the root calls went through verifiers' client (verifiers counted
-    their tokens) and the sub-calls through the fleet."""
-    rows = _rows(tmp_path / "rows.jsonl", 3)
-    before = len(fleet.proxy.requests())
-    outputs = evaluate(legacy, fleet, tmp_path, {"rows_path": str(rows), "repl_language": language})
+    their tokens, and each is a trajectory step) and the sub-calls through the fleet."""
+    outputs = evaluated.plain[language]
     assert len(outputs) == 3
     for out in outputs:
         m = out["metrics"]
@@ -154,25 +176,25 @@ def test_evaluate_scores_the_module_without_a_budget(legacy: Path, fleet: Fleet,
         assert out["token_usage"]["output_tokens"] == m["root_llm_completion_tokens"] > 0
         assert out["prompt_roles"][:1] == ["system"], "the model-visible prompt (rlmq's scaffold) is the state's"
         assert m["sub_llm_budget_limit"] == 0
-    seen = fleet.proxy.requests()[before:]
-    roots = [s for s in seen if s.root]
-    assert len(roots) == sum(o["metrics"]["root_llm_turns"] for o in outputs)
-    assert all(s.model == fleet.model for s in seen)
 
 
-def test_evaluate_holds_the_old_budget_name_hard(legacy: Path, fleet: Fleet, tmp_path: Path) -> None:
+def test_every_root_call_reached_the_server_through_verifiers(evaluated: Evaluated) -> None:
+    """rlmq has no root-model URL here: the root requests the server saw are the root turns of
+    every run, all made by verifiers' client."""
+    runs = [*evaluated.plain.values(), evaluated.budgeted]
+    assert evaluated.root_requests == sum(o["metrics"]["root_llm_turns"] for run in runs for o in run) > 0
+
+
+def test_evaluate_holds_the_old_budget_name_hard(evaluated: Evaluated, fleet: Fleet) -> None:
     """#966's ``sub_llm_max_completion_tokens`` as the budget, sub-LLMs that spend every token
     they are granted, five or more sub-calls per rollout: the model server returns at most the
     budget per rollout, and the rubric scores what the rollout answered."""
-    rows = _rows(tmp_path / "rows.jsonl", 2, suffix=" [[mock:spend-all]]", min_chars=100_000)
-    args = {"rows_path": str(rows), "sub_llm_max_completion_tokens": BUDGET}
-    outputs = evaluate(legacy, fleet, tmp_path, args)
-    assert len(outputs) == 2
-    for out in outputs:
+    assert len(evaluated.budgeted) == 2
+    for out in evaluated.budgeted:
         m = out["metrics"]
         calls, served = _served(fleet, out["rlmq"]["rollout_id"])
         assert m["sub_llm_budget_limit"] == BUDGET and 0 < served <= BUDGET, (served, m)
-        assert m["sub_llm_budget_charged"] == served and m["sub_llm_call_count"] >= 5
+        assert m["sub_llm_budget_charged"] == served and m["sub_llm_call_count"] >= 5 and calls >= 1
         assert m["sub_llm_rejected_count"] >= 1
         expected = 1.0 if (out["final_answer"] or "").strip().lower() == out["answer"].lower() else 0.0
         assert out["reward"] == expected
@@ -180,18 +202,21 @@ def test_evaluate_holds_the_old_budget_name_hard(legacy: Path, fleet: Fleet, tmp
 
 def test_vf_eval_runs_the_module_with_and_without_a_budget(legacy: Path, fleet: Fleet, tmp_path: Path) -> None:
     """verifiers 0.1.14's ``vf-eval`` loads the module by name, runs it in its env server, and
-    saves each rollout's reward, stop condition and the reference's metric columns; once more
-    with 0.1.14's ``sub_max_completion_tokens``, held by the fleet."""
+    saves each rollout's reward, final answer, stop condition and the reference's metric
+    columns; once more (in-process, ``--disable-env-server``) with 0.1.14's
+    ``sub_max_completion_tokens``, held by the fleet: the server returned at most the budget."""
     rows = _rows(tmp_path / "rows.jsonl", 2)
     results = vf_eval(legacy, fleet, tmp_path, {"rows_path": str(rows)}, 2)
     assert len(results) == 2
     for row in results:
         assert row["reward"] == 1.0 and row["stop_condition"] == "answer_ready", {k: row.get(k) for k in row}
+        assert row["final_answer"] == row["answer"]
         assert row["root_llm_turns"] >= 1 and row["sub_llm_call_count"] >= 3
     spent = tmp_path / "budget"
     spent.mkdir()
     rows = _rows(spent / "rows.jsonl", 1, suffix=" [[mock:spend-all]]", min_chars=100_000)
-    results = vf_eval(legacy, fleet, spent, {"rows_path": str(rows), "sub_max_completion_tokens": BUDGET}, 1)
-    (row,) = results
-    assert row["sub_llm_budget_limit"] == BUDGET and 0 < row["sub_llm_budget_charged"] <= BUDGET, row
+    args = {"rows_path": str(rows), "sub_max_completion_tokens": BUDGET}
+    (row,) = vf_eval(legacy, fleet, spent, args, 1, ("--disable-env-server",))
+    _, served = _served(fleet, row["rlmq"]["rollout_id"])
+    assert row["sub_llm_budget_limit"] == BUDGET and 0 < row["sub_llm_budget_charged"] == served <= BUDGET, row
     assert row["sub_llm_call_count"] >= 5 and row["sub_llm_rejected_count"] >= 1
