@@ -25,8 +25,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import verifiers as vf
+from redis.exceptions import RedisError
 
-from rlmq.common.errors import ConfigError
+from rlmq.common.errors import ConfigError, RlmqError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.env import RLMEnv as RlmqEnv
@@ -145,32 +146,9 @@ class RLMEnv(vf.Environment):
         given = dict(locals())
         _refuse_unsupported(enable_sub_llms=enable_sub_llms, enable_summarization=enable_summarization)
         _log_sandbox({k: given[k] for k in _SANDBOX_DEFAULTS})
-        budget = _one_budget(sub_max_completion_tokens, sub_llm_max_completion_tokens)
         turns = max_turns if max_turns_in_context is None or max_turns <= 0 else min(max_turns, max_turns_in_context)
         self.turn_cap = max_turns_in_context if max_turns_in_context is not None and turns != max_turns else None
-        self.rlmq_args: dict[str, Any] = {
-            "max_turns": turns,
-            "sub_llm_max_turns": sub_llm_max_turns,
-            "sub_llm_max_completion_tokens": budget,
-            "root_max_completion_tokens": root_max_completion_tokens,
-            "sub_model": sub_model,
-            "sub_prompt_verbosity": sub_prompt_verbosity,
-            "root_prompt_verbosity": root_prompt_verbosity,
-            "max_output_length": max_output_length,
-            "max_sub_llm_parallelism": max_sub_llm_parallelism,
-            "system_prompt": system_prompt,
-            "include_sub_llm_in_trajectory": include_sub_llm_in_trajectory,
-            "context_warning_threshold": context_warning_threshold,
-            "max_startup_wait_seconds": float(max_startup_wait_seconds),
-            "code_execution_timeout": float(code_execution_timeout),
-            "sub_call_timeout": float(max(1, code_execution_timeout - 5)),
-            "abort_on_code_timeout": abort_on_code_timeout,
-            "rollout_timeout": float(sandbox_timeout_minutes) * 60.0,
-            "tools": list(tools or []),
-            "root_tools": list(root_tools or []),
-            "sub_tools": _sub_tool_paths(sub_tools or []),
-            **_repl_arguments(given),
-        }
+        self.rlmq_args: dict[str, Any] = {**_rlmq_arguments(given), "max_turns": turns}
         if kwargs.get("max_seq_len") is not None:
             self.rlmq_args["root_context_tokens"] = kwargs["max_seq_len"]
         self.max_turns = max_turns
@@ -235,7 +213,7 @@ class RLMEnv(vf.Environment):
             env = await self._started()
             result = await env.rollout(_row(state), model=model, rollout_id=state["trajectory_id"])
             fill_state(state, result, first_prompt=turns.first_prompt, turn_cap=self.turn_cap)
-        except (vf.Error, ConfigError, OSError) as exc:
+        except (vf.Error, RlmqError, RedisError, OSError) as exc:
             state["error"] = exc if isinstance(exc, vf.Error) else vf.Error(f"{type(exc).__name__}: {exc}")
             state["is_completed"], state["stop_condition"] = True, "has_error"
             state["completion"] = state.get("completion") or []
@@ -243,6 +221,35 @@ class RLMEnv(vf.Environment):
             CURRENT.reset(token)
         await self.cleanup(state)
         return state
+
+
+def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
+    """rlmq ``RLMEnv`` arguments from the reference's (``given``: the constructor's locals).
+
+    Raises:
+        ConfigError: both budget names with different values; a sub-tool without an import
+            path; a REPL argument rlmq cannot honour.
+    """
+    timeout = given["code_execution_timeout"]
+    same = (
+        "sub_llm_max_turns", "root_max_completion_tokens", "sub_model", "sub_prompt_verbosity",
+        "root_prompt_verbosity", "max_output_length", "max_sub_llm_parallelism", "system_prompt",
+        "include_sub_llm_in_trajectory", "context_warning_threshold", "abort_on_code_timeout",
+    )  # fmt: skip
+    return {
+        **{name: given[name] for name in same},
+        "sub_llm_max_completion_tokens": _one_budget(
+            given["sub_max_completion_tokens"], given["sub_llm_max_completion_tokens"]
+        ),
+        "max_startup_wait_seconds": float(given["max_startup_wait_seconds"]),
+        "code_execution_timeout": float(timeout),
+        "sub_call_timeout": float(max(1, timeout - 5)),  # the reference's sub-call timeout
+        "rollout_timeout": float(given["sandbox_timeout_minutes"]) * 60.0,
+        "tools": list(given["tools"] or []),
+        "root_tools": list(given["root_tools"] or []),
+        "sub_tools": _sub_tool_paths(given["sub_tools"] or []),
+        **_repl_arguments(given),
+    }
 
 
 _RLMQ_METRICS: tuple[str, ...] = (
