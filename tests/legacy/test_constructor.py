@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from rlmq.common.settings import RolloutOptions
-from tests.legacy.conftest import ROOT, legacy_env
+from tests.legacy.conftest import BUILD_TIMEOUT, ROOT, legacy_env
+
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)  # the first test may build the venv
 
 OF_966 = {"sub_llm_max_completion_tokens": "None", "expose_message_history": "False"}
 """#966's arguments that 0.1.14 renamed or dropped, with #966's defaults."""

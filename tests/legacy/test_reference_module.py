@@ -30,9 +30,9 @@ from rlmq.cli.demo import needle_rows
 from rlmq.cli.local import LocalFleet, ProcessGroup, start_mock_llm
 from rlmq.common.settings import RolloutOptions
 from tests.e2e.test_verifiers import RecordingProxy
-from tests.legacy.conftest import ROOT, legacy_env
+from tests.legacy.conftest import BUILD_TIMEOUT, ROOT, legacy_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(BUILD_TIMEOUT + 600)]  # the first test may build the venv
 
 MODULE = ROOT / "tests" / "legacy" / "envs" / "needle_reference_rlm.py"
 DRIVE = ROOT / "tests" / "legacy" / "drive.py"
