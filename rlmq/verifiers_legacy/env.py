@@ -146,8 +146,9 @@ class RLMEnv(vf.Environment):
         given = dict(locals())
         _refuse_unsupported(enable_sub_llms=enable_sub_llms, enable_summarization=enable_summarization)
         _log_sandbox({k: given[k] for k in _SANDBOX_DEFAULTS})
-        turns = max_turns if max_turns_in_context is None or max_turns <= 0 else min(max_turns, max_turns_in_context)
-        self.turn_cap = max_turns_in_context if max_turns_in_context is not None and turns != max_turns else None
+        capped = max_turns_in_context is not None and (max_turns <= 0 or max_turns_in_context < max_turns)
+        turns = max_turns_in_context if capped and max_turns_in_context is not None else max_turns
+        self.turn_cap = max_turns_in_context if capped else None
         self.rlmq_args: dict[str, Any] = {**_rlmq_arguments(given), "max_turns": turns}
         if kwargs.get("max_seq_len") is not None:
             self.rlmq_args["root_context_tokens"] = kwargs["max_seq_len"]

@@ -80,6 +80,10 @@ def main() -> None:
             "max_sub_llm_parallelism": s.max_sub_llm_parallelism,
             "sub_tools": s.sub_tools,
         },  # fmt: skip
+        "turn_caps": [
+            RLMEnv(dataset=DATA, repl_language="python", max_turns=m, max_turns_in_context=c).rlmq_args["max_turns"]
+            for m, c in ((0, 5), (30, 12), (10, 40), (50, None))
+        ],
         "refused": {
             "both_budgets": _refusal(
                 repl_language="python", sub_max_completion_tokens=5, sub_llm_max_completion_tokens=6

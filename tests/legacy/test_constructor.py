@@ -54,6 +54,11 @@ def test_arguments_map_onto_rlmq_settings_and_base_arguments_pass_through(facts:
     }  # fmt: skip
 
 
+def test_max_turns_in_context_caps_the_turns_even_without_a_turn_limit(facts: dict[str, Any]) -> None:
+    """(max_turns, max_turns_in_context): (0, 5) -> 5, (30, 12) -> 12, (10, 40) -> 10, (50, None) -> 50."""
+    assert facts["turn_caps"] == [5, 12, 10, 50]
+
+
 def test_values_rlmq_cannot_honour_are_refused_in_one_line(facts: dict[str, Any]) -> None:
     refused = facts["refused"]
     assert refused["same_budgets"] == "accepted"
