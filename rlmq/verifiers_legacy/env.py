@@ -264,9 +264,10 @@ _RLMQ_METRICS: tuple[str, ...] = (
 def _row(state: Any) -> DatasetRow:
     info = state.get("info")
     info = dict(info) if isinstance(info, dict) else {}
-    users = [m for m in state["prompt"] if getattr(m, "role", None) == "user"]
-    content = users[-1].content if users else ""
-    question = content if isinstance(content, str) else " ".join(str(getattr(p, "text", p)) for p in content)
+    messages = list(state["prompt"])
+    users = [m for m in messages if getattr(m, "role", None) == "user"] or messages  # a plain-text prompt
+    content = getattr(users[-1], "content", "") if users else ""
+    question = content if isinstance(content, str) else " ".join(_text(part) for part in content or [])
     answer = state.get("answer")
     return DatasetRow(
         id=str(state.get("example_id", "0")),
@@ -275,6 +276,12 @@ def _row(state: Any) -> DatasetRow:
         answer=answer if isinstance(answer, str) and answer else None,
         info=info,
     )
+
+
+def _text(part: Any) -> str:
+    """The text of one content part (a pydantic part or a dict); ``""`` for an image or audio part."""
+    text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
+    return text if isinstance(text, str) else ""
 
 
 def _sub_tool_paths(tools: list[Callable[..., Any] | str]) -> list[str]:
