@@ -238,7 +238,8 @@ def markdown() -> str:
         "",
         "One precedence on every path: an explicit value (a flag, an `RLMEnv` argument, a",
         "`--env.agent.harness.*` knob of the verifiers harness) > its environment variable > the default.",
-        "Every rollout option is also an `RLMEnv` argument and a harness knob of the same name. A list",
+        "Every rollout option is also an `RLMEnv` argument and a harness knob of the same name (the harness's",
+        "`max_depth` has the meaning of verifiers' `rlm` harness, one less: [verifiers.md](verifiers.md)). A list",
         "is written as JSON in its variable (`RLMQ_SUB_TOOLS='[\"a.b\"]'`); a flag of a list is repeated.",
         "",
     ]

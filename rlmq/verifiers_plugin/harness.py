@@ -23,6 +23,7 @@ from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions, build_settings
 from rlmq.common.settings_schema import unset_model
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
+from rlmq.verifiers_plugin.rlm_keys import RlmHarnessKeys, log_ignored, rlm_settings
 
 __all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row", "trace_events"]
 
@@ -38,11 +39,15 @@ def harness_flag(name: str) -> str:
     return "--env.agent.harness." + name.replace("_", "-")
 
 
-class RlmqHarnessConfig(vf.HarnessConfig, _RolloutKnobFields):
+class RlmqHarnessConfig(vf.HarnessConfig, RlmHarnessKeys, _RolloutKnobFields):
     """The ``rlmq`` harness's knobs, under ``--env.agent.harness.*``.
 
     Every field of :class:`~rlmq.common.settings.RolloutOptions` is a knob of the same name
-    (``--env.agent.harness.max-turns``, ...), derived from the declaration. A knob left unset
+    (``--env.agent.harness.max-turns``, ...), derived from the declaration, except
+    ``max_depth``, which takes the meaning of verifiers' ``rlm`` harness: the keys of that
+    harness (:class:`~rlmq.verifiers_plugin.rlm_keys.RlmHarnessKeys`: ``max_depth``,
+    ``max_total_tokens``, ``max_total_turns``, ...) are accepted with their meanings, so a
+    Taskset written for ``harness.id rlm`` changes only its id. A knob left unset
     (``None``) falls back to rlmq's ``RLMQ_*`` variable, then rlmq's default: the precedence
     of ``rlmq run`` and ``RLMEnv``. The values and the environment are checked when the
     config is built, so a bad one (a budget of 0 included) stops ``vf-eval`` at once with one
@@ -72,19 +77,28 @@ class RlmqHarnessConfig(vf.HarnessConfig, _RolloutKnobFields):
             build_settings({**knobs.settings, **knobs.env_args}, label=harness_flag)
         except ConfigError as exc:
             raise ValueError(str(exc)) from exc
+        log_ignored(self)
         return self
 
-    def knobs(self) -> RolloutKnobs:
+    def knobs(self, task_system_prompt: str | None = None) -> RolloutKnobs:
         """The rlmq settings these knobs stand for: only the knobs given (not ``None``), so the
         ``RLMQ_*`` variables and rlmq's defaults fill the rest (the rollout options go in as
-        settings, so a new ``RolloutOptions`` field needs nothing here)."""
-        settings = {name: getattr(self, name) for name in RolloutOptions.model_fields}
+        settings, so a new ``RolloutOptions`` field needs nothing here); the ``rlm`` keys
+        translated (``max_depth`` + 1, ``max_total_tokens`` as the hard budget, ...), and the
+        taskset's system prompt (``task_system_prompt``) with ``append_to_system_prompt`` after
+        rlmq's scaffold.
+
+        Raises:
+            ValueError: an ``rlm`` key and the rlmq knob it maps onto are both given.
+        """
+        settings = {name: getattr(self, name) for name in RolloutOptions.model_fields if name != "max_depth"}
         settings.update(
             redis_url=self.redis_url.get_secret_value() if self.redis_url is not None else None,
             queue=self.queue,
             tenant=self.tenant,
         )
-        return RolloutKnobs(settings={k: v for k, v in settings.items() if v is not None})
+        given = {k: v for k, v in settings.items() if v is not None}
+        return RolloutKnobs(settings=rlm_settings(self, given, task_system_prompt))
 
 
 def trainer_sampling(ctx: Any) -> dict[str, Any]:
@@ -146,6 +160,9 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
     the rlmq fleet. Returns a synthetic ``ProgramResult`` (exit 0, or 1 with the error)."""
 
     NEEDS_CONTAINER = False  # nothing is installed or run in the runtime
+    APPENDS_SYSTEM_PROMPT = True
+    """A task's system prompt goes into the root model's system message, after rlmq's scaffold
+    (as the ``rlm`` harness appends it), not before the question."""
     EXECUTES_CODE = False
     """Model-written code does run, but never in the verifiers runtime: in rlmq's own REPL
     sandbox on the host running the harness (``shared/DESIGN.md``, invariant 4). So
@@ -175,10 +192,10 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
             ValueError: the task's prompt is a list of messages (rlmq needs one question).
             ConfigError: rlmq settings are invalid or no Redis URL is set.
         """
-        _system, prompt = self.resolve_text_prompt(data)
+        system, prompt = self.resolve_text_prompt(data)
         row = dataset_row(data, prompt or "")
         rollout_id = rollout_id_for(trace.id)
-        knobs = self.config.knobs()
+        knobs = self.config.knobs(system)
         sampling = trainer_sampling(ctx)
         if sampling and "sampling_args" not in knobs.settings:  # sub-calls sample as the rollout does
             knobs.settings["sampling_args"] = sampling

@@ -18,7 +18,13 @@ from tests.unit.test_settings_paths import clean_environment, env_text, reached,
 
 __all__ = ["clean_environment"]  # the autouse fixture: no RLMQ_* of the machine leaks into a case
 
-HARNESS_CASES = [pytest.param(k, id=k.name) for k in knobs() if k.owner == "rollout" or k.name in ("queue", "tenant")]
+HARNESS_CASES = [
+    pytest.param(k, id=k.name)
+    for k in knobs()
+    if (k.owner == "rollout" and k.name != "max_depth") or k.name in ("queue", "tenant")
+]
+"""Every rollout knob but `max_depth`, which has the meaning of the rlm harness there (its own test:
+`tests/unit/test_rlm_harness_keys.py`)."""
 
 
 @pytest.mark.parametrize("k", HARNESS_CASES)
