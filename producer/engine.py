@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
 from rlmq.common.settings import RolloutOptions, setting_default
+from rlmq.common.token_wire import turn_counts
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandler
@@ -380,6 +381,7 @@ class _RolloutRun:
         ro, pos = self.ro, self.pos
         metrics = ro.stats.metrics()
         metrics.update(tree_metrics(ro.trajectory, metrics, depth=pos.depth, max_depth=pos.max_depth))
+        metrics.update(turn_counts(ro.trajectory))  # trainable turns of its tree, and why others are not
         if ro.ledger is not None and self.node.top:  # a child's ledger is its tree's: the top reports it
             metrics.update(await ro.ledger.metrics())
         row = ro.row

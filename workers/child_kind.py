@@ -26,6 +26,7 @@ from rlmq.common.jobstore import StartedJob, slot_of
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, decode_job_data
 from rlmq.common.schemas import ChildOutcome, ChildRolloutRequest, DatasetRow, SubLLMResult, load_child_request
 from rlmq.common.settings import RolloutOptions
+from rlmq.common.spill import spill_result
 from rlmq.common.tree import TreePosition
 from rlmq.producer.child_trajectory import cut_trajectory, without_surrogates
 from rlmq.producer.engine import run_rollout
@@ -180,11 +181,11 @@ class ChildKind:
                 trajectory=cut_trajectory(res.trajectory),  # bounded before it reaches Redis and the parent
             ),
         )
-        try:
-            return sub_llm_outcome(result, [])
+        try:  # a large trajectory (the child's turns' tokens) goes beside the reply stream
+            return sub_llm_outcome(await spill_result(self.w.redis, result, req.deadline), [])
         except PydanticSerializationError:  # a lone surrogate in the answer or the trajectory
             clean = SubLLMResult.model_validate(without_surrogates(result.model_dump()))
-            return sub_llm_outcome(clean, [])
+            return sub_llm_outcome(await spill_result(self.w.redis, clean, req.deadline), [])
 
     async def _check_parent(self, req: ChildRolloutRequest) -> tuple[str, str] | None:
         """``(error kind, message)`` when the job may not join the tree it names, else ``None``.
