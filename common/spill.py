@@ -29,7 +29,7 @@ __all__ = ["SPILL_BYTES", "SPILL_TTL_SLACK", "spill_result", "unspill"]
 
 log = logging.getLogger(__name__)
 
-SPILL_BYTES = 64 * 1024
+SPILL_BYTES = 16 * 1024
 """Bytes of JSON of a result's token payload above which the worker spills it."""
 SPILL_TTL_SLACK = 600
 """Seconds a spilled payload outlives its call's deadline (the producer deletes it sooner)."""

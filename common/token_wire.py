@@ -87,7 +87,9 @@ def encode_ids(ids: list[int]) -> str:
     Raises:
         ValueError: an id outside ``[0, 2**31 - 1]``.
     """
-    return _b64(array("i", ids))  # array raises OverflowError (a ValueError) past int32
+    if any(i < 0 or i > MAX_TOKEN_ID for i in ids):
+        raise ValueError(f"token ids must be in [0, {MAX_TOKEN_ID}]")
+    return _b64(array("i", ids))
 
 
 def decode_ids(text: str) -> list[int]:
