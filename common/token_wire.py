@@ -316,7 +316,8 @@ def expand_trajectory(trajectory: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A copy of a rollout's trajectory with every token record as JSON lists, for
     ``trajectories.jsonl``: a root event's ``tokens`` becomes its ``prompt_token_ids``,
     ``completion_token_ids``, ``completion_logprobs`` (+ ``sampling``, ``trainable``); a sub-call
-    result's ``turn_tokens`` becomes ``turns`` (one such dict per model turn); a child's
+    result's ``turn_tokens`` becomes ``steps`` (one such dict per model turn, as verifiers names a
+    trajectory's steps); a child's
     trajectory (``rlm_batch`` results' ``child.trajectory``) is expanded the same way. A trajectory
     without token records comes back equal to itself."""
     roots = TurnDecoder()
@@ -338,7 +339,7 @@ def _expand_result(result: dict[str, Any]) -> dict[str, Any]:
     res = dict(result)
     if "turn_tokens" in res:
         decoder = TurnDecoder()
-        res["turns"] = [decoder.decode(t) for t in _dicts(res.pop("turn_tokens"))]
+        res["steps"] = [decoder.decode(t) for t in _dicts(res.pop("turn_tokens"))]
     child = res.get("child")
     if isinstance(child, dict) and isinstance(child.get("trajectory"), list):
         res["child"] = {**child, "trajectory": expand_trajectory(child["trajectory"])}

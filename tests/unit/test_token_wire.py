@@ -114,7 +114,7 @@ def test_the_byte_cap_strips_later_turns_and_marks_them() -> None:
     assert turn_counts(traj) == {
         "trainable_turn_count": 2, "untrainable_turn_count": 2, "untrainable_turns_payload_cap": 2
     }  # fmt: skip
-    turns = expand_trajectory(traj)[0]["results"][0]["turns"]
+    turns = expand_trajectory(traj)[0]["results"][0]["steps"]
     assert [t["trainable"] for t in turns] == [True, True, False, False]
     assert turn_counts([{"type": "root", "content": "x"}]) == {}
 
@@ -144,7 +144,7 @@ async def test_a_multi_turn_sub_call_carries_every_turn_as_served() -> None:
     assert res.status == "ok" and res.turns == 2 and res.turn_tokens is not None
     assert all(p["logprobs"] is True and p["return_token_ids"] is True for p in params)
     assert len(served) == 2
-    turns = expand_trajectory([{"type": "llm_batch", "results": [res.model_dump()]}])[0]["results"][0]["turns"]
+    turns = expand_trajectory([{"type": "llm_batch", "results": [res.model_dump()]}])[0]["results"][0]["steps"]
     for got, want in zip(turns, served, strict=True):
         assert got["prompt_token_ids"] == want["prompt_token_ids"]
         assert got["completion_token_ids"] == want["completion_token_ids"]
