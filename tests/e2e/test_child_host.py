@@ -64,7 +64,8 @@ def enqueue_child(
         rollout_id=parent, batch_id=batch, index=0, child_id="c" + uuid.uuid4().hex[:12], ledger_id=chain[0],
         nodes=chain, depth=depth, max_depth=depth,
         prompt="child question " + root_code_directive(code),
-        context=context, model="scripted", options=RolloutOptions(rollout_timeout=120, **options).model_dump(mode="json"),
+        context=context, model="scripted",
+        options=RolloutOptions(rollout_timeout=120, **options).model_dump(mode="json"),
         enqueued_at=now, deadline=now + DEADLINE,
     )  # fmt: skip
     cq = K.child_queue(queue, depth)
