@@ -221,7 +221,7 @@ class RolloutKeys:
         saw, so a read whose reply is lost is read again, never lost (a destructive pop would be)."""
         return namespace(self.tag, "reply", batch_id)
 
-    def spill(self, job_id: str, attempt: int) -> str:
+    def spill(self, job_id: str, attempt: int = 1) -> str:
         """String: the token payload of one job attempt's result, moved off the reply stream when
         large (:mod:`rlmq.common.spill`); written by the worker with a TTL, read and deleted by
         the producer once the result is taken."""

@@ -181,11 +181,12 @@ class ChildKind:
                 trajectory=cut_trajectory(res.trajectory),  # bounded before it reaches Redis and the parent
             ),
         )
-        try:  # a large trajectory (the child's turns' tokens) goes beside the reply stream
-            return sub_llm_outcome(await spill_result(self.w.redis, result, req.deadline), [])
+        trainable = options.include_sub_llm_in_trajectory  # a large trajectory with tokens: beside the stream
+        try:
+            return sub_llm_outcome(await spill_result(self.w.redis, result, req.deadline) if trainable else result, [])
         except PydanticSerializationError:  # a lone surrogate in the answer or the trajectory
             clean = SubLLMResult.model_validate(without_surrogates(result.model_dump()))
-            return sub_llm_outcome(await spill_result(self.w.redis, clean, req.deadline), [])
+            return sub_llm_outcome(await spill_result(self.w.redis, clean, req.deadline) if trainable else clean, [])
 
     async def _check_parent(self, req: ChildRolloutRequest) -> tuple[str, str] | None:
         """``(error kind, message)`` when the job may not join the tree it names, else ``None``.

@@ -81,7 +81,8 @@ class SubLLMKind:
             gate=gate,
         )
         self.w.metrics.observe_result(result)
-        await spill_result(self.w.redis, result, request.deadline)  # a large token payload: beside the stream
+        if result.turn_tokens:  # a large token payload goes beside the reply stream
+            await spill_result(self.w.redis, result, request.deadline)
         return sub_llm_outcome(result, final_settlement)
 
     def failure(self, job_id: str, meta: bytes | None, kind: str, message: str, attempt: int) -> Outcome:
