@@ -329,8 +329,8 @@ def expand_trajectory(trajectory: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ev = dict(event)
         if ev.get("type") == "root" and "tokens" in ev:
             ev.update(roots.decode(ev.pop("tokens")))
-        elif ev.get("type") in ("llm_batch", "rlm_batch"):
-            ev["results"] = [_expand_result(r) for r in _dicts(ev.get("results"))]
+        elif ev.get("type") in ("llm_batch", "rlm_batch") and isinstance(ev.get("results"), list):
+            ev["results"] = [_expand_result(r) if isinstance(r, dict) else r for r in ev["results"]]
         out.append(ev)
     return out
 
