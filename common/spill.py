@@ -1,7 +1,8 @@
 """Large token payloads travel beside the reply stream, in a key of their own.
 
-A sub-call's ``turn_tokens`` (an 8,000-token prompt is ~43 KB of base64 ids) and a child
-rollout's trajectory (its own turns' tokens, nested) would make every reply-stream entry large.
+A sub-call's ``turn_tokens`` (an 8,000-token prompt is ~43 KB of base64 ids) with its
+conversation (``messages``), and a child rollout's trajectory (its own turns' tokens, nested)
+would make every reply-stream entry large.
 Past :data:`SPILL_BYTES`, the worker moves them to :meth:`RolloutKeys.spill
 <rlmq.common.keys.RolloutKeys.spill>` of the job attempt, with a TTL, and sends the result with
 ``spilled=True``; the producer reads and deletes the key once the result is its slot's
@@ -40,19 +41,21 @@ class _Spilled(BaseModel):
 
     turn_tokens: list[TurnTokens] | None = None
     trajectory: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 def _heavy(result: SubLLMResult) -> _Spilled | None:
     trajectory = result.child.trajectory if result.child is not None else None
     if not result.turn_tokens and not trajectory:
         return None
-    return _Spilled(turn_tokens=result.turn_tokens, trajectory=trajectory or None)
+    return _Spilled(turn_tokens=result.turn_tokens, trajectory=trajectory or None, messages=result.messages)
 
 
 async def spill_result(
     redis: Redis, result: SubLLMResult, deadline: float, *, threshold: int = SPILL_BYTES
 ) -> SubLLMResult:
-    """Move ``result``'s token payload to its spill key when its JSON is over ``threshold`` bytes.
+    """Move ``result``'s token payload (with its ``messages``) to its spill key when its JSON is
+    over ``threshold`` bytes.
 
     Args:
         redis: the worker's client.
@@ -76,6 +79,7 @@ async def spill_result(
         return result
     result.spilled = True
     result.turn_tokens = None
+    result.messages = None
     if result.child is not None:
         result.child.trajectory = []
     return result
@@ -107,5 +111,6 @@ async def unspill(redis: Redis, results: list[SubLLMResult]) -> None:
             r.turn_tokens = [TurnTokens(turn=t, untrainable="spill_lost") for t in range(1, r.turns + 1)] or None
             continue
         r.turn_tokens = heavy.turn_tokens
+        r.messages = heavy.messages
         if r.child is not None and heavy.trajectory is not None:
             r.child.trajectory = heavy.trajectory

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import sys
 from array import array
 from collections.abc import Iterator, Mapping
@@ -209,8 +210,8 @@ class TurnTokens(BaseModel):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its token payload on the wire (base64 text)."""
-        return len(self.prompt) + len(self.completion) + len(self.logprobs)
+        """Bytes of its payload on the wire: the base64 texts and its sampling's JSON."""
+        return len(self.prompt) + len(self.completion) + len(self.logprobs) + len(json.dumps(self.sampling))
 
 
 class TurnEncoder:
@@ -294,9 +295,10 @@ class TokenCap:
         self.used = 0
 
     def admit(self, record: TurnTokens) -> TurnTokens:
-        """``record`` as it may be kept: itself while the cap holds, else stripped (``payload_cap``)."""
+        """``record`` as it may be kept: itself while the cap holds, else stripped (``payload_cap``).
+        An untrainable record keeps no payload, whatever it came with (a worker's is not trusted)."""
         if record.untrainable is not None:
-            return record
+            return TurnTokens(turn=record.turn, sampling=record.sampling, untrainable=record.untrainable[:64])
         if self.limit is not None and self.used + record.nbytes > self.limit:
             self.limit = 0  # past the cap once, every later turn too: a branch never resumes mid-way
             return TurnTokens(turn=record.turn, sampling=record.sampling, untrainable="payload_cap")

@@ -51,6 +51,8 @@ def tree_turns(trajectory: list[dict[str, Any]], out: list[Turn], depths: Counte
         if ev.get("type") in ("llm_batch", "rlm_batch"):
             for res in ev["results"]:
                 assert res["status"] == "ok", res
+                if "steps" in res:  # a sub-call: its conversation is back too, when it was spilled
+                    assert [m["role"] for m in res["messages"]][-1] == "assistant", res.get("messages")
                 for t in res.get("steps", []):
                     assert t["trainable"] is True, t
                     out.append(as_turn("sub", t))

@@ -59,7 +59,7 @@ def test_later_turns_send_only_their_new_prompt_suffix() -> None:
     t3 = ServedTokens([1, 2, 3], [4], [-0.5])  # a re-rendered history: nothing shared
     r1, r2, r3 = (enc.encode(i + 1, t, None, {"temperature": 0.7}) for i, t in enumerate((t1, t2, t3)))
     assert r2.prefix == 8003 and decode_ids(r2.prompt) == [9, 9, 9]
-    assert r2.nbytes < 40 and r1.nbytes > 8000 * 4  # the 8,000-token prompt travels once
+    assert r2.nbytes < 60 and r1.nbytes > 8000 * 4  # the 8,000-token prompt travels once
     assert r3.prefix == 0
     out = [dec.decode(r.model_dump()) for r in (r1, r2, r3)]
     for got, want in zip(out, (t1, t2, t3), strict=True):
@@ -109,13 +109,15 @@ def test_the_byte_cap_strips_later_turns_and_marks_them() -> None:
     cap = TokenCap(recs[0].nbytes + recs[1].nbytes)
     kept = [cap.admit(r) for r in recs]
     assert [k.untrainable for k in kept] == [None, None, "payload_cap", "payload_cap"]
-    assert kept[2].prompt == "" and kept[3].nbytes == 0
+    assert kept[2].prompt == kept[3].prompt == kept[3].completion == kept[3].logprobs == ""
     traj = [{"type": "llm_batch", "results": [{"status": "ok", "turn_tokens": [k.model_dump() for k in kept]}]}]
     assert turn_counts(traj) == {
         "trainable_turn_count": 2, "untrainable_turn_count": 2, "untrainable_turns_payload_cap": 2
     }  # fmt: skip
     turns = expand_trajectory(traj)[0]["results"][0]["steps"]
     assert [t["trainable"] for t in turns] == [True, True, False, False]
+    forged = recs[0].model_copy(update={"untrainable": "no_token_ids"})  # a worker's untrainable turn with a payload
+    assert TokenCap(10**9).admit(forged).prompt == ""
     assert turn_counts([{"type": "root", "content": "x"}]) == {}
 
 
@@ -165,7 +167,7 @@ async def test_a_turn_without_good_ids_is_kept_untrainable_never_failed(directiv
         res = await call(server, request(f"say hello {directive}"))
     assert res.status == "ok" and res.content
     assert res.turn_tokens is not None and [t.untrainable for t in res.turn_tokens] == [reason]
-    assert res.turn_tokens[0].nbytes == 0
+    assert res.turn_tokens[0].prompt == res.turn_tokens[0].completion == res.turn_tokens[0].logprobs == ""
 
 
 async def test_option_off_asks_for_nothing_and_carries_nothing() -> None:
