@@ -151,6 +151,9 @@ class RolloutHost:
     toolbox: RootToolbox | None = None
     make_repl: ReplFactory = sandbox_repl
     rlm: RlmBatchService | None = None
+    frozen: bool = False
+    """Its root model server is not the policy being trained (``frozen_fleet``): with
+    ``include_sub_llm_in_trajectory`` its rollouts' root turns are marked ``frozen_fleet``."""
 
     @classmethod
     def build(
@@ -250,7 +253,7 @@ async def run_rollout(
     pos = tree_position(rid, tree, options.max_depth)
     ro = Rollout(
         id=rid, row=row, model=model, sub_model=sub_model, queue=queue, options=options,
-        ledger_id=pos.ledger_id, nodes=chain_of(rid, pos),
+        ledger_id=pos.ledger_id, nodes=chain_of(rid, pos), frozen=host.frozen,
     )  # fmt: skip
     run = _RolloutRun(host, ro, pos)
     stop, final, error = await run.run()

@@ -133,6 +133,9 @@ class Rollout:
     nodes: tuple[str, ...] = ()
     """Its tree chain, top .. itself, carried by its calls (empty for a top rollout: its calls
     carry none; see :class:`~rlmq.common.tree.TreePosition`)."""
+    frozen: bool = False
+    """Its root model is served by a frozen fleet (:attr:`RolloutHost.frozen
+    <rlmq.producer.engine.RolloutHost.frozen>`): its root turns are untrainable (``frozen_fleet``)."""
     kept_children: KeptChildren = field(default_factory=KeptChildren)
     """What is left of its allowance of child trajectories (:mod:`rlmq.producer.child_trajectory`)."""
     inflight: RolloutInFlight = field(init=False)

@@ -23,7 +23,7 @@ _NOT_SAMPLING = frozenset({"model", "messages", "tools", "extra_body"})
 def ask_for_tokens(rollout: Rollout, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` of a root call (``chat.completions.create``), asking for the served tokens when
     the rollout's option is on (merged into ``extra_body``); unchanged when it is off."""
-    if not rollout.options.include_sub_llm_in_trajectory:
+    if not rollout.options.include_sub_llm_in_trajectory or rollout.frozen:
         return kwargs
     return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **token_request_fields()}}
 
@@ -53,6 +53,6 @@ def root_turn_tokens(
         return None
     sampling = {k: v for k, v in kwargs.items() if k not in _NOT_SAMPLING}
     extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in token_request_fields()}
-    served, reason = served_tokens(_body(resp), usage)
+    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(_body(resp), usage)
     record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, {**extra, **sampling})
     return rollout.token_cap.admit(record).model_dump()

@@ -129,3 +129,31 @@ def test_every_served_turn_of_every_tree_is_in_the_trajectories_as_served(
         assert ones == list(range(len(turn[1]), len(turn[1]) + len(turn[2])))  # the mask: completion only
         sampled += 1
     assert sampled == len(want)
+
+
+def test_a_frozen_fleet_serves_turns_kept_untrainable_and_asked_for_no_tokens(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from rlmq.common import keys as K
+    from rlmq.common.token_wire import expand_trajectory
+    from tests.e2e.test_child_host import enqueue_child, replies, wait_until
+
+    with LocalFleet(
+        redis_url=redis_url, model=f"frozen-{uuid.uuid4().hex[:6]}", workers=1, worker_concurrency=8,
+        repl_slots=1, worker_args=["--frozen"], log_dir=str(tmp_path_factory.mktemp("frozen-logs")),
+    ) as fleet:  # fmt: skip
+        fleet.wait_for_workers(1)
+        r = redis.Redis.from_url(redis_url)
+        code = "llm_batch(['leaf ' + 'word ' * 300]); answer.update(content='ok', ready=True)"
+        req = enqueue_child(redis_url, K.queue_name_for_model(fleet.model), code, include_sub_llm_in_trajectory=True)
+        [res] = wait_until(lambda: replies(r, req), 90, "the child's result")
+        params = json.loads(urllib.request.urlopen(str(fleet.base_url).removesuffix("/v1") + "/stats").read())["params"]
+        r.close()
+    assert res.status == "ok" and res.child is not None and not res.spilled
+    trajectory = expand_trajectory(res.child.trajectory)
+    roots = [e for e in trajectory if e["type"] == "root"]
+    steps = [s for e in trajectory if e["type"] == "llm_batch" for x in e["results"] for s in x["steps"]]
+    assert roots and steps
+    assert all(t["untrainable_reason"] == "frozen_fleet" and "prompt_token_ids" not in t for t in [*roots, *steps])
+    assert res.child.metrics["untrainable_turns_frozen_fleet"] == len(roots) + len(steps)
+    assert params and not any("return_token_ids" in p or "logprobs" in p for p in params)
