@@ -221,6 +221,12 @@ class RolloutKeys:
         saw, so a read whose reply is lost is read again, never lost (a destructive pop would be)."""
         return namespace(self.tag, "reply", batch_id)
 
+    def spill(self, job_id: str, attempt: int = 1) -> str:
+        """String: the token payload of one job attempt's result, moved off the reply stream when
+        large (:mod:`rlmq.common.spill`); written by the worker with a TTL, read and deleted by
+        the producer once the result is taken."""
+        return namespace(self.tag, "spill", job_id, str(attempt))
+
     def all_static(self) -> list[str]:
         """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
         own = LedgerKeys(self.rollout_id)
@@ -445,6 +451,7 @@ KEY_USES: tuple[KeyUse, ...] = (
     # workers write it too: a REPL host announces the child rollouts it runs (rlmq status)
     KeyUse("RolloutKeys.info", "rlmq:{*}:info", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.reply", "rlmq:{*}:reply:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.spill", "rlmq:{*}:spill:*", "rw", "rw", "", tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.released", "rlmq:{*}:released", "rw", "rw", "", channel=True, tenant_pattern=_ROLLOUT_T),
     KeyUse("ORPHAN_REPLIES", "rlmq:orphan-replies", "", "rw", "r"),
     KeyUse("serving", "rlmq:serving:*", "r", "rw", "r"),

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from rlmq.common.errors import PayloadError, validation_summary
+from rlmq.common.token_wire import TurnTokens
 
 StopReason = Literal[
     "answer_ready", "max_turns", "no_tool_call", "prompt_too_long", "code_timeout", "error", "budget_spent"
@@ -142,6 +143,9 @@ class SubCallOptions(_Strict):
     checked by :func:`normalize_sampling` (never ``max_tokens``, ``n``, ``model``, ...)."""
     include_messages: bool = False
     """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
+    include_tokens: bool = False
+    """Ask the server for each turn's token ids and logprobs and return them in the result's
+    ``turn_tokens`` (``include_sub_llm_in_trajectory``; :mod:`rlmq.common.token_wire`)."""
     final_answer_turn: bool = True
     """At ``max_turns`` with tool calls: one more turn without tools asking for the final answer
     (``sub_llm_final_answer_turn``), budgeted like any turn."""
@@ -304,6 +308,14 @@ class SubLLMResult(_Strict):
     """The sub-LLM's own conversation, when the producer asked for it in the trajectory."""
     child: ChildOutcome | None = None
     """Set on the answer of a child rollout (``rlm_batch``)."""
+    turn_tokens: list[TurnTokens] | None = None
+    """One record per model turn of the call, in order, with its served token ids and logprobs
+    (or why it has none), when the request asked (``include_tokens``) and the call answered
+    (``ok``); rejected and failed calls carry none."""
+    spilled: bool = False
+    """True when the worker moved this result's ``turn_tokens`` and ``child.trajectory`` to their
+    own Redis key (:meth:`rlmq.common.keys.RolloutKeys.spill` of the slot's job and attempt, with a
+    TTL) to keep the reply stream small; the producer reads and deletes it (:mod:`rlmq.common.spill`)."""
 
     @classmethod
     def failure(

@@ -153,12 +153,8 @@ class RolloutOptions(BaseModel):
         description="share of root_context_tokens at which the root model is told to finish (once)",
         json_schema_extra=meta(group="repl", unit="share, (0, 1]", metavar="SHARE"),
     )
-    rollout_timeout: float = Field(
-        default=3600.0,
-        gt=0,
-        description="wall-clock deadline of one whole rollout; past it the rollout ends in error",
-        json_schema_extra=meta(unit="seconds"),
-    )
+    rollout_timeout: float = Field(default=3600.0, gt=0, description="wall-clock deadline of one whole rollout; "
+        "past it the rollout ends in error", json_schema_extra=meta(unit="seconds"))  # fmt: skip
     sub_call_timeout: float = Field(
         default=300.0,
         gt=0,
@@ -191,9 +187,12 @@ class RolloutOptions(BaseModel):
     )
     include_sub_llm_in_trajectory: bool = Field(
         default=False,
-        description="keep every sub-LLM's own conversation in the trajectory",
+        description="every model turn of the tree is a trainable step (verifiers' RLMEnv): its served prompt "
+        "ids, completion ids and logprobs (vLLM's return_token_ids), and each sub-LLM's conversation, are kept",
         json_schema_extra=meta(group="repl"),
     )
+    trajectory_token_max_bytes: int = Field(default=16 * 2**20, ge=0, description="token payload one rollout keeps; "
+        "then turns are untrainable (payload_cap)", json_schema_extra=meta(group="repl", unit="bytes"))  # fmt: skip
     sampling_args: dict[str, Any] = Field(
         default_factory=dict,
         description="sampling arguments of every root-model call, a JSON object: temperature, top_p, "
@@ -210,12 +209,8 @@ class RolloutOptions(BaseModel):
         "(--sub-llm-per-call-max-tokens overrides max_tokens)",
         json_schema_extra=meta(group="sampling", metavar="JSON", default_text="{}"),
     )
-    rollout_key_ttl: int = Field(
-        default=3600,
-        ge=10,
-        description="how long a rollout's Redis keys live without a refresh (refreshed while it runs)",
-        json_schema_extra=meta(unit="seconds"),
-    )
+    rollout_key_ttl: int = Field(default=3600, ge=10, description="how long a rollout's Redis keys live without "
+        "a refresh (refreshed while it runs)", json_schema_extra=meta(unit="seconds"))  # fmt: skip
     max_batch_prompts: int = Field(
         default=10_000, ge=1, description="prompts in one llm_batch call", json_schema_extra=meta(unit="prompts")
     )
@@ -382,6 +377,8 @@ class WorkerOptions(BaseModel):
         "root with namespaces) or --allow-uncontained-repl",
         json_schema_extra=meta(group="common", unit="child rollouts per depth"),
     )
+    frozen_fleet: bool = Field(default=False, description="this worker's server is not the trained policy: its "
+        "turns are untrainable (frozen_fleet)", json_schema_extra=meta(group="common", flag="--frozen"))  # fmt: skip
     allow_uncontained_repl: bool = Field(
         default=False,
         description="host child rollouts even when the REPL sandbox is NOT fully contained on this host: code the "

@@ -32,6 +32,7 @@ from rlmq.common.metrics import Metrics
 from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
 from rlmq.common.settings import RolloutOptions, setting_default
+from rlmq.common.token_wire import turn_counts
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandler
@@ -151,6 +152,9 @@ class RolloutHost:
     toolbox: RootToolbox | None = None
     make_repl: ReplFactory = sandbox_repl
     rlm: RlmBatchService | None = None
+    frozen: bool = False
+    """Its root model server is not the policy being trained (``frozen_fleet``): with
+    ``include_sub_llm_in_trajectory`` its rollouts' root turns are marked ``frozen_fleet``."""
 
     @classmethod
     def build(
@@ -250,7 +254,7 @@ async def run_rollout(
     pos = tree_position(rid, tree, options.max_depth)
     ro = Rollout(
         id=rid, row=row, model=model, sub_model=sub_model, queue=queue, options=options,
-        ledger_id=pos.ledger_id, nodes=chain_of(rid, pos),
+        ledger_id=pos.ledger_id, nodes=chain_of(rid, pos), frozen=host.frozen,
     )  # fmt: skip
     run = _RolloutRun(host, ro, pos)
     stop, final, error = await run.run()
@@ -383,6 +387,7 @@ class _RolloutRun:
         ro, pos = self.ro, self.pos
         metrics = ro.stats.metrics()
         metrics.update(tree_metrics(ro.trajectory, metrics, depth=pos.depth, max_depth=pos.max_depth))
+        metrics.update(turn_counts(ro.trajectory))  # trainable turns of its tree, and why others are not
         if ro.ledger is not None and self.node.top:  # a child's ledger is its tree's: the top reports it
             metrics.update(await ro.ledger.metrics())
         row = ro.row

@@ -123,6 +123,7 @@ class RLMEnv:
         root_prompt_verbosity: Verbosity | _FromSettings = FROM_SETTINGS,
         sub_prompt_verbosity: Verbosity | _FromSettings = FROM_SETTINGS,
         include_sub_llm_in_trajectory: bool | _FromSettings = FROM_SETTINGS,
+        trajectory_token_max_bytes: int | _FromSettings = FROM_SETTINGS,
         rollout_timeout: float | _FromSettings = FROM_SETTINGS,
         sub_call_timeout: float | _FromSettings = FROM_SETTINGS,
         rollout_key_ttl: int | _FromSettings = FROM_SETTINGS,

@@ -81,4 +81,5 @@ async def start_host(
         await server.stop()  # idempotent: whatever of it started
         raise
     host = RolloutHost.build(redis, root, server, metrics=metrics, result_ttl=settings.result_ttl, toolbox=toolbox)
+    host.frozen = settings.frozen_fleet  # a frozen fleet's REPL host: its child root turns are untrainable
     return StartedHost(host, server)

@@ -18,6 +18,7 @@ from rlmq.common.metrics import Metrics
 from rlmq.common.sampling import sub_call_max_tokens, sub_call_sampling
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.common.settings import setting_default
+from rlmq.common.spill import unspill
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.scaffold import sub_system_prompt
@@ -101,6 +102,7 @@ class LlmBatchService:
                 budgeted=rollout.budget is not None,
                 sampling=sub_call_sampling(o),
                 include_messages=o.include_sub_llm_in_trajectory,
+                include_tokens=o.include_sub_llm_in_trajectory,
             ),
             result_ttl=self.result_ttl,
             reply_ttl=o.rollout_key_ttl,
@@ -134,7 +136,8 @@ class LlmBatchService:
                 "seconds": round(seconds, 4),
                 "prompts": prompts[:TRAJECTORY_PROMPTS],
                 "results": [
-                    r.model_dump(exclude_none=True, exclude=None if keep_messages else {"messages"}) for r in results
+                    r.model_dump(exclude_none=True, exclude={"spilled"} if keep_messages else {"messages", "spilled"})
+                    for r in results
                 ],
             }
         )
@@ -155,8 +158,10 @@ class LlmBatchService:
         else:
             try:
                 results = await self.dispatcher.run_batch(self.spec(rollout, batch_id), prompts)
+                await unspill(self.dispatcher.redis, results)
             except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
                 results = redis_failures(rollout.id, batch_id, len(prompts), "sub-LLM batch", exc)
+        rollout.admit_tokens(results)
         rollout.stats.sub.extend(results)
         seconds = time.perf_counter() - t0
         if self.metrics:

@@ -35,6 +35,7 @@ from rlmq.common.metrics import Metrics
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
 from rlmq.common.sampling import child_root_sampling
 from rlmq.common.schemas import ChildRolloutRequest, RlmTask, SubLLMResult
+from rlmq.common.spill import unspill
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for
 from rlmq.producer.llm_batch import TRAJECTORY_PROMPTS, LlmBatchService, redis_failures, refused_results
@@ -200,7 +201,9 @@ class RlmBatchService:
                 "tasks": [t.prompt for t in tasks[:TRAJECTORY_PROMPTS]],
                 "results": [
                     rollout.kept_children.keep(
-                        r.model_dump(exclude_none=True, exclude=None if keep_messages else {"messages"})
+                        r.model_dump(
+                            exclude_none=True, exclude={"spilled"} if keep_messages else {"messages", "spilled"}
+                        )
                     )
                     for r in results
                 ],
@@ -219,7 +222,9 @@ class RlmBatchService:
             return await refused_results(rollout, batch_id, len(tasks), refused, self.metrics)
         spec = self.spec(rollout, tree, batch_id, tasks, seconds)
         try:
-            return await self.batches.dispatcher.run_batch(spec, [t.prompt for t in tasks])
+            results = await self.batches.dispatcher.run_batch(spec, [t.prompt for t in tasks])
+            await unspill(self.batches.dispatcher.redis, results)
+            return results
         except (RedisError, OSError) as exc:  # Redis gone past the client's reconnect backoff
             return redis_failures(rollout.id, batch_id, len(tasks), "child rollout", exc)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMResult
 from rlmq.common.settings import RolloutOptions
+from rlmq.common.token_wire import TokenCap, TurnEncoder
 from rlmq.producer.child_trajectory import KeptChildren
 from rlmq.producer.inflight import RolloutInFlight
 
@@ -132,14 +133,29 @@ class Rollout:
     nodes: tuple[str, ...] = ()
     """Its tree chain, top .. itself, carried by its calls (empty for a top rollout: its calls
     carry none; see :class:`~rlmq.common.tree.TreePosition`)."""
+    frozen: bool = False
+    """Its root model is served by a frozen fleet (:attr:`RolloutHost.frozen
+    <rlmq.producer.engine.RolloutHost.frozen>`): its root turns are untrainable (``frozen_fleet``)."""
     kept_children: KeptChildren = field(default_factory=KeptChildren)
     """What is left of its allowance of child trajectories (:mod:`rlmq.producer.child_trajectory`)."""
     inflight: RolloutInFlight = field(init=False)
     """Its sub-calls queued or running at once over all its batches (``max_sub_llm_parallelism``)."""
+    root_tokens: TurnEncoder = field(default_factory=TurnEncoder)
+    """Writes its root turns' token records (prefix-shared, :mod:`rlmq.producer.root_tokens`)."""
+    token_cap: TokenCap = field(init=False)
+    """What is left of its byte cap on token payloads (``trajectory_token_max_bytes``), shared by
+    its root turns and its sub-calls' turns (:mod:`rlmq.common.token_wire`)."""
 
     def __post_init__(self) -> None:
         self.ledger_id = self.ledger_id or self.id
         self.inflight = RolloutInFlight(self.options.max_sub_llm_parallelism)
+        self.token_cap = TokenCap(self.options.trajectory_token_max_bytes)
+
+    def admit_tokens(self, results: list[SubLLMResult]) -> None:
+        """Put its sub-calls' token records under its byte cap (in place, in slot order)."""
+        for r in results:
+            if r.turn_tokens:
+                r.turn_tokens = [self.token_cap.admit(t) for t in r.turn_tokens]
 
     @property
     def budget(self) -> int | None:

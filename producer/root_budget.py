@@ -73,6 +73,8 @@ class TreeBudgetedRoot:
         self.grants = 0
         self.granted_tokens = 0
         self.used_tokens = 0
+        self.sent_max_tokens: int | None = None
+        """The ``max_tokens`` its last granted call sent (the grant)."""
 
     async def chat(self, **kwargs: Any) -> Any:
         """Reserve, call the root model with ``max_tokens`` = the grant, settle.
@@ -108,7 +110,7 @@ class TreeBudgetedRoot:
             )
         self.grants += 1
         self.granted_tokens += grant.tokens
-        kwargs["max_tokens"] = grant.tokens
+        kwargs["max_tokens"] = self.sent_max_tokens = grant.tokens  # recorded with a trainable turn
         used = grant.tokens  # a failed call may have spent them: charged in full
         try:
             resp = await self.inner.chat(**kwargs)

@@ -26,6 +26,7 @@ from rlmq.common.schemas import StopReason
 from rlmq.producer.repl.cell import CellResult
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.root import RootClient
+from rlmq.producer.root_tokens import ask_for_tokens, root_turn_tokens
 from rlmq.producer.scaffold import REPL_TOOL, context_warning
 
 
@@ -71,6 +72,12 @@ def _tokens(usage: Any, field: str) -> int:
     return value if isinstance(value, int) and value > 0 else 0
 
 
+def _usage_pair(usage: Any) -> tuple[int, int] | None:
+    """``(prompt_tokens, completion_tokens)`` of a reply's ``usage``; ``None`` when it has none."""
+    prompt, completion = getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None)
+    return (prompt, completion) if isinstance(prompt, int) and isinstance(completion, int) else None
+
+
 async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tuple[StopReason, str | None]:
     """Run the root model's turns of ``rollout`` until it stops; returns (stop reason, final answer).
 
@@ -111,6 +118,7 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
                 trajectory.append({"type": "note", "text": text})
                 return "max_turns", last_answer
         t0 = time.perf_counter()
+        kwargs = ask_for_tokens(rollout, kwargs)
         try:
             resp = await root.chat(**kwargs)
         except PromptTooLongError as exc:
@@ -141,15 +149,19 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
                 for call_id, name, arguments in calls
             ]
         messages.append(assistant)
-        trajectory.append(
-            {
-                "type": "root",
-                "content": content,
-                "tool_calls": assistant.get("tool_calls", []),
-                "seconds": round(time.perf_counter() - t0, 4),
-                "usage": {"prompt": prompt_tokens, "completion": completion_tokens},
-            }
-        )
+        event: dict[str, Any] = {
+            "type": "root",
+            "content": content,
+            "tool_calls": assistant.get("tool_calls", []),
+            "seconds": round(time.perf_counter() - t0, 4),
+            "usage": {"prompt": prompt_tokens, "completion": completion_tokens},
+        }
+        sent = getattr(root, "sent_max_tokens", None)  # a child's root turn: its grant
+        sent_kwargs = kwargs if sent is None else {**kwargs, "max_tokens": sent}
+        tokens = root_turn_tokens(rollout, resp, sent_kwargs, _usage_pair(usage))
+        if tokens is not None:
+            event["tokens"] = tokens
+        trajectory.append(event)
         if not calls:
             return "no_tool_call", last_answer if last_answer else (content or None)
         for call_id, name, arguments in calls:

@@ -26,8 +26,9 @@ from rlmq.common.jobstore import StartedJob, slot_of
 from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, decode_job_data
 from rlmq.common.schemas import ChildOutcome, ChildRolloutRequest, DatasetRow, SubLLMResult, load_child_request
 from rlmq.common.settings import RolloutOptions
+from rlmq.common.spill import spill_result
 from rlmq.common.tree import TreePosition
-from rlmq.producer.child_trajectory import cut_trajectory, without_surrogates
+from rlmq.producer.child_trajectory import CHILD_TRAJECTORY_MAX_CHARS, cut_trajectory, without_surrogates
 from rlmq.producer.engine import run_rollout
 from rlmq.workers.capacity import REPL, repl_pool
 from rlmq.workers.kinds import JobKind, Outcome
@@ -177,14 +178,15 @@ class ChildKind:
                 depth=req.depth,
                 stop_reason=r.stop_reason,
                 metrics=r.metrics,
-                trajectory=cut_trajectory(res.trajectory),  # bounded before it reaches Redis and the parent
+                trajectory=cut_trajectory(res.trajectory, trajectory_bound(options)),  # before Redis and the parent
             ),
         )
+        trainable = options.include_sub_llm_in_trajectory  # a large trajectory with tokens: beside the stream
         try:
-            return sub_llm_outcome(result, [])
+            return sub_llm_outcome(await spill_result(self.w.redis, result, req.deadline) if trainable else result, [])
         except PydanticSerializationError:  # a lone surrogate in the answer or the trajectory
             clean = SubLLMResult.model_validate(without_surrogates(result.model_dump()))
-            return sub_llm_outcome(clean, [])
+            return sub_llm_outcome(await spill_result(self.w.redis, clean, req.deadline) if trainable else clean, [])
 
     async def _check_parent(self, req: ChildRolloutRequest) -> tuple[str, str] | None:
         """``(error kind, message)`` when the job may not join the tree it names, else ``None``.
@@ -263,3 +265,11 @@ class ChildKind:
         return child_failure(
             slot_of(job_id, meta), job_id, "abandoned", "worker stopped heartbeating"
         ).model_dump_json()
+
+
+def trajectory_bound(options: RolloutOptions) -> int:
+    """Characters of JSON of a child's trajectory that leave its worker: the plain bound, plus, with
+    ``include_sub_llm_in_trajectory``, twice its token cap (its turns' tokens, and its sub-LLMs'
+    conversations, which are about as long), so a trainable child's turns are not cut first."""
+    extra = 2 * options.trajectory_token_max_bytes if options.include_sub_llm_in_trajectory else 0
+    return CHILD_TRAJECTORY_MAX_CHARS + extra

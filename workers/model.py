@@ -52,6 +52,7 @@ from tenacity.wait import wait_base, wait_random_exponential
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError, ModelError
 from rlmq.common.settings import setting_default
+from rlmq.common.token_wire import ServedTokens, served_tokens, token_request_fields
 from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
 log = logging.getLogger("rlmq.model")
@@ -79,6 +80,10 @@ class ChatResponse:
             generated text and tool-call arguments when the server sent no ``usage``).
         usage_reported: False when the body had no ``usage.completion_tokens``.
         message: the assistant message exactly as returned.
+        served: the served token ids and logprobs (asked for with ``tokens=True``), checked;
+            ``None`` when not asked for or when the turn is untrainable.
+        untrainable: why a turn asked for its tokens has none (see
+            :data:`rlmq.common.token_wire.UNTRAINABLE_REASONS`); ``None`` otherwise.
     """
 
     content: str | None
@@ -88,6 +93,8 @@ class ChatResponse:
     completion_tokens: int
     usage_reported: bool
     message: dict[str, Any]
+    served: ServedTokens | None = None
+    untrainable: str | None = None
 
 
 MAX_COUNT = 100_000_000
@@ -204,8 +211,9 @@ def _snippet(body: bytes) -> str:
     return text + ("..." if len(body) > _SNIPPET else "")
 
 
-def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResponse:
-    """Parse a chat-completion body; raise a retryable ``_Failure`` when it is not one."""
+def _parse(body: bytes, status: int, messages: list[dict[str, Any]], tokens: bool = False) -> ChatResponse:
+    """Parse a chat-completion body; raise a retryable ``_Failure`` when it is not one. ``tokens``:
+    read and check its served token ids and logprobs (:func:`_with_tokens`)."""
     try:
         data = json.loads(body)
         choice = data["choices"][0]
@@ -233,14 +241,18 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResp
         log.warning("model server reported usage.completion_tokens=%.60r: not a token count; ignored", completion)
     elif completion is not None:
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        return ChatResponse(
-            content=content,
-            tool_calls=tool_calls,
-            finish_reason=choice.get("finish_reason"),
-            prompt_tokens=prompt if isinstance(prompt, int) and _valid_count(prompt) else 0,
-            completion_tokens=completion,
-            usage_reported=True,
-            message=message,
+        return _with_tokens(
+            tokens,
+            data,
+            ChatResponse(
+                content=content,
+                tool_calls=tool_calls,
+                finish_reason=choice.get("finish_reason"),
+                prompt_tokens=prompt if isinstance(prompt, int) and _valid_count(prompt) else 0,
+                completion_tokens=completion,
+                usage_reported=True,
+                message=message,
+            ),
         )
     chars = len(content or "")
     for call in tool_calls:
@@ -252,15 +264,36 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]]) -> ChatResp
         c = m.get("content")
         if isinstance(c, str):
             prompt_chars += len(c)
-    return ChatResponse(
-        content=content,
-        tool_calls=tool_calls,
-        finish_reason=choice.get("finish_reason"),
-        prompt_tokens=estimate_tokens(prompt_chars),
-        completion_tokens=estimate_tokens(chars),
-        usage_reported=False,
-        message=message,
+    return _with_tokens(
+        tokens,
+        data,
+        ChatResponse(
+            content=content,
+            tool_calls=tool_calls,
+            finish_reason=choice.get("finish_reason"),
+            prompt_tokens=estimate_tokens(prompt_chars),
+            completion_tokens=estimate_tokens(chars),
+            usage_reported=False,
+            message=message,
+        ),
     )
+
+
+def _with_tokens(asked: bool, data: dict[str, Any], response: ChatResponse) -> ChatResponse:
+    """``response`` with the served tokens of ``data`` (checked against its ``usage`` when the
+    server reported one) when they were ``asked`` for; untouched otherwise."""
+    if asked:
+        usage = (response.prompt_tokens, response.completion_tokens) if response.usage_reported else None
+        response.served, response.untrainable = served_tokens(data, usage)
+    return response
+
+
+def with_token_fields(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` (a chat request body) asking for the served token ids and logprobs: vLLM's
+    ``logprobs`` and ``return_token_ids`` (:func:`rlmq.common.token_wire.token_request_fields`).
+    The one place a worker's request gains fields for training; the sampling arguments keep
+    their own values otherwise."""
+    return {**payload, **token_request_fields()}
 
 
 FAILURE_LOG_SECONDS = 30.0
@@ -367,6 +400,7 @@ class ChatClient:
         user: str | None = None,
         deadline: float | None = None,
         session_id: str | None = None,
+        tokens: bool = False,
     ) -> ChatResponse:
         """Run one chat completion, retrying transient failures.
 
@@ -381,6 +415,8 @@ class ChatClient:
             user: the OpenAI ``user`` field (rlmq sends the rollout id).
             deadline: Unix time (seconds) after which no attempt starts and no retry waits.
             session_id: sent as the ``X-Session-ID`` header (omitted when ``None``).
+            tokens: ask for the served token ids and logprobs (:func:`with_token_fields`) and
+                read them into ``served`` (``include_sub_llm_in_trajectory``).
 
         Returns:
             The parsed response.
@@ -398,6 +434,8 @@ class ChatClient:
             payload["temperature"] = temperature
         if user is not None:
             payload["user"] = user
+        if tokens:
+            payload = with_token_fields(payload)
         data = json.dumps(payload).encode()
         send = {**self._headers, SESSION_ID_HEADER: session_id} if session_id else self._headers
         # Fast path: the first attempt runs outside tenacity (whose bookkeeping costs tens
@@ -405,7 +443,7 @@ class ChatClient:
         # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
         # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
         try:
-            response = note_overrun(await self._attempt(data, messages, deadline, send), max_tokens)
+            response = note_overrun(await self._attempt(data, messages, deadline, send, tokens), max_tokens)
         except _Failure as exc:
             if not exc.retryable or self.retries == 0:
                 raise self._give_up(exc, 1, False) from None
@@ -421,7 +459,7 @@ class ChatClient:
             if first is not None:
                 failure, first = first, None
                 raise failure
-            return await self._attempt(data, messages, deadline, send)
+            return await self._attempt(data, messages, deadline, send, tokens)
 
         stop: Any = stop_after_attempt(self.retries + 1)
         at_deadline: _StopAtDeadline | None = None
@@ -454,7 +492,12 @@ class ChatClient:
         return error
 
     async def _attempt(
-        self, data: bytes, messages: list[dict[str, Any]], deadline: float | None, send: dict[str, str]
+        self,
+        data: bytes,
+        messages: list[dict[str, Any]],
+        deadline: float | None,
+        send: dict[str, str],
+        tokens: bool = False,
     ) -> ChatResponse:
         self.attempts += 1
         seconds = self.timeout
@@ -475,7 +518,7 @@ class ChatClient:
             raise _Failure(str(exc), None, retryable=False) from None
         status, body, headers = reply.status, reply.body, reply.headers
         if 200 <= status < 300:
-            return _parse(body, status, messages)
+            return _parse(body, status, messages, tokens)
         retryable = status in _RETRY_STATUSES or status >= 500
         retry_after = _parse_retry_after(headers.get("Retry-After")) if retryable else None
         raise _Failure(

@@ -56,6 +56,7 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
+from rlmq.common.token_wire import TurnEncoder, TurnTokens
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
 
@@ -76,6 +77,8 @@ class SubLLMContext:
         include_messages: return the sub-LLM's conversation in ``SubLLMResult.messages``
             (the producer's ``include_sub_llm_in_trajectory``).
         tool_timeout: seconds one sub-tool call may run.
+        frozen: this worker's server is not the policy being trained (``rlmq worker --frozen``):
+            its turns are marked untrainable (``frozen_fleet``) and no token is asked for.
     """
 
     client: ChatClient
@@ -84,6 +87,7 @@ class SubLLMContext:
     worker_name: str
     include_messages: bool = False
     tool_timeout: float = 30.0
+    frozen: bool = False
 
 
 FINAL_ANSWER_PROMPT = (
@@ -134,6 +138,8 @@ class _Run:
         self.final_turn: Literal["answered", "skipped"] | None = None
         self.seen_ledger = False
         self.messages: list[dict[str, Any]] = []
+        self.encoder = TurnEncoder()
+        self.turn_tokens: list[TurnTokens] = []
 
     async def run(self) -> tuple[SubCallStatus, str]:
         request, ctx = self.request, self.ctx
@@ -337,6 +343,7 @@ class _Run:
     ) -> ChatResponse:
         request = self.request
         self.turns = turn
+        tokens = request.include_tokens and not self.ctx.frozen
         try:
             response = await self.ctx.client.chat(
                 model=request.model,
@@ -348,6 +355,7 @@ class _Run:
                 user=request.rollout_id,
                 deadline=request.deadline,
                 session_id=request.session_id,
+                tokens=tokens,
             )
         except ModelError as exc:
             if grant is not None:
@@ -356,7 +364,24 @@ class _Run:
             raise
         self.prompt_tokens += response.prompt_tokens
         self.completion_tokens += response.completion_tokens
+        if request.include_tokens:
+            self._record_tokens(turn, response, max_tokens, tools)
         return response
+
+    def _record_tokens(
+        self, turn: int, response: ChatResponse, max_tokens: int | None, tools: list[dict[str, Any]]
+    ) -> None:
+        """Keep turn ``turn``'s served tokens with the sampling the request sent (untrainable, with
+        its reason, when the server gave none or they disagree, or when this fleet is frozen)."""
+        request = self.request
+        sampling: dict[str, Any] = {**request.sampling, "max_tokens": max_tokens}
+        if request.temperature is not None:
+            sampling["temperature"] = request.temperature
+        if tools:
+            sampling["tools"] = sorted(t["function"]["name"] for t in tools)
+        reason = "frozen_fleet" if self.ctx.frozen else response.untrainable
+        served = None if self.ctx.frozen else response.served
+        self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling))
 
     async def _run_tools(self, tool_calls: list[dict[str, Any]], offered: set[str], turn: int) -> None:
         self.tool_calls += len(tool_calls)
@@ -472,4 +497,5 @@ async def run_sub_llm(
         worker=ctx.worker_name,
         attempt=attempt,
         messages=list(run.messages) if (ctx.include_messages or request.include_messages) else None,
+        turn_tokens=run.turn_tokens if request.include_tokens and status == "ok" else None,
     )

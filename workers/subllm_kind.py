@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rlmq.common.jobstore import ABANDONED_CONTENT, StartedJob, slot_of
 from rlmq.common.rqjobs import SUB_LLM_FUNC, rq_exc_string, rq_return_value
 from rlmq.common.schemas import SubLLMRequest, SubLLMResult, load_request
+from rlmq.common.spill import spill_result
 from rlmq.workers.capacity import MODEL_CALLS
 from rlmq.workers.kinds import JobKind, Outcome
 from rlmq.workers.subllm import run_sub_llm
@@ -80,6 +81,8 @@ class SubLLMKind:
             gate=gate,
         )
         self.w.metrics.observe_result(result)
+        if result.turn_tokens:  # a large token payload goes beside the reply stream
+            await spill_result(self.w.redis, result, request.deadline)
         return sub_llm_outcome(result, final_settlement)
 
     def failure(self, job_id: str, meta: bytes | None, kind: str, message: str, attempt: int) -> Outcome:

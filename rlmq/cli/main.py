@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
 
+    export = sub.add_parser(
+        "export-samples", help="one training sample per branch of a run made with --include-sub-llm-in-trajectory"
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (rows.jsonl, trajectories.jsonl)")
+    export.add_argument("--output", metavar="FILE", help="where to write (default RUN_DIR/samples.jsonl)")
+
     status = sub.add_parser("status", help="queues, workers and live rollouts of a fleet, from Redis")
     status.add_argument(
         "--watch",
@@ -480,6 +486,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_mock_llm(args)
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "export-samples":
+        from rlmq.cli.export_samples import export_samples
+
+        path, count = export_samples(args.run_dir, args.output)
+        say(f"rlmq: {count} sample(s) written to {path}")
+        return 0
     return 2
 
 

@@ -26,6 +26,7 @@ from typing import IO, TYPE_CHECKING, Any
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import ResultRow
 from rlmq.common.settings import RolloutOptions
+from rlmq.common.token_wire import expand_trajectory
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,8 +49,13 @@ RESUME_SAME = tuple(  # each once: sub_model is a rollout option too
 
 
 def trajectory_line(res: RolloutResult) -> str:
-    """One line of ``trajectories.jsonl``: ``id``, ``rollout`` (with several per row), ``messages``, ``trajectory``."""
-    record: dict[str, Any] = {"id": res.row.id, "messages": res.messages, "trajectory": res.trajectory}
+    """One line of ``trajectories.jsonl``: ``id``, ``rollout`` (with several per row), ``messages``, ``trajectory``
+    (token records as JSON lists, :func:`~rlmq.common.token_wire.expand_trajectory`)."""
+    record: dict[str, Any] = {
+        "id": res.row.id,
+        "messages": res.messages,
+        "trajectory": expand_trajectory(res.trajectory),
+    }
     if res.row.rollout is not None:
         record["rollout"] = res.row.rollout
     return json.dumps(record, default=str) + "\n"

@@ -25,6 +25,7 @@ from rlmq.scripted.markers import (
 )
 from rlmq.scripted.recursion import is_needle_prompt, needle_answer, recursion_of, split_parts, split_root_code
 from rlmq.scripted.root_script import recursive_root_code_for, root_code_for, root_tool_code
+from rlmq.scripted.tokens import ServedLog
 
 
 def _text(content: Any) -> str:
@@ -86,6 +87,7 @@ class _State:
         self.ids = itertools.count(1)
         self.attempts: dict[str, int] = {}
         self.in_flight = 0
+        self.served = ServedLog()
         self.reset()
 
     def reset(self) -> None:
@@ -98,6 +100,7 @@ class _State:
         self.system_prompts: list[str] = []
         self.root_requests_by_depth: dict[str, int] = {}
         self.attempts.clear()
+        self.served.reset()
         self.params: collections.deque[dict[str, Any]] = collections.deque(maxlen=PARAMS_KEPT)
         self.in_flight_peak = self.in_flight  # the requests still open count towards the new peak
         self.last_request_at: float | None = None

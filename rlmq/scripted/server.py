@@ -53,6 +53,7 @@ from rlmq.scripted.markers import (
 )
 from rlmq.scripted.recursion import is_rlm_format_root, recursion_of, rlm_format_reply
 from rlmq.scripted.root_script import root_code_for
+from rlmq.scripted.tokens import served_fields
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -194,6 +195,7 @@ async def _answer(
         "system_fingerprint": MODEL_FINGERPRINT,
         "choices": [{"index": 0, **choice, "logprobs": None}],
     }
+    served_fields(state.served, body, result, messages, "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub")
     if not no_usage:
         result["usage"] = {
             "prompt_tokens": prompt_tokens,
@@ -233,6 +235,11 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[_STATE].snapshot())
 
 
+async def _served(request: web.Request) -> web.Response:
+    """``GET /served``: the replies served with token fields (:mod:`rlmq.scripted.tokens`)."""
+    return web.json_response({"served": list(request.app[_STATE].served.items)})
+
+
 async def _reset_stats(request: web.Request) -> web.Response:
     request.app[_STATE].reset()
     return web.json_response(request.app[_STATE].snapshot())
@@ -256,6 +263,7 @@ def create_app(*, latency: float = 0.0, spend_all: bool = False) -> web.Applicat
         app.router.add_post(f"{prefix}/chat/completions", _chat_completions)
         app.router.add_get(f"{prefix}/models", _models)
     app.router.add_get("/stats", _stats)
+    app.router.add_get("/served", _served)
     app.router.add_delete("/stats", _reset_stats)
     app.router.add_get("/health", _health)
     return app
@@ -354,6 +362,12 @@ class ScriptedModelServer:
         ``params``: the last requests' fields besides ``messages`` and ``tools``.
         """
         return self._app[_STATE].snapshot()
+
+    @property
+    def served(self) -> list[dict[str, Any]]:
+        """The replies served with token fields, oldest first (the body of ``GET /served``): ``id``,
+        ``user``, ``role``, ``prompt_token_ids``, ``completion_token_ids``, ``completion_logprobs``."""
+        return list(self._app[_STATE].served.items)
 
     def reset_stats(self) -> None:
         """Zero every counter (like ``DELETE /stats``), including fail-times attempt counts."""

@@ -22,6 +22,7 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions, build_settings
 from rlmq.common.settings_schema import unset_model
+from rlmq.common.token_wire import expand_trajectory
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
 from rlmq.verifiers_plugin.rlm_keys import RlmHarnessKeys, log_ignored, rlm_settings
 
@@ -130,8 +131,10 @@ def dataset_row(data: vf.TaskData, question: str) -> DatasetRow:
 def trace_events(trajectory: list[dict[str, Any]], prompt_chars: int) -> list[dict[str, Any]]:
     """rlmq's trajectory as JSON for ``trace.info``: ``llm_batch`` prompts and ``rlm_batch`` tasks
     longer than ``prompt_chars`` characters are cut, with a marker saying how long they were, in
-    the children's nested trajectories too."""
-    events: list[dict[str, Any]] = json.loads(json.dumps(trajectory, default=str))
+    the children's nested trajectories too. With ``include_sub_llm_in_trajectory``, every turn's
+    served ids and logprobs are JSON lists, as in ``trajectories.jsonl``
+    (:func:`~rlmq.common.token_wire.expand_trajectory`)."""
+    events: list[dict[str, Any]] = json.loads(json.dumps(expand_trajectory(trajectory), default=str))
     _cut_prompts(events, prompt_chars)
     return events
 

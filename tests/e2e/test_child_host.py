@@ -47,10 +47,10 @@ def wait_until(pred: Any, timeout: float, what: str) -> Any:
 
 
 def enqueue_child(
-    redis_url: str, queue: str, code: str, *, context: Any = "ctx", depth: int = 2
+    redis_url: str, queue: str, code: str, *, context: Any = "ctx", depth: int = 2, **options: Any
 ) -> ChildRolloutRequest:
     """Enqueue one child-rollout job on ``child_queue(queue, depth)`` as a parent's dispatcher does;
-    its root model runs ``code`` at its first turn."""
+    its root model runs ``code`` at its first turn; ``options``: more of its rollout options."""
     import asyncio
 
     from rlmq.common.connection import async_client
@@ -64,7 +64,8 @@ def enqueue_child(
         rollout_id=parent, batch_id=batch, index=0, child_id="c" + uuid.uuid4().hex[:12], ledger_id=chain[0],
         nodes=chain, depth=depth, max_depth=depth,
         prompt="child question " + root_code_directive(code),
-        context=context, model="scripted", options=RolloutOptions(rollout_timeout=120).model_dump(mode="json"),
+        context=context, model="scripted",
+        options=RolloutOptions(rollout_timeout=120, **options).model_dump(mode="json"),
         enqueued_at=now, deadline=now + DEADLINE,
     )  # fmt: skip
     cq = K.child_queue(queue, depth)

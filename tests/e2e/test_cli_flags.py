@@ -70,6 +70,7 @@ FLAGS_A: dict[str, str | None] = {
     "--max-batch-bytes": "200000",
     "--rollout-key-ttl": "600",
     "--include-sub-llm-in-trajectory": None,
+    "--trajectory-token-max-bytes": "1",  # every turn's tokens are past it: kept untrainable (payload_cap)
     "--rollout-timeout": "900",
     "--max-startup-wait-seconds": "90",
     "--sub-llm-final-answer-turn": None,
@@ -391,6 +392,10 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
     # --include-sub-llm-in-trajectory: each sub-LLM's own conversation is kept
     par_results = next(e for e in traj["parallel"]["trajectory"] if e["type"] == "llm_batch")["results"]
     assert all(x.get("messages") for x in par_results), par_results
+    # ...and every turn of it is a step, here past --trajectory-token-max-bytes 1: kept, untrainable
+    steps = [t for x in par_results for t in x["steps"]]
+    assert steps and all(t["untrainable_reason"] == "payload_cap" for t in steps), par_results
+    assert traj["parallel"]["trajectory"][0]["untrainable_reason"] == "payload_cap"  # its root turn too
     # --rollout-key-ttl 600: the rollouts' keys expire within 600 s (the default is 3600)
     infos = [k for k in r.scan_iter(match="rlmq:*info*") if b"{" in k]
     assert infos and all(0 < r.ttl(k) <= 600 for k in infos), [(k, r.ttl(k)) for k in infos]
@@ -476,6 +481,7 @@ def check_run_b(folder: Path, run: Run) -> None:
         if e["type"] == "llm_batch"
         for x in e["results"]
     ]
-    assert results and not any("messages" in x for x in results)
+    assert results and not any("messages" in x or "steps" in x or "turn_tokens" in x for x in results)
+    assert "token_ids" not in (folder / "trajectories.jsonl").read_text(encoding="utf-8")
     # without --quiet: the progress bar
     assert "rollouts:" in "".join(run.err)

@@ -1,0 +1,58 @@
+"""The root model's turns as trainable steps (``include_sub_llm_in_trajectory``).
+
+With the option on, each root call asks the server for the served token ids and logprobs
+(:func:`~rlmq.common.token_wire.token_request_fields`, in the request body beside the sampling
+arguments) and each ``root`` trajectory event keeps them as a
+:class:`~rlmq.common.token_wire.TurnTokens` (``tokens``), prefix-shared with the rollout's
+previous root turn and under its byte cap. The same code runs a top rollout's root turns
+(``rlmq run``) and a child rollout's, on its REPL host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlmq.common.token_wire import served_tokens, token_request_fields
+from rlmq.producer.rollout import Rollout
+
+__all__ = ["ask_for_tokens", "root_turn_tokens"]
+
+_NOT_SAMPLING = frozenset({"model", "messages", "tools", "extra_body"})
+
+
+def ask_for_tokens(rollout: Rollout, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` of a root call (``chat.completions.create``), asking for the served tokens when
+    the rollout's option is on (merged into ``extra_body``); unchanged when it is off."""
+    if not rollout.options.include_sub_llm_in_trajectory or rollout.frozen:
+        return kwargs
+    return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **token_request_fields()}}
+
+
+def _body(resp: Any) -> dict[str, Any]:
+    """A chat completion as a dict: an ``openai`` object (its extra fields, such as vLLM's
+    ``prompt_token_ids``, included) or a dict."""
+    if isinstance(resp, dict):
+        return resp
+    dump = getattr(resp, "model_dump", None)
+    out = dump() if callable(dump) else None
+    return out if isinstance(out, dict) else {}
+
+
+def root_turn_tokens(
+    rollout: Rollout, resp: Any, kwargs: dict[str, Any], usage: tuple[int, int] | None
+) -> dict[str, Any] | None:
+    """The ``tokens`` record of one root turn (a dumped ``TurnTokens``), ``None`` with the option off.
+
+    Args:
+        rollout: the rollout (its root-turn encoder, its byte cap).
+        resp: the chat completion.
+        kwargs: what the call sent (its sampling: ``max_tokens``, ``extra_body`` minus the token fields).
+        usage: ``(prompt_tokens, completion_tokens)`` the server reported, ``None`` when it sent none.
+    """
+    if not rollout.options.include_sub_llm_in_trajectory:
+        return None
+    sampling = {k: v for k, v in kwargs.items() if k not in _NOT_SAMPLING}
+    extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in token_request_fields()}
+    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(_body(resp), usage)
+    record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, {**extra, **sampling})
+    return rollout.token_cap.admit(record).model_dump()

@@ -1,0 +1,63 @@
+"""``rlmq export-samples``: branches of an expanded tree become samples (ids, mask, logprobs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlmq.cli.export_samples import branch_samples, export_samples
+from rlmq.cli.main import main
+from rlmq.common.errors import ConfigError
+from rlmq.common.token_wire import ServedTokens, TurnEncoder, expand_trajectory
+
+
+def encoded(turns: list[ServedTokens | None]) -> list[dict[str, Any]]:
+    enc = TurnEncoder()
+    return [enc.encode(i + 1, t, None if t else "no_token_ids", {"temperature": 1.0}).model_dump()
+            for i, t in enumerate(turns)]  # fmt: skip
+
+
+T1 = ServedTokens([1, 2, 3], [4, 5], [-0.5, -0.25])
+T2 = ServedTokens([1, 2, 3, 4, 5, 6, 7], [8], [-1.0])  # continues T1: one sample of two turns
+T3 = ServedTokens([9, 9], [10], [-2.0])  # a re-rendered history: a new part
+
+
+def tree() -> list[dict[str, Any]]:
+    roots = encoded([T1, T2, None, T3])
+    sub = {"status": "ok", "index": 0, "turn_tokens": encoded([T3])}
+    rejected = {"status": "rejected", "index": 1, "turn_tokens": encoded([T1])}  # never a sample
+    child = {"status": "ok", "index": 0, "child": {"trajectory": [{"type": "root", "tokens": encoded([T1])[0]}]}}
+    return [
+        {"type": "root", "tokens": roots[0]}, {"type": "root", "tokens": roots[1]},
+        {"type": "llm_batch", "batch_id": "b1", "results": [sub, rejected]},
+        {"type": "root", "tokens": roots[2]}, {"type": "root", "tokens": roots[3]},
+        {"type": "rlm_batch", "batch_id": "r1", "results": [child]},
+    ]  # fmt: skip
+
+
+def test_branches_become_samples_with_the_mask_on_sampled_tokens_only() -> None:
+    samples = list(branch_samples(expand_trajectory(tree())))
+    assert [(s["branch"], s["part"], s["kind"], s["depth"], s["turns"]) for s in samples] == [
+        ("root", 0, "root", 1, 2), ("root", 1, "root", 1, 1), ("b1/0", 0, "sub", 1, 1), ("r1/0/root", 0, "root", 2, 1),
+    ]  # fmt: skip
+    two = samples[0]
+    assert two["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert two["loss_mask"] == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert two["logprobs"] == [0.0, 0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
+    assert samples[1]["token_ids"] == [9, 9, 10] and samples[1]["loss_mask"] == [0, 0, 1]
+
+
+def test_the_command_writes_one_line_per_sample_with_the_reward(tmp_path: Path) -> None:
+    row = {"id": "q1", "final_answer": "a", "answer": "a", "correct": True, "stop_reason": "answer_ready",
+           "metrics": {}, "error": None}  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    record = {"id": "q1", "messages": [], "trajectory": expand_trajectory(tree())}
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["export-samples", str(tmp_path)]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and {x["reward"] for x in lines} == {1.0} and {x["id"] for x in lines} == {"q1"}
+    with pytest.raises(ConfigError):
+        export_samples(tmp_path / "nowhere")
