@@ -187,7 +187,8 @@ class RolloutOptions(BaseModel):
     )
     pip_install_packages: list[str] = Field(
         default_factory=list,
-        description="a package (requirement or wheel path) pip installs into each top rollout's REPL (repeatable); "
+        description="a package (requirement or wheel path) pip installs into each top rollout's REPL (repeatable; "
+        "a str of space-separated packages, the verifiers RLMEnv's form, is split); "
         "child rollouts (max_depth > 1) get none: their REPL hosts never pip install for a job",
         json_schema_extra=meta(group="repl", flag="--pip-install-packages", metavar="PACKAGE", default_text="none"),
     )
@@ -288,6 +289,17 @@ class RolloutOptions(BaseModel):
     @classmethod
     def _sub_sampling(cls, value: Any) -> dict[str, Any]:
         return normalize_sampling(value, sub=True)
+
+    @field_validator("sub_tools", mode="before")
+    @classmethod
+    def _no_sub_tools(cls, value: Any) -> Any:
+        return [] if value is None else value  # the verifiers RLMEnv's default, sub_tools=None
+
+    @field_validator("pip_install_packages", mode="before")
+    @classmethod
+    def _packages_string(cls, value: Any) -> Any:
+        # the verifiers RLMEnv's form: one str of space-separated packages ("" for none)
+        return value.split() if isinstance(value, str) else value
 
     @field_validator("sub_llm_max_completion_tokens", mode="before")
     @classmethod

@@ -37,12 +37,13 @@ from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandle
 from rlmq.producer.live import LiveRollouts
 from rlmq.producer.llm_batch import LlmBatchService
 from rlmq.producer.repl import Repl
+from rlmq.producer.repl.files import context_files, file_name, repl_context
 from rlmq.producer.rlm_batch import RlmBatchService
 from rlmq.producer.rollout import Rollout, RolloutResult, normalize_answer
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_loop import CellRunner, root_loop
 from rlmq.producer.root_tools import RootToolbox, RootToolService
-from rlmq.producer.scaffold import compose_system_prompt, root_system_prompt
+from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt
 from rlmq.producer.tree_metrics import tree_metrics
 from rlmq.producer.tree_node import TreeNode, chain_of, tree_position
 
@@ -71,18 +72,25 @@ class ReplSession(CellRunner, Protocol):
         ...
 
 
-ReplFactory = Callable[[Any, str, RolloutOptions, "Interception", Sequence[dict[str, str]]], ReplSession]
-"""Makes a rollout's REPL: ``(context, bearer token, options, interception endpoint, root tools
+ReplFactory = Callable[[DatasetRow, str, RolloutOptions, "Interception", Sequence[dict[str, str]]], ReplSession]
+"""Makes a rollout's REPL: ``(dataset row, bearer token, options, interception endpoint, root tools
 ({"name", "doc"} each)) -> ReplSession``."""
 
 
 def sandbox_repl(
-    context: Any, token: str, options: RolloutOptions, interception: Interception, tools: Sequence[dict[str, str]]
+    row: DatasetRow, token: str, options: RolloutOptions, interception: Interception, tools: Sequence[dict[str, str]]
 ) -> Repl:
     """The production REPL: a sandboxed subprocess (:class:`~rlmq.producer.repl.Repl`) holding
-    ``context``, posting ``llm_batch`` and its root ``tools``' calls to ``interception`` with ``token``."""
+    ``row``'s context as the ``context`` variable (:func:`~rlmq.producer.repl.files.repl_context`)
+    and as files in its working directory (:func:`~rlmq.producer.repl.files.context_files`),
+    posting ``llm_batch`` and its root ``tools``' calls to ``interception`` with ``token``.
+
+    Raises:
+        ValueError: the row's file context is neither a str nor JSON-serializable.
+    """
     return Repl(
-        context=context,
+        context=repl_context(row),
+        files=context_files(row),
         endpoint_url=interception.url,
         unix_socket=interception.unix_path_of(token),
         token=token,
@@ -319,7 +327,7 @@ class _RolloutRun:
         repl_tools = [{"name": t.name, "doc": t.doc} for t in toolbox.tools.values()] if toolbox else []
         assert self.token is not None
         self._repl = self.host.make_repl(
-            self.ro.row.context, self.token, self.options, self.host.interception, repl_tools
+            self.ro.row, self.token, self.options, self.host.interception, repl_tools
         )
         return self._repl
 
@@ -342,7 +350,7 @@ class _RolloutRun:
         """The system prompt (the scaffold and the author's ``system_prompt``) and the question."""
         o, ro, toolbox = self.options, self.ro, self.toolbox
         scaffold = root_system_prompt(
-            ro.row.context,
+            repl_context(ro.row),
             verbosity=o.root_prompt_verbosity,
             budget=ro.budget,
             max_turns=o.max_turns,
@@ -352,6 +360,7 @@ class _RolloutRun:
             tools=[t.summary() for t in toolbox.tools.values()] if toolbox else [],
             depth=self.pos.depth,
             max_depth=self.pos.max_depth,
+            files=files_text(file_name(ro.row)),
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]

@@ -67,6 +67,7 @@ import io
 import json
 import linecache
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -147,6 +148,22 @@ def _host_home(workdir: str, uid: int | None) -> str:
     os.chdir(home)
     os.environ.update({"HOME": home, "TMPDIR": home})
     return home
+
+
+def _copy_files(src: str, dest: str) -> None:
+    """Copy the context files the producer prepared (``src``, read-only) into the working
+    directory ``dest``: the reference's ``context.txt`` / ``context.json`` / ``context_dir``.
+    Links are copied as links, never followed."""
+    for entry in os.scandir(src):  # the folder's entries: ``dest`` keeps its own mode
+        target = os.path.join(dest, entry.name)
+        if os.path.islink(target) or os.path.isfile(target):  # a restart without a private fs
+            os.unlink(target)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, target, symlinks=True, dirs_exist_ok=True, copy_function=shutil.copyfile)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        else:
+            shutil.copyfile(entry.path, target)
 
 
 def _drop_privileges(uid: int | None) -> None:
@@ -344,6 +361,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
     }
     report["paths"] = {
         "context_path": init["context_path"],
+        "files_dir": init.get("files_dir"),
         "sys_path": list(init.get("sys_path") or []),
         "unix_socket": sock,
     }
@@ -442,6 +460,8 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
 
     paths = report["paths"]
     paths["context_path"] = inside(paths["context_path"])
+    if paths["files_dir"]:
+        paths["files_dir"] = inside(paths["files_dir"])
     paths["sys_path"] = [inside(p) for p in paths["sys_path"]]
     if sock:
         paths["unix_socket"] = os.path.join(_PRIVATE, "ipc", os.path.basename(sock))
@@ -1056,6 +1076,8 @@ def main(argv: list[str]) -> int:
     else:
         _host_home(init["workdir"], uid)
     _drop_privileges(uid)
+    if paths["files_dir"]:  # as its own uid, into its own (private) working directory
+        _copy_files(paths["files_dir"], os.getcwd())
     refuse_shared_memory = bool(init.get("refuse_shared_memory"))
     contained["no_user_namespaces"] = _forbid_user_namespaces(refuse_shared_memory)
     contained["shared_memory_refused"] = refuse_shared_memory and contained["no_user_namespaces"]

@@ -52,6 +52,7 @@ def root_system_prompt(
     tools: Sequence[str] = (),
     depth: int = 1,
     max_depth: int = setting_default("max_depth"),
+    files: str | None = None,
 ) -> str:
     """The root model's system message.
 
@@ -65,13 +66,15 @@ def root_system_prompt(
         tools: one line per root tool (``RootTool.summary``): its signature and first doc line.
         depth / max_depth: the rollout's depth in its rollout tree and the tree's limit;
             with ``max_depth`` 1 nothing is said of ``rlm_batch`` (the text is as before it).
+        files: what the REPL's working directory holds (:func:`files_text`), or ``None``.
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
     parts = [
         "You are answering a question about a long input that you cannot see directly. You work in a "
         "persistent Python REPL through the tool `call_python_repl(code)`.",
-        f"In the REPL, the variable `context` holds the input: {describe_context(context)}.",
+        f"In the REPL, the variable `context` holds the input: {describe_context(context)}."
+        + (f" {files}" if files else ""),
         "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
         "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
         "part of `context` and your question into each prompt.",
@@ -107,6 +110,14 @@ def root_system_prompt(
             "come back as strings starting with `[error]` or `[rejected]`."
         )
     return "\n\n".join(parts)
+
+
+def files_text(name: str | None) -> str:
+    """The scaffold's sentence on the REPL's working directory: ``name`` is the one context file
+    (``context.txt`` / ``context.json``), ``None`` for a copied context folder."""
+    if name is None:
+        return "The REPL's working directory holds the task's files (a copy of its context folder)."
+    return f"The REPL's working directory holds the same input as the file `{name}`."
 
 
 def rlm_batch_text(depth: int, max_depth: int) -> str:

@@ -160,7 +160,7 @@ def fake_repl_factory(
     """A :data:`~rlmq.producer.engine.ReplFactory` of :class:`FakeRepl`, each appended to ``made``."""
 
     def make(
-        context: Any, token: str, options: RolloutOptions, interception: Any, tools: Sequence[dict[str, str]]
+        row: Any, token: str, options: RolloutOptions, interception: Any, tools: Sequence[dict[str, str]]
     ) -> FakeRepl:
         repl = FakeRepl()
         made.append(repl)

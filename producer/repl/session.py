@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from rlmq.common.errors import ReplError
+from rlmq.common.errors import ReplError, ReplStartupError
 from rlmq.common.settings import setting_default
 from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
+from rlmq.producer.repl.files import ContextFiles, prepare_files
 from rlmq.producer.repl.containment import Containment, note_containment
 from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
@@ -116,6 +117,9 @@ class Repl:
             can be made, ``memfd_create``, ``memfd_secret`` and ``shmget`` are refused instead
             and :attr:`containment` says so. A path: a delegated cgroup v2 folder to make it
             in. ``False``: no cgroup (that fallback).
+        files: the context as files (:mod:`.files`): written once into the host folder, and
+            copied by the child into its working directory at every (re)start, so a restarted
+            REPL finds them as they were at first. ``None``: an empty working directory.
 
     Raises:
         TypeError: ``context`` is not JSON-serializable.
@@ -150,6 +154,7 @@ class Repl:
         tool_timeout: float = 60.0,
         max_tool_bytes: int = 1024 * 1024,
         cgroup: bool | str = True,
+        files: ContextFiles | None = None,
     ) -> None:
         if max_output_length < 0 or max_answer_length < 0:
             raise ValueError("max_output_length and max_answer_length must be >= 0")
@@ -198,6 +203,8 @@ class Repl:
         self._tool_timeout = tool_timeout
         self._max_tool_bytes = max_tool_bytes
         self._want_cgroup = cgroup
+        self._files = files
+        self._files_ready = files is None
         self._cgroup: ReplCgroup | None = None
         self._no_cgroup_why = "not asked (cgroup=False)"
 
@@ -253,7 +260,8 @@ class Repl:
 
         Raises:
             ReplStartupError: the child (or the pip install) was not ready within
-                ``max_startup_wait_seconds``, or it failed.
+                ``max_startup_wait_seconds``, or it failed; or the context files were refused
+                (a ``context_dir`` with a symlink, too large for the scratch space).
             ReplError: the REPL was closed.
         """
         async with self._lock:
@@ -436,6 +444,13 @@ class Repl:
             return self._child
         if self._workdir is None:
             self._workdir = tempfile.mkdtemp(prefix="rlmq-repl-")
+        if not self._files_ready:
+            assert self._files is not None
+            try:
+                await asyncio.to_thread(prepare_files, self._files, self._files_dir(), self._scratch_bytes)
+            except (ValueError, OSError) as exc:
+                raise ReplStartupError(f"the REPL's context files: {exc}") from exc
+            self._files_ready = True
         if not self._packages_installed:
             await pip_install(self._pip_packages, self._site_packages(), self._workdir, self.max_startup_wait_seconds)
             self._packages_installed = True
@@ -457,6 +472,10 @@ class Repl:
         self._child = child
         return child
 
+    def _files_dir(self) -> str:
+        assert self._workdir is not None
+        return os.path.join(self._workdir, "files")
+
     def _site_packages(self) -> str:
         assert self._workdir is not None
         return os.path.join(self._workdir, "site-packages")
@@ -476,6 +495,7 @@ class Repl:
             "llm_batch_timeout": self._llm_batch_timeout,
             "workdir": self._workdir,
             "context_path": context_path,
+            "files_dir": self._files_dir() if self._files is not None else None,
             "sys_path": [self._site_packages()] if self._pip_packages else [],
             "cpu_seconds": self._cpu_seconds,
             "memory_bytes": self._memory_bytes,
