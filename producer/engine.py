@@ -326,9 +326,7 @@ class _RolloutRun:
         toolbox = self.toolbox
         repl_tools = [{"name": t.name, "doc": t.doc} for t in toolbox.tools.values()] if toolbox else []
         assert self.token is not None
-        self._repl = self.host.make_repl(
-            self.ro.row, self.token, self.options, self.host.interception, repl_tools
-        )
+        self._repl = self.host.make_repl(self.ro.row, self.token, self.options, self.host.interception, repl_tools)
         return self._repl
 
     def _stop_serving(self) -> None:

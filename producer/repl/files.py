@@ -146,7 +146,7 @@ def prepare_files(files: ContextFiles, dest: str, scratch_bytes: int) -> int:
         fd = os.open(os.path.join(dest, files.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with open(fd, "wb") as f:
             f.write(data)
-    for root, dirs, names in os.walk(dest):
+    for root, _dirs, names in os.walk(dest):
         os.chmod(root, 0o755)
         for name in names:
             path = os.path.join(root, name)

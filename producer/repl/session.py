@@ -18,8 +18,8 @@ from rlmq.common.settings import setting_default
 from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
-from rlmq.producer.repl.files import ContextFiles, prepare_files
 from rlmq.producer.repl.containment import Containment, note_containment
+from rlmq.producer.repl.files import ContextFiles, prepare_files
 from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker

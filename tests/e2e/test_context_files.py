@@ -91,7 +91,7 @@ def test_rows_info_reaches_the_repl_as_files_and_a_child_gets_its_task_context(t
     assert results["json"]["stop_reason"] == "answer_ready", results["json"]
     assert results["json"]["final_answer"] == "context.json|True|child sees 8088 / context.txt"
     assert results["dir"]["stop_reason"] == "answer_ready", results["dir"]
-    assert results["dir"]["final_answer"] == "hay.txt,notes/needle.txt|the code is 4711|\"the row's own\""
+    assert results["dir"]["final_answer"] == 'hay.txt,notes/needle.txt|the code is 4711|"the row\'s own"'
     assert results["symlink"]["stop_reason"] == "error"
     assert "context_dir cannot be a symlink" in (results["symlink"]["error"] or "")
     assert done.returncode != 0  # a rollout ended in error: the run says so
