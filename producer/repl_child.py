@@ -26,7 +26,15 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "max_answer_length": int (characters), "max_batch_bytes": int,
         "max_batch_prompts": int, "refuse_shared_memory": bool,
         "tools": [{"name": str, "doc": str}, ...],
-        "tool_timeout": float (s), "max_tool_bytes": int}
+        "tool_timeout": float (s), "max_tool_bytes": int,
+        "files_dir": str | null, "language": "python" | "bash"}
+
+   ``files_dir``: the context files (``context.txt`` / ``context.json`` / a copied
+   ``context_dir``), copied into the working directory once the child runs as its own uid.
+   ``language`` ``"bash"``: cells are bash (``repl_bash.py``, loaded from this folder), whose
+   ``llm_batch``, ``rlm_batch`` and root tools run this program as a helper,
+   ``python -I repl_child.py --command NAME ARGS...``, with the endpoint in its ``RLMQ_*``
+   environment.
 
    ``llm_batch`` posts ``{"prompts"}`` to ``url``; ``rlm_batch`` posts ``{"tasks": [{"prompt",
    "context"}, ...]}`` to ``<url's folder>/rlm_batch`` (child rollouts), both with
@@ -988,6 +996,15 @@ class _CellRunner:
         return ready, str.__str__(content)
 
 
+def runner_note(err: TextIO, text: str) -> None:
+    """A line of the REPL's own on the cell's stderr."""
+    try:
+        err.write(text + "\n")
+        err.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _die_with_the_producer(cmd_fd: int, own_uid: bool) -> None:
     """Watch the command pipe from a daemon thread: when its write end closes (the producer
     closed the REPL, or died, even of SIGKILL), kill this REPL's whole process group and, with a
@@ -1050,7 +1067,58 @@ def _close_other_descriptors(keep: tuple[int, ...]) -> None:
                 pass  # the listing's own descriptor, already closed
 
 
+def _load_bash() -> Any:
+    """``repl_bash.py`` beside this program (``-I`` puts no folder of ours on ``sys.path``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("repl_bash", os.path.join(os.path.dirname(_HERE), "repl_bash.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_HELPER_ENV = ("RLMQ_URL", "RLMQ_TOKEN", "RLMQ_SOCKET", "RLMQ_BATCH_TIMEOUT", "RLMQ_MAX_BATCH_BYTES",
+               "RLMQ_MAX_BATCH_PROMPTS", "RLMQ_TOOL_TIMEOUT", "RLMQ_MAX_TOOL_BYTES")  # fmt: skip
+
+
+def _helper_env(init: dict[str, Any], unix_socket: str | None) -> dict[str, str]:
+    """What a bash cell's commands need to reach the rollout's endpoint (see :func:`_command`)."""
+    values = (init["url"], init["token"], unix_socket or "", init["llm_batch_timeout"], init["max_batch_bytes"],
+              init["max_batch_prompts"], 2 * float(init.get("tool_timeout") or 60.0) + 30.0,
+              init.get("max_tool_bytes") or 1024 * 1024)  # fmt: skip
+    return {
+        **dict(zip(_HELPER_ENV, map(str, values), strict=True)),
+        "RLMQ_PYTHON": sys.executable,
+        "RLMQ_HELPER": _HERE,
+    }
+
+
+def _command(argv: list[str]) -> int:
+    """A bash cell's command (``llm_batch``, ``rlm_batch``, a root tool) as a process of its own."""
+    env = {k: os.environ.get(k, "") for k in _HELPER_ENV}
+    url, token, sock = env["RLMQ_URL"], env["RLMQ_TOKEN"], env["RLMQ_SOCKET"] or None
+    limits = (
+        float(env["RLMQ_BATCH_TIMEOUT"]),
+        sock,
+        int(env["RLMQ_MAX_BATCH_BYTES"]),
+        int(env["RLMQ_MAX_BATCH_PROMPTS"]),
+    )
+
+    def make(name: str) -> Callable[..., Any]:
+        if name == "llm_batch":
+            return _make_llm_batch(url, token, *limits)
+        if name == "rlm_batch":
+            return _make_rlm_batch(url, token, *limits)
+        tool_limits = (float(env["RLMQ_TOOL_TIMEOUT"]), sock, int(env["RLMQ_MAX_TOOL_BYTES"]))
+        return _make_root_tool({"name": name}, url, token, *tool_limits)
+
+    return int(_load_bash().command(argv, make))
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) > 2 and argv[1] == "--command":
+        return _command(argv[2:])
     cmd_fd, reply_fd = int(argv[1]), int(argv[2])
     _close_other_descriptors((cmd_fd, reply_fd))  # first: before anything else runs here
     for fd in (cmd_fd, reply_fd):
@@ -1062,6 +1130,7 @@ def main(argv: list[str]) -> int:
     if not line:
         return 0
     init = json.loads(line)
+    bash = _load_bash() if init.get("language") == "bash" else None  # before the privileges go
     uid = _own_uid(init.get("run_as"))
     _share_read_only(uid, init["workdir"])  # context and packages: readable, never writable
     if init.get("unix_socket"):  # the rollout's own socket: no other REPL's uid may connect to it
@@ -1140,8 +1209,12 @@ def main(argv: list[str]) -> int:
         )
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
+    runner: Any = _CellRunner(main_module.__dict__, out, err, max_answer)
+    if bash is not None:
+        names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
+        env = {**os.environ, **_helper_env(init, paths["unix_socket"])}
+        runner = bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
     del init, context
-    runner = _CellRunner(main_module.__dict__, out, err, max_answer)
 
     channel.send({"type": "ready", "pid": os.getpid(), "uid": uid, **contained})
     while True:

@@ -120,6 +120,8 @@ class Repl:
         files: the context as files (:mod:`.files`): written once into the host folder, and
             copied by the child into its working directory at every (re)start, so a restarted
             REPL finds them as they were at first. ``None``: an empty working directory.
+        language: ``"python"`` (cells are Python) or ``"bash"`` (cells are bash, as the
+            verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_bash.py``).
 
     Raises:
         TypeError: ``context`` is not JSON-serializable.
@@ -155,6 +157,7 @@ class Repl:
         max_tool_bytes: int = 1024 * 1024,
         cgroup: bool | str = True,
         files: ContextFiles | None = None,
+        language: str = "python",
     ) -> None:
         if max_output_length < 0 or max_answer_length < 0:
             raise ValueError("max_output_length and max_answer_length must be >= 0")
@@ -203,6 +206,9 @@ class Repl:
         self._tool_timeout = tool_timeout
         self._max_tool_bytes = max_tool_bytes
         self._want_cgroup = cgroup
+        if language not in ("python", "bash"):
+            raise ValueError(f"language must be python or bash, not {language!r}")
+        self.language = language
         self._files = files
         self._files_ready = files is None
         self._cgroup: ReplCgroup | None = None
@@ -496,6 +502,7 @@ class Repl:
             "workdir": self._workdir,
             "context_path": context_path,
             "files_dir": self._files_dir() if self._files is not None else None,
+            "language": self.language,
             "sys_path": [self._site_packages()] if self._pip_packages else [],
             "cpu_seconds": self._cpu_seconds,
             "memory_bytes": self._memory_bytes,
