@@ -22,6 +22,7 @@ from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
 SystemPromptMode = Literal["prepend", "append", "replace"]
+ReplLanguage = Literal["python", "bash"]
 
 BUDGET_ZERO = "must be >= 1: a budget of 0 would refuse every sub-LLM call; leave it unset for no budget"
 
@@ -134,6 +135,13 @@ class RolloutOptions(BaseModel):
         gt=0,
         description="how long a rollout's REPL may take to start (package installs included)",
         json_schema_extra=meta(group="repl", unit="seconds"),
+    )
+    repl_language: ReplLanguage = Field(
+        default="python",
+        description="the root model's REPL: python (call_python_repl; `context`, `answer` dict) or bash "
+        "(call_bash_repl; ANSWER_CONTENT / ANSWER_READY, llm_batch as a command), both with the context as "
+        "files in the working directory; the verifiers RLMEnv's default is bash",
+        json_schema_extra=meta(group="repl"),
     )
     abort_on_code_timeout: bool = Field(
         default=False,

@@ -91,6 +91,7 @@ def sandbox_repl(
     return Repl(
         context=repl_context(row),
         files=context_files(row),
+        language=options.repl_language,
         endpoint_url=interception.url,
         unix_socket=interception.unix_path_of(token),
         token=token,
@@ -359,6 +360,7 @@ class _RolloutRun:
             depth=self.pos.depth,
             max_depth=self.pos.max_depth,
             files=files_text(file_name(ro.row)),
+            language=o.repl_language,
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]

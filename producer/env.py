@@ -39,6 +39,7 @@ from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow
 from rlmq.common.settings import (
+    ReplLanguage,
     RolloutOptions,
     Settings,
     SystemPromptMode,
@@ -116,6 +117,7 @@ class RLMEnv:
         max_output_length: int | _FromSettings = FROM_SETTINGS,
         code_execution_timeout: float | _FromSettings = FROM_SETTINGS,
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
+        repl_language: ReplLanguage | _FromSettings = FROM_SETTINGS,
         abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,
         root_context_tokens: int | None | _FromSettings = FROM_SETTINGS,
         context_warning_threshold: float | _FromSettings = FROM_SETTINGS,

@@ -182,6 +182,19 @@ def _batch_input(args: list[str]) -> list[Any]:
     return _as_prompts(decoded) if not isinstance(decoded, str) else [raw]
 
 
+def _call_of(data: Any) -> tuple[list[Any], dict[str, Any]]:
+    """A tool's ``--json`` payload as arguments: ``{"args": [...], "kwargs": {...}}``; another
+    object is the keyword arguments; a list the positional ones; anything else the one argument."""
+    if isinstance(data, dict) and ("args" in data or "kwargs" in data):
+        call_args, kwargs = data.get("args", []), data.get("kwargs", {})
+        if not isinstance(call_args, list) or not isinstance(kwargs, dict):
+            raise RuntimeError("--json takes {\"args\": [...], \"kwargs\": {...}}")
+        return call_args, kwargs
+    if isinstance(data, dict):
+        return [], data
+    return (data, {}) if isinstance(data, list) else ([data], {})
+
+
 def command(argv: list[str], make: Callable[[str], Callable[..., Any]]) -> int:
     """The helper process of one command: ``--command NAME ARGS...``; ``make(name)`` builds the
     callable (the same ``llm_batch`` / ``rlm_batch`` / root-tool stub the Python REPL has).
@@ -199,13 +212,7 @@ def command(argv: list[str], make: Callable[[str], Callable[..., Any]]) -> int:
             print(json.dumps(result))
             return 0
         if args[:1] == ["--json"]:
-            data = json.loads(args[1] if len(args) > 1 else sys.stdin.read())
-            call_args = data.get("args", []) if isinstance(data, dict) and ("args" in data or "kwargs" in data) else []
-            kwargs = data.get("kwargs", {}) if isinstance(data, dict) and ("args" in data or "kwargs" in data) else {}
-            if not call_args and not kwargs:
-                call_args, kwargs = (
-                    ([], data) if isinstance(data, dict) else (data if isinstance(data, list) else [data], {})
-                )
+            call_args, kwargs = _call_of(json.loads(args[1] if len(args) > 1 else sys.stdin.read()))
             result = func(*call_args, **kwargs)
         else:
             result = func(*(_decode(a) for a in args))

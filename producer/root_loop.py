@@ -25,7 +25,7 @@ from rlmq.common.schemas import StopReason
 from rlmq.producer.repl.cell import CellResult
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.root import RootClient
-from rlmq.producer.scaffold import REPL_TOOL, context_warning
+from rlmq.producer.scaffold import context_warning, repl_tool
 
 
 class CellRunner(Protocol):
@@ -38,9 +38,6 @@ class CellRunner(Protocol):
             ReplError: the REPL could not run the cell.
         """
         ...
-
-
-REPL_TOOL_NAME = "call_python_repl"
 
 
 def _repl_code(arguments: object) -> str | None:
@@ -92,9 +89,11 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
     last_answer: str | None = None
     warned = False
     turn = 0
+    tool = repl_tool(o.repl_language)
+    tool_name = tool["function"]["name"]
     while o.max_turns <= 0 or turn < o.max_turns:
         turn += 1
-        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [REPL_TOOL]}
+        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [tool]}
         sampling = dict(o.sampling_args)  # checked: never model, messages, tools, n, stream
         per_call = sampling.pop("max_tokens", None)
         if sampling:
@@ -150,13 +149,13 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
         if not calls:
             return "no_tool_call", last_answer if last_answer else (content or None)
         for call_id, name, arguments in calls:
-            if name != REPL_TOOL_NAME:
-                out = f"[error] unknown tool {name!r}; the only tool is call_python_repl(code)"
+            if name != tool_name:
+                out = f"[error] unknown tool {name!r}; the only tool is {tool_name}(code)"
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
                 continue
             code = _repl_code(arguments)
             if code is None:
-                out = '[error] call_python_repl takes one string argument: {"code": "..."}'
+                out = f'[error] {tool_name} takes one string argument: {{"code": "..."}}'
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
                 continue
             cell = await repl.execute(code)
@@ -182,7 +181,7 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
         context = o.root_context_tokens
         if not warned and context is not None and prompt_tokens >= o.context_warning_threshold * context:
             warned = True
-            warning = context_warning(prompt_tokens, context)
+            warning = context_warning(prompt_tokens, context, o.repl_language)
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{warning}"
             trajectory.append({"type": "note", "text": warning})
     return "max_turns", last_answer

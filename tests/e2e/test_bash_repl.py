@@ -1,0 +1,73 @@
+"""The bash REPL end to end (``RLMEnv(repl_language="bash")``): the scripted model writes bash,
+real workers answer its ``llm_batch``, a root tool runs in the producer as a command, and the
+answer comes back through ``ANSWER_CONTENT`` / ``ANSWER_READY``."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rlmq.cli.local import LocalFleet
+from rlmq.common.schemas import DatasetRow
+from rlmq.common.settings import Settings, load_settings
+from rlmq.producer.env import RLMEnv
+from rlmq.scripted.server import root_code_directive
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
+    logs = tmp_path_factory.mktemp("bash-logs")
+    with LocalFleet(redis_url=redis_url, model=f"bash-{uuid.uuid4().hex[:6]}", workers=1, log_dir=str(logs)) as f:
+        yield f
+
+
+def settings_of(fleet: LocalFleet) -> Settings:
+    return load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model)
+
+
+def lookup(key: str, depth: int = 1) -> dict[str, Any]:
+    """Look a vault up in the index."""
+    return {"vault": key, "depth": depth, "pid": os.getpid()}
+
+
+CELL = """
+vault=$(lookup ORCHID 3)
+sub=$(llm_batch "Text: The vault code is 48213.
+Question: What is the vault code?" 2>/dev/null)
+echo "$vault" > found.json
+export ANSWER_CONTENT="{\\"vault\\": $vault, \\"sub\\": $sub, \\"pwd\\": \\"$(basename $PWD)\\"}"
+export ANSWER_READY=1
+"""
+
+
+async def test_a_bash_rollout_with_a_root_tool_and_real_workers(fleet: LocalFleet) -> None:
+    row = DatasetRow(id="bash", question="Q " + root_code_directive(CELL), context="the haystack")
+    async with RLMEnv(settings=settings_of(fleet), repl_language="bash", root_tools=[lookup]) as env:
+        res = await env.rollout(row, model=fleet.model)
+    assert res.row.stop_reason == "answer_ready", (res.row.error, res.trajectory)
+    got = json.loads(str(res.row.final_answer))
+    assert got["vault"] == {"vault": "ORCHID", "depth": 3, "pid": os.getpid()}  # ran here, in the producer
+    assert got["sub"] == ["48213"]  # a sub-LLM on the worker read the prompt
+    m = res.row.metrics
+    assert m["root_tool_call_count"] >= 1 and m["lookup_root_calls"] == 1 and m["sub_llm_call_count"] == 1
+    system = res.messages[0]["content"]
+    assert "call_bash_repl" in system and "ANSWER_READY" in system and "`context.txt`" in system
+    assert "commands in the REPL" in system and "lookup" in system
+
+
+async def test_the_scripted_models_own_bash_strategy_finds_the_needle(fleet: LocalFleet) -> None:
+    hay = " ".join(f"Line {i} is filler text about nothing." for i in range(400))
+    context = hay + " The secret password is TANGERINE. " + hay
+    row = DatasetRow(id="needle", question="What is the secret password?", context=context)
+    async with RLMEnv(settings=settings_of(fleet), repl_language="bash") as env:
+        res = await env.rollout(row, model=fleet.model)
+    assert res.row.stop_reason == "answer_ready", (res.row.error, res.trajectory)
+    assert res.row.final_answer == "TANGERINE"
+    assert res.trajectory[1]["type"] == "cell" or any(e.get("type") == "cell" for e in res.trajectory)
