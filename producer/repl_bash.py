@@ -188,7 +188,7 @@ def _call_of(data: Any) -> tuple[list[Any], dict[str, Any]]:
     if isinstance(data, dict) and ("args" in data or "kwargs" in data):
         call_args, kwargs = data.get("args", []), data.get("kwargs", {})
         if not isinstance(call_args, list) or not isinstance(kwargs, dict):
-            raise RuntimeError("--json takes {\"args\": [...], \"kwargs\": {...}}")
+            raise RuntimeError('--json takes {"args": [...], "kwargs": {...}}')
         return call_args, kwargs
     if isinstance(data, dict):
         return [], data

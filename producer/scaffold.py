@@ -96,23 +96,27 @@ def root_system_prompt(
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
-    parts = bash_parts(files) if language == "bash" else [
-        "You are answering a question about a long input that you cannot see directly. You work in a "
-        "persistent Python REPL through the tool `call_python_repl(code)`.",
-        f"In the REPL, the variable `context` holds the input: {describe_context(context)}."
-        + (f" {files}" if files else ""),
-        "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
-        "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
-        "part of `context` and your question into each prompt.",
-        'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
-        "cell; that ends the task.",
-    ]
+    parts = (
+        bash_parts(files)
+        if language == "bash"
+        else [
+            "You are answering a question about a long input that you cannot see directly. You work in a "
+            "persistent Python REPL through the tool `call_python_repl(code)`.",
+            f"In the REPL, the variable `context` holds the input: {describe_context(context)}."
+            + (f" {files}" if files else ""),
+            "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
+            "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
+            "part of `context` and your question into each prompt.",
+            'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
+            "cell; that ends the task.",
+        ]
+    )
     if max_depth > 1:
         parts.append(rlm_batch_text(depth, max_depth))
     if tools:
         how = (
             "These tools are also commands in the REPL: `name arg1 arg2` (an argument that is JSON is decoded, "
-            "else it is a string; or `name --json '{\"args\": [...], \"kwargs\": {...}}'`); a command prints a "
+            'else it is a string; or `name --json \'{"args": [...], "kwargs": {...}}\'`); a command prints a '
             "str result as it is and anything else as JSON, and a failure prints `Error: ...` and exits with 1:\n"
             if language == "bash"
             else "These tools are also functions in the REPL; call them from your code (arguments and results "
