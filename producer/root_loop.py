@@ -71,8 +71,9 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
     """Run the root model's turns of ``rollout`` until it stops; returns (stop reason, final answer).
 
     The final answer is ``answer["content"]`` of the cell that set ``answer["ready"]``; on the
-    other stops it is the last non-empty ``answer["content"]`` so far (or, for ``no_tool_call``
-    without one, the reply's text). Each root call carries ``sampling_args`` and gets
+    other stops it is the last non-empty ``answer["content"]`` so far (for ``no_tool_call``
+    without one ``""``, as verifiers' RLMEnv 0.1.14 read its answer file; the reply's text is in
+    the trajectory, not the final answer). Each root call carries ``sampling_args`` and gets
     ``max_tokens`` = what is left of ``root_max_completion_tokens`` (tokens) when that is set,
     at most the sampling arguments' ``max_tokens``. Tool calls other than
     ``call_python_repl(code)`` and malformed arguments get an ``[error]`` tool message, not an
@@ -147,7 +148,8 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
             }
         )
         if not calls:
-            return "no_tool_call", last_answer if last_answer else (content or None)
+            # the reference's final answer here: answer["content"] so far, "" when never set
+            return "no_tool_call", last_answer or ""
         for call_id, name, arguments in calls:
             if name != tool_name:
                 out = f"[error] unknown tool {name!r}; the only tool is {tool_name}(code)"
