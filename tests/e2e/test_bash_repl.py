@@ -41,8 +41,10 @@ CELL = """
 vault=$(lookup ORCHID 3)
 sub=$(llm_batch "Text: The vault code is 48213.
 Question: What is the vault code?" 2>/dev/null)
+boxed=$(llm_batch 'Text: The final figure is \\boxed{7}.
+Question: What is the final figure?' 2>/dev/null)
 echo "$vault" > found.json
-export ANSWER_CONTENT="{\\"vault\\": $vault, \\"sub\\": $sub, \\"pwd\\": \\"$(basename $PWD)\\"}"
+export ANSWER_CONTENT="{\\"vault\\": $vault, \\"sub\\": $sub, \\"boxed\\": $boxed, \\"pwd\\": \\"$(basename $PWD)\\"}"
 export ANSWER_READY=1
 """
 
@@ -55,8 +57,9 @@ async def test_a_bash_rollout_with_a_root_tool_and_real_workers(fleet: LocalFlee
     got = json.loads(str(res.row.final_answer))
     assert got["vault"] == {"vault": "ORCHID", "depth": 3, "pid": os.getpid()}  # ran here, in the producer
     assert got["sub"] == ["48213"]  # a sub-LLM on the worker read the prompt
+    assert got["boxed"] == ["7"]  # its "\\boxed{7}": the boxed content, as the reference's llm_batch
     m = res.row.metrics
-    assert m["root_tool_call_count"] >= 1 and m["lookup_root_calls"] == 1 and m["sub_llm_call_count"] == 1
+    assert m["root_tool_call_count"] >= 1 and m["lookup_root_calls"] == 1 and m["sub_llm_call_count"] == 2
     system = res.messages[0]["content"]
     assert "call_bash_repl" in system and "ANSWER_READY" in system and "`context.txt`" in system
     assert "commands in the REPL" in system and "lookup" in system

@@ -32,3 +32,12 @@ def test_a_verifiers_task_with_its_context_in_info_gets_it_as_file_and_variable(
     assert repl_context(row) == {"haystack": ["a", "b"]}
     files = context_files(row)
     assert (files.name, files.text, files.source) == ("context.json", '{"haystack": ["a", "b"]}', "info.context")
+
+
+def test_sub_answers_are_boxed_extracted_as_the_reference() -> None:
+    from rlmq.workers.subllm import boxed_answer
+
+    assert boxed_answer(r"Reasoning... so \boxed{42}.") == "42"
+    assert boxed_answer(r"\boxed{a} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"  # the last, braces balanced
+    assert boxed_answer("no box here") == "no box here"
+    assert boxed_answer(r"cut \boxed{open") == r"cut \boxed{open"
