@@ -411,7 +411,11 @@ class _RolloutRun:
     async def handle_batch(self, prompts: list[str]) -> tuple[list[str], str]:
         """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout."""
         async with self._serving(), self.batch_sem:
-            return await self.host.batches.run(self.ro, prompts)
+            t0 = time.perf_counter()
+            try:
+                return await self.host.batches.run(self.ro, prompts)
+            finally:
+                self.ro.stats.llm_batch_seconds.append(time.perf_counter() - t0)
 
     async def handle_rlm(self, tasks: list[RlmTask]) -> tuple[list[str], str]:
         """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time."""

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rlmq.cli.local import LocalFleet
+from rlmq.cli.local import LocalFleet, ProcessGroup, child_env, rlmq_command, start_mock_llm
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import Settings, load_settings
 from rlmq.producer.env import RLMEnv
@@ -59,7 +62,7 @@ async def test_a_bash_rollout_with_a_root_tool_and_real_workers(fleet: LocalFlee
     assert got["sub"] == ["48213"]  # a sub-LLM on the worker read the prompt
     assert got["boxed"] == ["7"]  # its "\\boxed{7}": the boxed content, as the reference's llm_batch
     m = res.row.metrics
-    assert m["root_tool_call_count"] >= 1 and m["lookup_root_calls"] == 1 and m["sub_llm_call_count"] == 2
+    assert m["root_tool_call_count"] == 3 and m["lookup_root_calls"] == 1 and m["sub_llm_call_count"] == 2
     system = res.messages[0]["content"]
     assert "call_bash_repl" in system and "ANSWER_READY" in system and "`context.txt`" in system
     assert "commands in the REPL" in system and "lookup" in system
@@ -74,3 +77,48 @@ async def test_the_scripted_models_own_bash_strategy_finds_the_needle(fleet: Loc
     assert res.row.stop_reason == "answer_ready", (res.row.error, res.trajectory)
     assert res.row.final_answer == "TANGERINE"
     assert res.trajectory[1]["type"] == "cell" or any(e.get("type") == "cell" for e in res.trajectory)
+
+
+CHILD_BASH = """
+export ANSWER_CONTENT="child:$(cat context.txt)"; export ANSWER_READY=1
+"""
+
+ROOT_BASH = """
+note=$(cat notes/needle.txt)
+tasks=$(printf '{"tasks": [{"prompt": "%s", "context": "%s"}]}' "$CHILD_PROMPT" "$note")
+out=$(rlm_batch --json "$tasks" 2>/dev/null)
+export ANSWER_CONTENT="$(ls | tr '\\n' ' ')| $out"; export ANSWER_READY=1
+"""
+
+
+def test_rlmq_run_in_bash_with_a_context_dir_and_a_child_rollout(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    (corpus / "notes").mkdir(parents=True)
+    (corpus / "notes" / "needle.txt").write_text("code 4711")
+    child_prompt = "child " + root_code_directive(CHILD_BASH)
+    code = f"CHILD_PROMPT={shlex.quote(child_prompt)}\n" + ROOT_BASH
+    rows = [
+        {
+            "id": "bash",
+            "question": "Q " + root_code_directive(code),
+            "context": "",
+            "info": {"context_dir": str(corpus)},
+        }
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    group = ProcessGroup()
+    try:
+        base = start_mock_llm(group)
+        argv = rlmq_command(
+            "run", str(data), "--base-url", base, "--model", "scripted", "--max-depth", "2", "--repl-language", "bash",
+            "--run-dir", str(run_dir), "--quiet", "--workers", "1", "--max-startup-wait-seconds", "60",
+        )  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=150, env=child_env(), check=False)
+    finally:
+        group.stop()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (result,) = [json.loads(line) for line in (run_dir / "rows.jsonl").read_text().splitlines() if line.strip()]
+    assert result["stop_reason"] == "answer_ready", result
+    assert result["final_answer"] == 'notes | ["child:code 4711"]'

@@ -35,7 +35,7 @@ from rlmq.cli.local import ProcessGroup, child_env, rlmq_command, start_mock_llm
 from rlmq.cli.main import build_parser
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import decode_job_data
-from rlmq.producer.scaffold import root_system_prompt, sub_system_prompt
+from rlmq.producer.scaffold import files_text, root_system_prompt, sub_system_prompt
 from rlmq.scripted.server import root_code_directive
 from tests.e2e.test_signals import as_from_a_terminal
 
@@ -93,6 +93,7 @@ TESTED_ELSEWHERE = {
     "--preflight": "the default: tests/e2e/test_preflight.py",
     "--allow-evicting-redis": "tests/fleet/test_conditions.py (rlmq run against an evicting Redis, with and without)",
     "--no-allow-evicting-redis": "the default: tests/fleet/test_conditions.py (refused)",
+    "--repl-language": "tests/e2e/test_bash_repl.py (rlmq run --repl-language bash, a child rollout in bash)",
 }
 
 
@@ -379,7 +380,7 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
         system = traj[row["id"]]["messages"][0]["content"]
         assert system == root_system_prompt(
             row["context"], verbosity="heavy", budget=60, max_turns=3, sub_llm_max_turns=2,
-            max_output_length=500, parallelism=2,
+            max_output_length=500, parallelism=2, files=files_text("context.txt"),
         )  # fmt: skip
         assert traj[row["id"]]["messages"][1]["content"] == row["question"]
     # --max-batch-prompts 6 / --max-batch-bytes 200000: the REPL refused both batches
