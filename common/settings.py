@@ -143,6 +143,12 @@ class RolloutOptions(BaseModel):
         "files in the working directory; the verifiers RLMEnv's default is bash",
         json_schema_extra=meta(group="repl"),
     )
+    expose_message_history: bool = Field(
+        default=False,
+        description="before each cell, write the conversation so far to .messages (JSON lines, one message "
+        "per line) in the REPL's working directory, and tell the root model so",
+        json_schema_extra=meta(group="repl"),
+    )
     abort_on_code_timeout: bool = Field(
         default=False,
         description="end the rollout (stop reason code_timeout) when a REPL cell runs past "

@@ -361,6 +361,7 @@ class _RolloutRun:
             max_depth=self.pos.max_depth,
             files=files_text(file_name(ro.row)),
             language=o.repl_language,
+            message_history=o.expose_message_history,
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]

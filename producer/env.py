@@ -118,6 +118,7 @@ class RLMEnv:
         code_execution_timeout: float | _FromSettings = FROM_SETTINGS,
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
         repl_language: ReplLanguage | _FromSettings = FROM_SETTINGS,
+        expose_message_history: bool | _FromSettings = FROM_SETTINGS,
         abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,
         root_context_tokens: int | None | _FromSettings = FROM_SETTINGS,
         context_warning_threshold: float | _FromSettings = FROM_SETTINGS,

@@ -51,7 +51,9 @@ repr of a last expression, output of subprocesses) goes there, in order.
    "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int,
    "no_user_namespaces": bool, "shared_memory_refused": bool}``. Before anything else it
    closes every descriptor but fd 0-2 and its two pipes.
-2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
+2. parent -> child, per cell: ``{"op": "exec", "code": str, "history"?: str}`` (``history``:
+   JSON lines the child writes to ``.messages`` in its first working directory before the
+   cell runs); the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
    fd 1/2 before). ``answer_content`` is cut to ``max_answer_length`` characters
@@ -996,6 +998,20 @@ class _CellRunner:
         return ready, str.__str__(content)
 
 
+def _write_history(home: str, text: str) -> None:
+    """Overwrite ``<home>/.messages`` with the conversation (JSON lines), as the REPL's own uid;
+    a link planted there is replaced, never written through."""
+    path = os.path.join(home, ".messages")
+    try:
+        if os.path.islink(path):
+            os.unlink(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
+            f.write(text)
+    except OSError as exc:  # a full scratch space, a folder the cell removed: said in the output
+        runner_note(sys.stderr, f"[.messages could not be written: {exc}]")
+
+
 def runner_note(err: TextIO, text: str) -> None:
     """A line of the REPL's own on the cell's stderr."""
     try:
@@ -1214,6 +1230,7 @@ def main(argv: list[str]) -> int:
         names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
         env = {**os.environ, **_helper_env(init, paths["unix_socket"])}
         runner = bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
+    home = os.getcwd()  # the working directory the context files are in: `.messages` goes here too
     del init, context
 
     channel.send({"type": "ready", "pid": os.getpid(), "uid": uid, **contained})
@@ -1223,6 +1240,8 @@ def main(argv: list[str]) -> int:
             return 0
         message = json.loads(line)
         if message.get("op") == "exec":
+            if isinstance(message.get("history"), str):
+                _write_history(home, message["history"])
             channel.send(runner.run(message["code"]))
 
 

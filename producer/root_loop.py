@@ -31,8 +31,9 @@ from rlmq.producer.scaffold import context_warning, repl_tool
 class CellRunner(Protocol):
     """Where the root model's code runs: the rollout's REPL (:class:`~rlmq.producer.repl.Repl`)."""
 
-    async def execute(self, code: str) -> CellResult:
-        """Run one cell; a timeout or a dead REPL is in the result, not an exception.
+    async def execute(self, code: str, history: str | None = None) -> CellResult:
+        """Run one cell; a timeout or a dead REPL is in the result, not an exception. ``history``:
+        the conversation as JSON lines for ``.messages`` (``expose_message_history``), or ``None``.
 
         Raises:
             ReplError: the REPL could not run the cell.
@@ -160,7 +161,11 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
                 out = f'[error] {tool_name} takes one string argument: {{"code": "..."}}'
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
                 continue
-            cell = await repl.execute(code)
+            if o.expose_message_history:
+                history = "".join(json.dumps(m, ensure_ascii=False, default=str) + "\n" for m in messages)
+                cell = await repl.execute(code, history)
+            else:
+                cell = await repl.execute(code)
             stats.repl_times.append(cell.seconds)
             trajectory.append(
                 {

@@ -78,6 +78,7 @@ def root_system_prompt(
     max_depth: int = setting_default("max_depth"),
     files: str | None = None,
     language: str = "python",
+    message_history: bool = False,
 ) -> str:
     """The root model's system message.
 
@@ -93,6 +94,7 @@ def root_system_prompt(
             with ``max_depth`` 1 nothing is said of ``rlm_batch`` (the text is as before it).
         files: what the REPL's working directory holds (:func:`files_text`), or ``None``.
         language: ``"python"`` or ``"bash"`` (:func:`bash_parts` then says how the bash REPL works).
+        message_history: the REPL's working directory has ``.messages`` (``expose_message_history``).
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
@@ -111,6 +113,12 @@ def root_system_prompt(
             "cell; that ends the task.",
         ]
     )
+    if message_history:
+        how = "cat .messages" if language == "bash" else '[json.loads(line) for line in open(".messages")]'
+        parts.append(
+            "The file `.messages` in the working directory holds this conversation so far, one JSON message per "
+            f"line, written anew before each of your calls; read it with `{how}`."
+        )
     if max_depth > 1:
         parts.append(rlm_batch_text(depth, max_depth))
     if tools:

@@ -112,7 +112,7 @@ class FakeRepl:
     async def serving(self) -> AsyncIterator[None]:
         yield
 
-    async def execute(self, code: str) -> CellResult:
+    async def execute(self, code: str, history: str | None = None) -> CellResult:
         self.cells.append(code)
         if code == "hang":
             return CellResult("[timeout] the cell ran past its limit", False, self.content, 1.0, True, True)

@@ -331,7 +331,7 @@ class Repl:
 
     # ------------------------------------------------------------------ cells
 
-    async def execute(self, code: str) -> CellResult:
+    async def execute(self, code: str, history: str | None = None) -> CellResult:
         """Run one cell of Python ``code`` in the persistent globals.
 
         Starts the child first if needed. A cell running past
@@ -342,7 +342,10 @@ class Repl:
 
         Args:
             code: Python source, any number of statements; the repr of a last
-                expression statement is printed when it is not ``None``.
+                expression statement is printed when it is not ``None`` (bash with ``language="bash"``).
+            history: the conversation so far as JSON lines (the reference's ``.messages``,
+                ``expose_message_history``): written to ``.messages`` in the REPL's first
+                working directory before the cell runs; ``None``: not written.
 
         Returns:
             The cell's :class:`CellResult`.
@@ -356,7 +359,7 @@ class Repl:
             oom_kills = child.cgroup.oom_kills() if child.cgroup is not None else 0
             started = time.monotonic()
             try:
-                reply, timed_out = await self._run_cell(child, code)
+                reply, timed_out = await self._run_cell(child, code, history)
             except BaseException:
                 # Cancelled (or an internal failure) mid-cell: the child's state is
                 # unknown and it may still be running; start afresh next time.
@@ -432,12 +435,14 @@ class Repl:
                 restarted=True,
             )
 
-    async def _run_cell(self, child: ChildHandle, code: str) -> tuple[dict[str, Any] | None, bool]:
+    async def _run_cell(
+        self, child: ChildHandle, code: str, history: str | None = None
+    ) -> tuple[dict[str, Any] | None, bool]:
         """Send the cell and wait for its result: (result message or None if the child died, timed out)."""
         clock = CellClock(self.code_execution_timeout, self._pause_during_llm_batch)
         self._clock = clock
         try:
-            return await run_cell(child, code, clock, self._llm_batch_timeout)
+            return await run_cell(child, code, clock, self._llm_batch_timeout, history)
         finally:
             self._clock = None
 

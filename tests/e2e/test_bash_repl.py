@@ -122,3 +122,42 @@ def test_rlmq_run_in_bash_with_a_context_dir_and_a_child_rollout(tmp_path: Path)
     (result,) = [json.loads(line) for line in (run_dir / "rows.jsonl").read_text().splitlines() if line.strip()]
     assert result["stop_reason"] == "answer_ready", result
     assert result["final_answer"] == 'notes | ["child:code 4711"]'
+
+
+HISTORY_PY = """
+import json
+history = [json.loads(line) for line in open(".messages")]
+answer["content"] = ",".join(m["role"] for m in history) + "|" + str("call_python_repl" in json.dumps(history[-1]))
+answer["ready"] = True
+"""
+
+HISTORY_BASH = """
+export ANSWER_CONTENT="$(wc -l < .messages) $(head -1 .messages | grep -c '"role": "system"')"
+export ANSWER_READY=1
+"""
+
+
+@pytest.mark.parametrize("language", ["python", "bash"])
+async def test_expose_message_history_writes_the_conversation_before_each_cell(
+    fleet: LocalFleet, language: str
+) -> None:
+    code = (
+        [root_code_directive("print('first')", 1), root_code_directive(HISTORY_PY, 2)]
+        if language == "python"
+        else [root_code_directive("echo first", 1), root_code_directive(HISTORY_BASH, 2)]
+    )
+    row = DatasetRow(id="hist", question="Q " + " ".join(code), context="c")
+    async with RLMEnv(settings=settings_of(fleet), repl_language=language, expose_message_history=True) as env:
+        res = await env.rollout(row, model=fleet.model)
+    assert res.row.stop_reason == "answer_ready", (res.row.error, res.trajectory)
+    # system, user, assistant (turn 1), tool (its output), assistant (turn 2, whose cell reads the file)
+    if language == "python":
+        assert res.row.final_answer == "system,user,assistant,tool,assistant|True"
+    else:
+        assert res.row.final_answer == "5 1"
+    assert ".messages" in res.messages[0]["content"]
+    async with RLMEnv(settings=settings_of(fleet), repl_language=language) as env:  # off: no file, not told
+        off = await env.rollout(row, model=fleet.model)
+    assert ".messages" not in off.messages[0]["content"]
+    cells = [e["output"] for e in off.trajectory if e["type"] == "cell"]
+    assert "No such file" in cells[1], cells
