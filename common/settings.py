@@ -149,6 +149,12 @@ class RolloutOptions(BaseModel):
         "per line) in the REPL's working directory, and tell the root model so",
         json_schema_extra=meta(group="repl"),
     )
+    retain_filesystem_after_rollout: bool = Field(
+        default=False,
+        description="when a rollout ends, copy the REPL's working directory to a new host folder, named by a "
+        '{"type": "files", "path": ...} event in the trajectory',
+        json_schema_extra=meta(group="repl"),
+    )
     abort_on_code_timeout: bool = Field(
         default=False,
         description="end the rollout (stop reason code_timeout) when a REPL cell runs past "

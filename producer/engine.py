@@ -67,6 +67,10 @@ class ReplSession(CellRunner, Protocol):
         """Kill it and remove its files; idempotent."""
         ...
 
+    async def retain_files(self) -> str | None:
+        """Copy its working directory to a new host folder; returns its path (``None``: not running)."""
+        ...
+
     def serving(self) -> AbstractAsyncContextManager[None]:
         """Wraps the serving of one of its ``llm_batch`` requests (pauses its cell clock)."""
         ...
@@ -343,7 +347,12 @@ class _RolloutRun:
 
     async def _close_repl(self, repl: ReplSession) -> None:
         self._stop_serving()  # before the REPL goes: nothing it sends while closing is served
-        await repl.close()
+        try:
+            if self.options.retain_filesystem_after_rollout:
+                path = await repl.retain_files()
+                self.ro.trajectory.append({"type": "files", "path": path})
+        finally:
+            await repl.close()
 
     def _compose_messages(self) -> None:
         """The system prompt (the scaffold and the author's ``system_prompt``) and the question."""

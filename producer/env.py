@@ -119,6 +119,7 @@ class RLMEnv:
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
         repl_language: ReplLanguage | _FromSettings = FROM_SETTINGS,
         expose_message_history: bool | _FromSettings = FROM_SETTINGS,
+        retain_filesystem_after_rollout: bool | _FromSettings = FROM_SETTINGS,
         abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,
         root_context_tokens: int | None | _FromSettings = FROM_SETTINGS,
         context_warning_threshold: float | _FromSettings = FROM_SETTINGS,

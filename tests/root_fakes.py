@@ -112,6 +112,9 @@ class FakeRepl:
     async def serving(self) -> AsyncIterator[None]:
         yield
 
+    async def retain_files(self) -> str | None:
+        return None
+
     async def execute(self, code: str, history: str | None = None) -> CellResult:
         self.cells.append(code)
         if code == "hang":

@@ -19,12 +19,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Final
 
 from rlmq.common.schemas import DatasetRow
 
-__all__ = ["CONTEXT_DIR_MAX_BYTES", "ContextFiles", "context_files", "file_name", "prepare_files", "repl_context"]
+__all__ = [
+    "CONTEXT_DIR_MAX_BYTES", "ContextFiles", "context_files", "file_name", "prepare_files", "repl_context",
+    "retain_working_directory",
+]  # fmt: skip
 
 CONTEXT_DIR_MAX_BYTES: Final = 1_000_000_000
 """The reference's bound on a ``context_dir`` (bytes of its files, summed)."""
@@ -153,3 +157,28 @@ def prepare_files(files: ContextFiles, dest: str, scratch_bytes: int) -> int:
             if not os.path.islink(path):
                 os.chmod(path, 0o644)
     return total
+
+
+def retain_working_directory(pid: int, private_fs: bool, workdir: str, home: str) -> tuple[str, list[str]]:
+    """Copy a running REPL's working directory out of its sandbox (``retain_filesystem_after_rollout``).
+
+    Args:
+        pid: the REPL child's process id (its mount namespace is read through ``/proc/<pid>/root``).
+        private_fs: whether it has a private file system (then ``home`` is a path inside it).
+        workdir: the REPL's host folder (without a private file system, ``<workdir>/home`` is it).
+        home: the working directory's path inside the sandbox.
+
+    Returns:
+        ``(the new host folder holding the copy, what was not copied)``: links are copied as
+        links, never followed; pipes, sockets and unreadable files are left out and named.
+    """
+    src = os.path.join(f"/proc/{pid}/root", home.lstrip("/")) if private_fs else os.path.join(workdir, "home")
+    dest = tempfile.mkdtemp(prefix="rlmq-files-")
+    skipped: list[str] = []
+    try:
+        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True, copy_function=shutil.copyfile)
+    except shutil.Error as exc:  # the rest was copied; these were not
+        skipped = [str(item[0]) for item in exc.args[0]]
+    except OSError as exc:
+        skipped = [f"{src}: {exc}"]
+    return dest, skipped

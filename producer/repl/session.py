@@ -19,7 +19,7 @@ from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
 from rlmq.producer.repl.containment import Containment, note_containment
-from rlmq.producer.repl.files import ContextFiles, prepare_files
+from rlmq.producer.repl.files import ContextFiles, prepare_files, retain_working_directory
 from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
@@ -272,6 +272,25 @@ class Repl:
         """
         async with self._lock:
             await self._ensure_started()
+
+    async def retain_files(self) -> str | None:
+        """Copy the working directory out of the running REPL into a new host folder (the
+        reference's ``retain_filesystem_after_rollout``); ``None``: no REPL is running.
+        What could not be copied (pipes, sockets) is logged."""
+        child = self._child
+        if child is None or self._workdir is None or self.containment is None:
+            return None
+        private = self.containment.private_fs
+        dest, skipped = await asyncio.to_thread(
+            retain_working_directory,
+            child.proc.pid,
+            private,
+            self._workdir,
+            "/tmp/home",  # noqa: S108
+        )
+        if skipped:
+            log.warning("the REPL's files kept in %s lack %d entries: %s", dest, len(skipped), skipped[:5])
+        return dest
 
     async def close(self) -> None:
         """Kill the child's process group (and uid) and remove the work dir. Idempotent.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -161,3 +162,33 @@ async def test_expose_message_history_writes_the_conversation_before_each_cell(
     assert ".messages" not in off.messages[0]["content"]
     cells = [e["output"] for e in off.trajectory if e["type"] == "cell"]
     assert "No such file" in cells[1], cells
+
+
+@pytest.mark.parametrize("language", ["python", "bash"])
+async def test_retain_filesystem_after_rollout_copies_the_working_directory_out(
+    fleet: LocalFleet, language: str
+) -> None:
+    code = (
+        "import os\nos.mkdir('out')\nopen('out/result.txt', 'w').write('kept ' * 1000)\n"
+        "os.symlink('/etc/passwd', 'link')\n"
+        "answer['content'] = 'ok'\nanswer['ready'] = True"
+        if language == "python"
+        else "mkdir out; yes kept | head -1000 > out/result.txt; ln -s /etc/passwd link; mkfifo pipe\n"
+        "export ANSWER_CONTENT=ok ANSWER_READY=1"
+    )
+    row = DatasetRow(id="keep", question="Q " + root_code_directive(code), context="the input")
+    async with RLMEnv(settings=settings_of(fleet), repl_language=language, retain_filesystem_after_rollout=True) as env:
+        res = await env.rollout(row, model=fleet.model)
+    assert res.row.stop_reason == "answer_ready", (res.row.error, res.trajectory)
+    (event,) = [e for e in res.trajectory if e["type"] == "files"]
+    kept = Path(event["path"])
+    try:
+        assert (kept / "context.txt").read_text() == "the input"
+        assert len((kept / "out" / "result.txt").read_text()) == 5000
+        assert (kept / "link").is_symlink() and os.readlink(kept / "link") == "/etc/passwd"  # a link, not a copy
+        assert not (kept / "pipe").exists()  # a pipe is left out, never opened
+    finally:
+        shutil.rmtree(kept)
+    async with RLMEnv(settings=settings_of(fleet), repl_language=language) as env:
+        plain = await env.rollout(row, model=fleet.model)
+    assert not [e for e in plain.trajectory if e["type"] == "files"]
