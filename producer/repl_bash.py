@@ -39,6 +39,10 @@ from typing import Any
 READY_WORDS = frozenset({"1", "true", "yes", "y", "on"})
 """Values of ``ANSWER_READY`` that mean ready (the reference's ``_parse_bool``), case-insensitive."""
 
+EXPORT_MAX = 100_000
+"""Bytes of ``ANSWER_CONTENT`` up to which a cell gets it exported (the kernel refuses to start a
+program whose one environment string passes 128 KiB); a longer one is a shell variable only."""
+
 _STATE_MAX = 8 * 1024 * 1024  # bytes of a cell's state read back (answer content included)
 
 
@@ -49,9 +53,13 @@ def _functions(names: list[str]) -> str:
 def _script(names: list[str]) -> str:
     """The bash program of one cell: defines the commands, reads the cell's code from stdin, runs
     it with stdin from /dev/null, and on exit writes ``status NUL pwd NUL ready NUL content`` to
-    the file ``$__RLMQ_STATE`` (a cell that removes the trap or the variable keeps the last state)."""
+    the file ``$__RLMQ_STATE`` (a cell that removes the trap or the variable keeps the last state).
+    ``ANSWER_CONTENT`` comes from the file ``$__RLMQ_CONTENT`` (an environment string is limited to
+    128 KiB by the kernel); it is exported when it is at most :data:`EXPORT_MAX` bytes, else only set."""
     return (
         _functions(names)
+        + 'ANSWER_CONTENT="$(cat "$__RLMQ_CONTENT"; printf x)"; ANSWER_CONTENT="${ANSWER_CONTENT%x}"\n'
+        + f'if [ "$(wc -c < "$__RLMQ_CONTENT")" -le {EXPORT_MAX} ]; then export ANSWER_CONTENT; fi\n'
         + "__rlmq_code=$(cat); exec </dev/null\n"
         + 'trap \'__rlmq_s=$?; { printf "%s\\0%s\\0%s\\0" "$__rlmq_s" "$PWD" "${ANSWER_READY-}"; '
         + 'printf "%s" "${ANSWER_CONTENT-}"; } > "$__RLMQ_STATE"\' EXIT\n'
@@ -87,7 +95,10 @@ class BashRunner:
         started = time.perf_counter()
         folder = tempfile.mkdtemp(prefix=".rlmq-cell-")
         state_path = os.path.join(folder, "state")
-        env = {**self.env, "ANSWER_READY": self.ready, "ANSWER_CONTENT": self.content, "__RLMQ_STATE": state_path}
+        content_path = os.path.join(folder, "content")
+        with open(content_path, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(self.content)
+        env = {**self.env, "ANSWER_READY": self.ready, "__RLMQ_STATE": state_path, "__RLMQ_CONTENT": content_path}
         cwd = self.cwd if os.path.isdir(self.cwd) else os.environ.get("HOME", "/")
         try:
             try:
@@ -117,7 +128,7 @@ class BashRunner:
             return
         _status, pwd, ready, content = (p.decode("utf-8", "replace") for p in parts)
         self.cwd = pwd or self.cwd
-        self.ready = ready
+        self.ready = ready[:64]  # only its meaning counts; it travels in the next cell's environment
         if len(content) > self.max_answer_length:
             self.note(
                 f"[ANSWER_CONTENT has {len(content)} characters; only the first {self.max_answer_length} "

@@ -175,6 +175,8 @@ def retain_working_directory(pid: int, private_fs: bool, workdir: str, home: str
     src = os.path.join(f"/proc/{pid}/root", home.lstrip("/")) if private_fs else os.path.join(workdir, "home")
     dest = tempfile.mkdtemp(prefix="rlmq-files-")
     skipped: list[str] = []
+    if os.path.islink(src):  # the cell swapped its working directory for a link: never followed
+        return dest, [f"{home}: a symlink"]
     try:
         shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True, copy_function=shutil.copyfile)
     except shutil.Error as exc:  # the rest was copied; these were not

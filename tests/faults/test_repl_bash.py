@@ -205,3 +205,16 @@ async def test_python_and_bash_repls_run_side_by_side(icpt: InterceptionServer) 
         async with python:
             both = await asyncio.gather(bash.execute("echo $((6 * 7))"), python.execute("6 * 7"))
     assert [c.output for c in both] == ["42\n", "42\n"]
+
+
+async def test_a_long_answer_is_carried_and_commands_still_start(icpt: InterceptionServer) -> None:
+    async with bash_repl(True, icpt, row()) as repl:
+        first = await repl.execute("export ANSWER_CONTENT=\"$(head -c 300000 /dev/zero | tr '\\0' a)\"; echo set")
+        assert first.output == "set\n" and len(first.answer_content) == 300_000
+        second = await repl.execute(
+            'echo ${#ANSWER_CONTENT}; ls context.txt; export ANSWER_READY="$(printf 1%.0s {1..200000})"'
+        )
+        assert second.output == "300000\ncontext.txt\n", second.output  # `ls` started: no E2BIG
+        assert second.answer_content == "a" * 300_000 and not second.answer_ready  # 200,000 ones: not "1"
+        third = await repl.execute("echo ok; export ANSWER_READY=1")
+        assert third.output == "ok\n" and third.answer_ready and len(third.answer_content) == 300_000

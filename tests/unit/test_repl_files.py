@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,16 @@ async def test_a_context_dir_that_is_no_folder_or_too_large_is_refused(tmp_path:
         async with make(row("x" * 3 * MiB), True, scratch_bytes=2 * MiB):
             pass
     assert CONTEXT_DIR_MAX_BYTES == 1_000_000_000  # the reference's bound, under the scratch space's
+
+
+async def test_a_working_directory_swapped_for_a_link_is_not_followed_when_kept() -> None:
+    async with make(row("input"), True) as repl:
+        kept = await repl.retain_files()
+        assert kept is not None and sorted(os.listdir(kept)) == ["context.txt"]
+        await repl.execute(
+            "import os, shutil\nos.chdir('/tmp')\nshutil.rmtree('/tmp/home')\nos.symlink('/etc', '/tmp/home')"
+        )
+        swapped = await repl.retain_files()
+    assert swapped is not None and os.listdir(swapped) == []  # not the host's /etc
+    for folder in (kept, swapped):
+        shutil.rmtree(folder)
