@@ -1110,6 +1110,13 @@ def _helper_env(init: dict[str, Any], unix_socket: str | None) -> dict[str, str]
     }
 
 
+def _bash_runner(bash: Any, init: dict[str, Any], unix_socket: str | None, err: TextIO, max_answer: int) -> Any:
+    """The bash cell runner (``repl_bash.BashRunner``), its commands reaching the rollout's endpoint."""
+    names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
+    env = {**os.environ, **_helper_env(init, unix_socket)}
+    return bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
+
+
 def _command(argv: list[str]) -> int:
     """A bash cell's command (``llm_batch``, ``rlm_batch``, a root tool) as a process of its own."""
     env = {k: os.environ.get(k, "") for k in _HELPER_ENV}
@@ -1225,11 +1232,8 @@ def main(argv: list[str]) -> int:
         )
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
-    runner: Any = _CellRunner(main_module.__dict__, out, err, max_answer)
-    if bash is not None:
-        names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
-        env = {**os.environ, **_helper_env(init, paths["unix_socket"])}
-        runner = bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
+    runner = _CellRunner(main_module.__dict__, out, err, max_answer) if bash is None else None
+    runner = runner or _bash_runner(bash, init, paths["unix_socket"], err, max_answer)
     home = os.getcwd()  # the working directory the context files are in: `.messages` goes here too
     del init, context
 
