@@ -11,7 +11,8 @@ enforced in Redis (:mod:`rlmq.common.ledger`), not a counter that parallel calls
 interception server, the root tools, metrics, the live-rollout key refresh) and runs each
 rollout with the rollout engine (:func:`rlmq.producer.engine.run_rollout`), which reads only
 the rollout options. One rollout: the root model gets the scaffold and the row's question, and calls
-``call_python_repl(code)``; each call runs in the rollout's persistent REPL
+``call_python_repl(code)`` (``call_bash_repl`` with ``repl_language="bash"``); each call runs in
+the rollout's persistent REPL, whose working directory holds the row's context as files
 (:mod:`rlmq.producer.repl`), where ``llm_batch`` posts to the interception server
 (:mod:`rlmq.producer.interception`), which dispatches the batch (:mod:`rlmq.producer.dispatch`).
 The rollout stops on ``answer["ready"]``, after ``max_turns`` root turns, on a root reply
@@ -77,8 +78,11 @@ class RLMEnv:
     same name (the one declaration of its type, default and unit): left out, it comes from
     ``settings``; given, it overrides ``settings`` for this environment (``None`` included:
     ``sub_llm_max_completion_tokens=None`` switches a budget off). The result is validated
-    once, as a whole, and kept as ``env.settings``, which is all the rollout reads. The
-    defaults are the verifiers ``RLMEnv``'s where it has the argument.
+    once, as a whole, and kept as ``env.settings``, which is all the rollout reads. Where the
+    verifiers ``RLMEnv`` (0.1.14) has an argument of the same name, ``docs/verifiers-rlmenv.md``
+    says whether its default and meaning are the same (``tests/unit/test_reference_table.py``
+    holds the ``same`` ones to the reference's defaults); ``repl_language`` and
+    ``max_sub_llm_parallelism`` are two that differ.
 
     Args (keyword only; one that is no ``RolloutOptions`` field raises
     :class:`~rlmq.common.errors.ConfigError`):
