@@ -47,7 +47,8 @@ _STATE_MAX = 8 * 1024 * 1024  # bytes of a cell's state read back (answer conten
 
 
 def _functions(names: list[str]) -> str:
-    return "".join(f'{n}() {{ "$RLMQ_PYTHON" -I "$RLMQ_HELPER" --command {n} "$@"; }}\n' for n in names)
+    """One shell function per command; the helper runs with ``-S`` (no ``site``: stdlib only, ~60 ms less)."""
+    return "".join(f'{n}() {{ "$RLMQ_PYTHON" -I -S "$RLMQ_HELPER" --command {n} "$@"; }}\n' for n in names)
 
 
 def _script(names: list[str]) -> str:
