@@ -93,18 +93,22 @@ def repl_context(row: DatasetRow) -> Any:
     return row.context
 
 
-def _check_dir(src: str, limit: int) -> int:
+def _check_dir(src: str, limit: int, max_entries: int) -> int:
     """The reference's checks of a ``context_dir``; returns the bytes of its files.
 
     Raises:
-        ValueError: not a folder, a symlink (itself or anything under it), or over ``limit`` bytes.
+        ValueError: not a folder, a symlink (itself or anything under it), over ``limit`` bytes,
+            or more than ``max_entries`` files and folders (rlmq's: the scratch space's inodes).
     """
     if os.path.islink(src):
         raise ValueError(f"context_dir cannot be a symlink: {src}")
     if not os.path.isdir(src):
         raise ValueError(f"context_dir must be a directory: {src}")
-    total = 0
+    total = entries = 0
     for root, dirs, names in os.walk(src, followlinks=False):
+        entries += len(dirs) + len(names)
+        if entries > max_entries:
+            raise ValueError(f"context_dir has more than {max_entries} files and folders: {src}")
         for name in (*dirs, *names):
             path = os.path.join(root, name)
             if os.path.islink(path):
@@ -137,7 +141,8 @@ def prepare_files(files: ContextFiles, dest: str, scratch_bytes: int) -> int:
     """
     room = scratch_bytes - scratch_bytes // 10
     if files.directory is not None:
-        total = _check_dir(files.directory, min(CONTEXT_DIR_MAX_BYTES, room))
+        inodes = max(1024, scratch_bytes // 4096) - 64  # as the REPL's tmpfs is made, less its own few
+        total = _check_dir(files.directory, min(CONTEXT_DIR_MAX_BYTES, room), inodes)
         # symlinks=True: a link that appeared since the check is copied as a link, never followed
         shutil.copytree(files.directory, dest, symlinks=True, copy_function=shutil.copyfile)
     else:

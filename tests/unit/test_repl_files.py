@@ -151,6 +151,13 @@ async def test_a_context_dir_that_is_no_folder_or_too_large_is_refused(tmp_path:
     with pytest.raises(ReplStartupError, match="context.txt is 3145728 bytes"):
         async with make(row("x" * 3 * MiB), True, scratch_bytes=2 * MiB):
             pass
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(1000):
+        (many / str(i)).touch()
+    with pytest.raises(ReplStartupError, match="more than 960 files and folders"):
+        async with make(row("", context_dir=str(many)), True, scratch_bytes=2 * MiB):
+            pass
     assert CONTEXT_DIR_MAX_BYTES == 1_000_000_000  # the reference's bound, under the scratch space's
 
 
