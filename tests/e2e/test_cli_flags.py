@@ -94,6 +94,8 @@ TESTED_ELSEWHERE = {
     "--allow-evicting-redis": "tests/fleet/test_conditions.py (rlmq run against an evicting Redis, with and without)",
     "--no-allow-evicting-redis": "the default: tests/fleet/test_conditions.py (refused)",
     "--repl-language": "tests/e2e/test_bash_repl.py (rlmq run --repl-language bash, a child rollout in bash)",
+    "--expose-message-history": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
+    "--retain-filesystem-after-rollout": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
 }
 
 
@@ -285,6 +287,7 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
             "--max-startup-wait-seconds", "200", "--pip-install-packages", str(toy_wheel(tmp_path)),
             "--no-include-sub-llm-in-trajectory", "--no-abort-on-code-timeout", "--max-depth", "2",
             "--child-root-min-grant-tokens", "300", "--root-model-timeout", "300",
+            "--no-expose-message-history", "--no-retain-filesystem-after-rollout",
         ]  # fmt: skip
         for flag, value in FLAGS_B.items():
             argv_b += [flag] if value is None else [flag, value]
