@@ -23,6 +23,7 @@ from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
 SystemPromptMode = Literal["prepend", "append", "replace"]
+ReplLanguage = Literal["python", "bash"]
 
 _CAP_TEXT = f"the sub-sampling, else the sampling max_tokens, else {DEFAULT_CALL_MAX_TOKENS}"
 BUDGET_ZERO = "must be >= 1: a budget of 0 would refuse every sub-LLM call; leave it unset for no budget"
@@ -133,6 +134,25 @@ class RolloutOptions(BaseModel):
         description="how long a rollout's REPL may take to start (package installs included)",
         json_schema_extra=meta(group="repl", unit="seconds"),
     )
+    repl_language: ReplLanguage = Field(
+        default="python",
+        description="the root model's REPL: python (call_python_repl; `context`, `answer` dict) or bash "
+        "(call_bash_repl; ANSWER_CONTENT / ANSWER_READY, llm_batch as a command), both with the context as "
+        "files in the working directory; the verifiers RLMEnv's default is bash",
+        json_schema_extra=meta(group="repl"),
+    )
+    expose_message_history: bool = Field(
+        default=False,
+        description="before each cell, write the conversation so far to .messages (JSON lines, one message "
+        "per line) in the REPL's working directory, and tell the root model so",
+        json_schema_extra=meta(group="repl"),
+    )
+    retain_filesystem_after_rollout: bool = Field(
+        default=False,
+        description="when a rollout ends, copy the REPL's working directory to a new host folder, named by a "
+        '{"type": "files", "path": ...} event in the trajectory',
+        json_schema_extra=meta(group="repl"),
+    )
     abort_on_code_timeout: bool = Field(
         default=False,
         description="end the rollout (stop reason code_timeout) when a REPL cell runs past "
@@ -181,7 +201,8 @@ class RolloutOptions(BaseModel):
     )
     pip_install_packages: list[str] = Field(
         default_factory=list,
-        description="a package (requirement or wheel path) pip installs into each top rollout's REPL (repeatable); "
+        description="a package (requirement or wheel path) pip installs into each top rollout's REPL (repeatable; "
+        "a str of space-separated packages, the verifiers RLMEnv's form, is split); "
         "child rollouts (max_depth > 1) get none: their REPL hosts never pip install for a job",
         json_schema_extra=meta(group="repl", flag="--pip-install-packages", metavar="PACKAGE", default_text="none"),
     )
@@ -286,6 +307,17 @@ class RolloutOptions(BaseModel):
         cap = flat.pop("max_tokens", None)
         normalize_sampling(flat, sub=True)  # the rest as a sub-call's body: no user, n, ...
         return flat if cap is None else {**flat, "max_tokens": cap}
+
+    @field_validator("sub_tools", mode="before")
+    @classmethod
+    def _no_sub_tools(cls, value: Any) -> Any:
+        return [] if value is None else value  # the verifiers RLMEnv's default, sub_tools=None
+
+    @field_validator("pip_install_packages", mode="before")
+    @classmethod
+    def _packages_string(cls, value: Any) -> Any:
+        # the verifiers RLMEnv's form: one str of space-separated packages ("" for none)
+        return value.split() if isinstance(value, str) else value
 
     @field_validator("sub_llm_max_completion_tokens", mode="before")
     @classmethod

@@ -39,12 +39,13 @@ from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandle
 from rlmq.producer.live import LiveRollouts
 from rlmq.producer.llm_batch import LlmBatchService
 from rlmq.producer.repl import Repl
+from rlmq.producer.repl.files import context_files, file_name, repl_context
 from rlmq.producer.rlm_batch import RlmBatchService
 from rlmq.producer.rollout import Rollout, RolloutResult, normalize_answer
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_loop import CellRunner, root_loop
 from rlmq.producer.root_tools import RootToolbox, RootToolService
-from rlmq.producer.scaffold import compose_system_prompt, root_system_prompt
+from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt
 from rlmq.producer.tree_metrics import tree_metrics
 from rlmq.producer.tree_node import TreeNode, chain_of, tree_position
 
@@ -68,23 +69,35 @@ class ReplSession(CellRunner, Protocol):
         """Kill it and remove its files; idempotent."""
         ...
 
+    async def retain_files(self) -> str | None:
+        """Copy its working directory to a new host folder; returns its path (``None``: not running)."""
+        ...
+
     def serving(self) -> AbstractAsyncContextManager[None]:
         """Wraps the serving of one of its ``llm_batch`` requests (pauses its cell clock)."""
         ...
 
 
-ReplFactory = Callable[[Any, str, RolloutOptions, "Interception", Sequence[dict[str, str]]], ReplSession]
-"""Makes a rollout's REPL: ``(context, bearer token, options, interception endpoint, root tools
+ReplFactory = Callable[[DatasetRow, str, RolloutOptions, "Interception", Sequence[dict[str, str]]], ReplSession]
+"""Makes a rollout's REPL: ``(dataset row, bearer token, options, interception endpoint, root tools
 ({"name", "doc"} each)) -> ReplSession``."""
 
 
 def sandbox_repl(
-    context: Any, token: str, options: RolloutOptions, interception: Interception, tools: Sequence[dict[str, str]]
+    row: DatasetRow, token: str, options: RolloutOptions, interception: Interception, tools: Sequence[dict[str, str]]
 ) -> Repl:
     """The production REPL: a sandboxed subprocess (:class:`~rlmq.producer.repl.Repl`) holding
-    ``context``, posting ``llm_batch`` and its root ``tools``' calls to ``interception`` with ``token``."""
+    ``row``'s context as the ``context`` variable (:func:`~rlmq.producer.repl.files.repl_context`)
+    and as files in its working directory (:func:`~rlmq.producer.repl.files.context_files`),
+    posting ``llm_batch`` and its root ``tools``' calls to ``interception`` with ``token``.
+
+    Raises:
+        ValueError: the row's file context is neither a str nor JSON-serializable.
+    """
     return Repl(
-        context=context,
+        context=repl_context(row),
+        files=context_files(row),
+        language=options.repl_language,
         endpoint_url=interception.url,
         unix_socket=interception.unix_path_of(token),
         token=token,
@@ -323,9 +336,7 @@ class _RolloutRun:
         toolbox = self.toolbox
         repl_tools = [{"name": t.name, "doc": t.doc} for t in toolbox.tools.values()] if toolbox else []
         assert self.token is not None
-        self._repl = self.host.make_repl(
-            self.ro.row.context, self.token, self.options, self.host.interception, repl_tools
-        )
+        self._repl = self.host.make_repl(self.ro.row, self.token, self.options, self.host.interception, repl_tools)
         return self._repl
 
     def _stop_serving(self) -> None:
@@ -341,13 +352,18 @@ class _RolloutRun:
 
     async def _close_repl(self, repl: ReplSession) -> None:
         self._stop_serving()  # before the REPL goes: nothing it sends while closing is served
-        await repl.close()
+        try:
+            if self.options.retain_filesystem_after_rollout:
+                path = await repl.retain_files()
+                self.ro.trajectory.append({"type": "files", "path": path})
+        finally:
+            await repl.close()
 
     def _compose_messages(self) -> None:
         """The system prompt (the scaffold and the author's ``system_prompt``) and the question."""
         o, ro, toolbox = self.options, self.ro, self.toolbox
         scaffold = root_system_prompt(
-            ro.row.context,
+            repl_context(ro.row),
             verbosity=o.root_prompt_verbosity,
             budget=ro.budget,
             max_turns=o.max_turns,
@@ -359,6 +375,9 @@ class _RolloutRun:
             max_depth=self.pos.max_depth,
             root_budget=o.root_max_completion_tokens,
             root_turn_tokens=root_turn_max_tokens(o),
+            files=files_text(file_name(ro.row)),
+            language=o.repl_language,
+            message_history=o.expose_message_history,
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]
@@ -410,7 +429,11 @@ class _RolloutRun:
     async def handle_batch(self, prompts: list[str]) -> tuple[list[str], str]:
         """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout."""
         async with self._serving(), self.batch_sem:
-            return await self.host.batches.run(self.ro, prompts)
+            t0 = time.perf_counter()
+            try:
+                return await self.host.batches.run(self.ro, prompts)
+            finally:
+                self.ro.stats.llm_batch_seconds.append(time.perf_counter() - t0)
 
     async def handle_rlm(self, tasks: list[RlmTask]) -> tuple[list[str], str]:
         """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time."""

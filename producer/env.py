@@ -11,7 +11,8 @@ enforced in Redis (:mod:`rlmq.common.ledger`), not a counter that parallel calls
 interception server, the root tools, metrics, the live-rollout key refresh) and runs each
 rollout with the rollout engine (:func:`rlmq.producer.engine.run_rollout`), which reads only
 the rollout options. One rollout: the root model gets the scaffold and the row's question, and calls
-``call_python_repl(code)``; each call runs in the rollout's persistent REPL
+``call_python_repl(code)`` (``call_bash_repl`` with ``repl_language="bash"``); each call runs in
+the rollout's persistent REPL, whose working directory holds the row's context as files
 (:mod:`rlmq.producer.repl`), where ``llm_batch`` posts to the interception server
 (:mod:`rlmq.producer.interception`), which dispatches the batch (:mod:`rlmq.producer.dispatch`).
 The rollout stops on ``answer["ready"]``, after ``max_turns`` root turns, on a root reply
@@ -39,6 +40,7 @@ from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import DatasetRow, ResultRow
 from rlmq.common.settings import (
+    ReplLanguage,
     RolloutOptions,
     Settings,
     SystemPromptMode,
@@ -76,8 +78,11 @@ class RLMEnv:
     same name (the one declaration of its type, default and unit): left out, it comes from
     ``settings``; given, it overrides ``settings`` for this environment (``None`` included:
     ``sub_llm_max_completion_tokens=None`` switches a budget off). The result is validated
-    once, as a whole, and kept as ``env.settings``, which is all the rollout reads. The
-    defaults are the verifiers ``RLMEnv``'s where it has the argument.
+    once, as a whole, and kept as ``env.settings``, which is all the rollout reads. Where the
+    verifiers ``RLMEnv`` (0.1.14) has an argument of the same name, ``docs/verifiers-rlmenv.md``
+    says whether its default and meaning are the same (``tests/unit/test_reference_table.py``
+    holds the ``same`` ones to the reference's defaults); ``repl_language`` and
+    ``max_sub_llm_parallelism`` are two that differ.
 
     Args (keyword only; one that is no ``RolloutOptions`` field raises
     :class:`~rlmq.common.errors.ConfigError`):
@@ -112,14 +117,17 @@ class RLMEnv:
         max_depth: int | _FromSettings = FROM_SETTINGS,
         child_root_min_grant_tokens: int | _FromSettings = FROM_SETTINGS,
         sub_model: str | None | _FromSettings = FROM_SETTINGS,
-        sub_tools: list[str] | _FromSettings = FROM_SETTINGS,
+        sub_tools: list[str] | None | _FromSettings = FROM_SETTINGS,
         max_output_length: int | _FromSettings = FROM_SETTINGS,
         code_execution_timeout: float | _FromSettings = FROM_SETTINGS,
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
+        repl_language: ReplLanguage | _FromSettings = FROM_SETTINGS,
+        expose_message_history: bool | _FromSettings = FROM_SETTINGS,
+        retain_filesystem_after_rollout: bool | _FromSettings = FROM_SETTINGS,
         abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,
         root_context_tokens: int | None | _FromSettings = FROM_SETTINGS,
         context_warning_threshold: float | _FromSettings = FROM_SETTINGS,
-        pip_install_packages: list[str] | _FromSettings = FROM_SETTINGS,
+        pip_install_packages: list[str] | str | _FromSettings = FROM_SETTINGS,
         root_prompt_verbosity: Verbosity | _FromSettings = FROM_SETTINGS,
         sub_prompt_verbosity: Verbosity | _FromSettings = FROM_SETTINGS,
         include_sub_llm_in_trajectory: bool | _FromSettings = FROM_SETTINGS,

@@ -26,7 +26,15 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "max_answer_length": int (characters), "max_batch_bytes": int,
         "max_batch_prompts": int, "refuse_shared_memory": bool,
         "tools": [{"name": str, "doc": str}, ...],
-        "tool_timeout": float (s), "max_tool_bytes": int}
+        "tool_timeout": float (s), "max_tool_bytes": int,
+        "files_dir": str | null, "language": "python" | "bash"}
+
+   ``files_dir``: the context files (``context.txt`` / ``context.json`` / a copied
+   ``context_dir``), copied into the working directory once the child runs as its own uid.
+   ``language`` ``"bash"``: cells are bash (``repl_bash.py``, loaded from this folder), whose
+   ``llm_batch``, ``rlm_batch`` and root tools run this program as a helper,
+   ``python -I repl_child.py --command NAME ARGS...``, with the endpoint in its ``RLMQ_*``
+   environment.
 
    ``llm_batch`` posts ``{"prompts"}`` to ``url``; ``rlm_batch`` posts ``{"tasks": [{"prompt",
    "context"}, ...]}`` to ``<url's folder>/rlm_batch`` (child rollouts), both with
@@ -43,7 +51,9 @@ repr of a last expression, output of subprocesses) goes there, in order.
    "fs_private": bool, "ro_root": bool, "proc_hidden": bool, "hidden_sockets": int,
    "no_user_namespaces": bool, "shared_memory_refused": bool}``. Before anything else it
    closes every descriptor but fd 0-2 and its two pipes.
-2. parent -> child, per cell: ``{"op": "exec", "code": str}``; the child answers
+2. parent -> child, per cell: ``{"op": "exec", "code": str, "history"?: str}`` (``history``:
+   JSON lines the child writes to ``.messages`` in its first working directory before the
+   cell runs); the child answers
    ``{"type": "result", "answer_ready": bool, "answer_content": str,
    "seconds": float}`` once the cell is done (its output having been written to
    fd 1/2 before). ``answer_content`` is cut to ``max_answer_length`` characters
@@ -67,6 +77,7 @@ import io
 import json
 import linecache
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -147,6 +158,22 @@ def _host_home(workdir: str, uid: int | None) -> str:
     os.chdir(home)
     os.environ.update({"HOME": home, "TMPDIR": home})
     return home
+
+
+def _copy_files(src: str, dest: str) -> None:
+    """Copy the context files the producer prepared (``src``, read-only) into the working
+    directory ``dest``: the reference's ``context.txt`` / ``context.json`` / ``context_dir``.
+    Links are copied as links, never followed."""
+    for entry in os.scandir(src):  # the folder's entries: ``dest`` keeps its own mode
+        target = os.path.join(dest, entry.name)
+        if os.path.islink(target) or os.path.isfile(target):  # a restart without a private fs
+            os.unlink(target)
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, target, symlinks=True, dirs_exist_ok=True, copy_function=shutil.copyfile)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        else:
+            shutil.copyfile(entry.path, target)
 
 
 def _drop_privileges(uid: int | None) -> None:
@@ -344,6 +371,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
     }
     report["paths"] = {
         "context_path": init["context_path"],
+        "files_dir": init.get("files_dir"),
         "sys_path": list(init.get("sys_path") or []),
         "unix_socket": sock,
     }
@@ -442,6 +470,8 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
 
     paths = report["paths"]
     paths["context_path"] = inside(paths["context_path"])
+    if paths["files_dir"]:
+        paths["files_dir"] = inside(paths["files_dir"])
     paths["sys_path"] = [inside(p) for p in paths["sys_path"]]
     if sock:
         paths["unix_socket"] = os.path.join(_PRIVATE, "ipc", os.path.basename(sock))
@@ -968,6 +998,29 @@ class _CellRunner:
         return ready, str.__str__(content)
 
 
+def _write_history(home: str, text: str) -> None:
+    """Overwrite ``<home>/.messages`` with the conversation (JSON lines), as the REPL's own uid;
+    a link planted there is replaced, never written through."""
+    path = os.path.join(home, ".messages")
+    try:
+        if os.path.islink(path):
+            os.unlink(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
+            f.write(text)
+    except OSError as exc:  # a full scratch space, a folder the cell removed: said in the output
+        runner_note(sys.stderr, f"[.messages could not be written: {exc}]")
+
+
+def runner_note(err: TextIO, text: str) -> None:
+    """A line of the REPL's own on the cell's stderr."""
+    try:
+        err.write(text + "\n")
+        err.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def _die_with_the_producer(cmd_fd: int, own_uid: bool) -> None:
     """Watch the command pipe from a daemon thread: when its write end closes (the producer
     closed the REPL, or died, even of SIGKILL), kill this REPL's whole process group and, with a
@@ -1030,7 +1083,65 @@ def _close_other_descriptors(keep: tuple[int, ...]) -> None:
                 pass  # the listing's own descriptor, already closed
 
 
+def _load_bash() -> Any:
+    """``repl_bash.py`` beside this program (``-I`` puts no folder of ours on ``sys.path``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("repl_bash", os.path.join(os.path.dirname(_HERE), "repl_bash.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_HELPER_ENV = ("RLMQ_URL", "RLMQ_TOKEN", "RLMQ_SOCKET", "RLMQ_BATCH_TIMEOUT", "RLMQ_MAX_BATCH_BYTES",
+               "RLMQ_MAX_BATCH_PROMPTS", "RLMQ_TOOL_TIMEOUT", "RLMQ_MAX_TOOL_BYTES")  # fmt: skip
+
+
+def _helper_env(init: dict[str, Any], unix_socket: str | None) -> dict[str, str]:
+    """What a bash cell's commands need to reach the rollout's endpoint (see :func:`_command`)."""
+    values = (init["url"], init["token"], unix_socket or "", init["llm_batch_timeout"], init["max_batch_bytes"],
+              init["max_batch_prompts"], 2 * float(init.get("tool_timeout") or 60.0) + 30.0,
+              init.get("max_tool_bytes") or 1024 * 1024)  # fmt: skip
+    return {
+        **dict(zip(_HELPER_ENV, map(str, values), strict=True)),
+        "RLMQ_PYTHON": sys.executable,
+        "RLMQ_HELPER": _HERE,
+    }
+
+
+def _bash_runner(bash: Any, init: dict[str, Any], unix_socket: str | None, err: TextIO, max_answer: int) -> Any:
+    """The bash cell runner (``repl_bash.BashRunner``), its commands reaching the rollout's endpoint."""
+    names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
+    env = {**os.environ, **_helper_env(init, unix_socket)}
+    return bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
+
+
+def _command(argv: list[str]) -> int:
+    """A bash cell's command (``llm_batch``, ``rlm_batch``, a root tool) as a process of its own."""
+    env = {k: os.environ.get(k, "") for k in _HELPER_ENV}
+    url, token, sock = env["RLMQ_URL"], env["RLMQ_TOKEN"], env["RLMQ_SOCKET"] or None
+    limits = (
+        float(env["RLMQ_BATCH_TIMEOUT"]),
+        sock,
+        int(env["RLMQ_MAX_BATCH_BYTES"]),
+        int(env["RLMQ_MAX_BATCH_PROMPTS"]),
+    )
+
+    def make(name: str) -> Callable[..., Any]:
+        if name == "llm_batch":
+            return _make_llm_batch(url, token, *limits)
+        if name == "rlm_batch":
+            return _make_rlm_batch(url, token, *limits)
+        tool_limits = (float(env["RLMQ_TOOL_TIMEOUT"]), sock, int(env["RLMQ_MAX_TOOL_BYTES"]))
+        return _make_root_tool({"name": name}, url, token, *tool_limits)
+
+    return int(_load_bash().command(argv, make))
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) > 2 and argv[1] == "--command":
+        return _command(argv[2:])
     cmd_fd, reply_fd = int(argv[1]), int(argv[2])
     _close_other_descriptors((cmd_fd, reply_fd))  # first: before anything else runs here
     for fd in (cmd_fd, reply_fd):
@@ -1042,6 +1153,7 @@ def main(argv: list[str]) -> int:
     if not line:
         return 0
     init = json.loads(line)
+    bash = _load_bash() if init.get("language") == "bash" else None  # before the privileges go
     uid = _own_uid(init.get("run_as"))
     _share_read_only(uid, init["workdir"])  # context and packages: readable, never writable
     if init.get("unix_socket"):  # the rollout's own socket: no other REPL's uid may connect to it
@@ -1056,6 +1168,8 @@ def main(argv: list[str]) -> int:
     else:
         _host_home(init["workdir"], uid)
     _drop_privileges(uid)
+    if paths["files_dir"]:  # as its own uid, into its own (private) working directory
+        _copy_files(paths["files_dir"], os.getcwd())
     refuse_shared_memory = bool(init.get("refuse_shared_memory"))
     contained["no_user_namespaces"] = _forbid_user_namespaces(refuse_shared_memory)
     contained["shared_memory_refused"] = refuse_shared_memory and contained["no_user_namespaces"]
@@ -1118,8 +1232,10 @@ def main(argv: list[str]) -> int:
         )
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
+    runner = _CellRunner(main_module.__dict__, out, err, max_answer) if bash is None else None
+    runner = runner or _bash_runner(bash, init, paths["unix_socket"], err, max_answer)
+    home = os.getcwd()  # the working directory the context files are in: `.messages` goes here too
     del init, context
-    runner = _CellRunner(main_module.__dict__, out, err, max_answer)
 
     channel.send({"type": "ready", "pid": os.getpid(), "uid": uid, **contained})
     while True:
@@ -1128,6 +1244,8 @@ def main(argv: list[str]) -> int:
             return 0
         message = json.loads(line)
         if message.get("op") == "exec":
+            if isinstance(message.get("history"), str):
+                _write_history(home, message["history"])
             channel.send(runner.run(message["code"]))
 
 

@@ -65,6 +65,8 @@ class RolloutStats:
     """Calls of each root (REPL) tool, by name (every tool of the environment, 0 when uncalled)."""
     root_tool_seconds: float = 0.0
     root_tool_errors: int = 0
+    llm_batch_seconds: list[float] = field(default_factory=list)
+    """Seconds each ``llm_batch`` call took, as the producer served it."""
     rlm_batches: int = 0
     """``rlm_batch`` calls that started child rollouts (their batch ids ``r1``, ``r2``, ...; the
     tree's figures come from their trajectory events, :mod:`rlmq.producer.tree_metrics`)."""
@@ -75,6 +77,7 @@ class RolloutStats:
         waits = [r.queue_wait_seconds for r in sub if r.status != "rejected" and r.job_id]
         batches = self.batches
         times = self.repl_times
+        tools = sum(self.root_tool_calls.values())
         return {
             "sub_llm_call_count": sum(1 for r in sub if r.status != "rejected"),  # the calls that ran
             "sub_llm_total_turns": sum(r.turns for r in sub),
@@ -97,11 +100,24 @@ class RolloutStats:
             "sub_llm_truncated_count": sum(1 for r in sub if r.truncated),
             "sub_llm_overrun_tokens": sum(r.overrun_tokens for r in sub),
             "sub_llm_queue_wait_seconds_mean": round(sum(waits) / len(waits), 5) if waits else 0.0,
-            "root_tool_call_count": sum(self.root_tool_calls.values()),
+            # as the reference (0.1.14), where llm_batch is a root tool: its calls count too
+            "root_tool_call_count": tools + len(batches),
+            "llm_batch_mean_time_seconds": _mean(self.llm_batch_seconds),
+            "root_tool_non_llm_mean_time_seconds": round(self.root_tool_seconds / tools, 4) if tools else 0.0,
+            "root_llm_turns": self.root_turns,
+            "root_llm_prompt_tokens": self.root_prompt_tokens,
+            "root_llm_completion_tokens": self.root_completion_tokens,
+            "sub_llm_max_turns_reached_frac": (
+                round(sum(1 for r in sub if r.final_turn is not None) / len(sub), 4) if sub else 0.0
+            ),
             "root_tool_total_time_seconds": round(self.root_tool_seconds, 4),
             "root_tool_error_count": self.root_tool_errors,
             **{f"{name}_root_calls": n for name, n in self.root_tool_calls.items()},
         }
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else 0.0
 
 
 @dataclass

@@ -27,22 +27,20 @@ from rlmq.producer.repl.cell import CellResult
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_tokens import ask_for_tokens, root_turn_tokens
-from rlmq.producer.scaffold import REPL_TOOL, context_warning
+from rlmq.producer.scaffold import context_warning, repl_tool
 
 
 class CellRunner(Protocol):
     """Where the root model's code runs: the rollout's REPL (:class:`~rlmq.producer.repl.Repl`)."""
 
-    async def execute(self, code: str) -> CellResult:
-        """Run one cell; a timeout or a dead REPL is in the result, not an exception.
+    async def execute(self, code: str, history: str | None = None) -> CellResult:
+        """Run one cell; a timeout or a dead REPL is in the result, not an exception. ``history``:
+        the conversation as JSON lines for ``.messages`` (``expose_message_history``), or ``None``.
 
         Raises:
             ReplError: the REPL could not run the cell.
         """
         ...
-
-
-REPL_TOOL_NAME = "call_python_repl"
 
 
 def _repl_code(arguments: object) -> str | None:
@@ -82,11 +80,12 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
     """Run the root model's turns of ``rollout`` until it stops; returns (stop reason, final answer).
 
     The final answer is ``answer["content"]`` of the cell that set ``answer["ready"]``; on the
-    other stops it is the last non-empty ``answer["content"]`` so far (or, for ``no_tool_call``
-    without one, the reply's text). Each root call carries ``sampling_args`` and ``max_tokens`` =
-    :func:`~rlmq.common.sampling.root_turn_max_tokens`; under ``root_max_completion_tokens`` a turn
-    starts only while that many tokens are left (whole or not started), else the rollout stops
-    (``max_turns``) with its current answer. Tool calls other than
+    other stops it is the last non-empty ``answer["content"]`` so far (for ``no_tool_call``
+    without one ``""``, as verifiers' RLMEnv 0.1.14 read its answer file; the reply's text is in
+    the trajectory, not the final answer). Each root call carries ``sampling_args`` and
+    ``max_tokens`` = :func:`~rlmq.common.sampling.root_turn_max_tokens`; under
+    ``root_max_completion_tokens`` a turn starts only while that many tokens are left (whole or
+    not started), else the rollout stops (``max_turns``) with its current answer. Tool calls other than
     ``call_python_repl(code)`` and malformed arguments get an ``[error]`` tool message, not an
     exception.
 
@@ -101,9 +100,11 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
     last_answer: str | None = None
     warned = False
     turn = 0
+    tool = repl_tool(o.repl_language)
+    tool_name = tool["function"]["name"]
     while o.max_turns <= 0 or turn < o.max_turns:
         turn += 1
-        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [REPL_TOOL]}
+        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [tool]}
         sampling = dict(o.sampling_args)  # checked: never model, messages, tools, n, stream
         sampling.pop("max_tokens", None)
         per_call = root_turn_max_tokens(o)
@@ -163,18 +164,23 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
             event["tokens"] = tokens
         trajectory.append(event)
         if not calls:
-            return "no_tool_call", last_answer if last_answer else (content or None)
+            # the reference's final answer here: answer["content"] so far, "" when never set
+            return "no_tool_call", last_answer or ""
         for call_id, name, arguments in calls:
-            if name != REPL_TOOL_NAME:
-                out = f"[error] unknown tool {name!r}; the only tool is call_python_repl(code)"
+            if name != tool_name:
+                out = f"[error] unknown tool {name!r}; the only tool is {tool_name}(code)"
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
                 continue
             code = _repl_code(arguments)
             if code is None:
-                out = '[error] call_python_repl takes one string argument: {"code": "..."}'
+                out = f'[error] {tool_name} takes one string argument: {{"code": "..."}}'
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
                 continue
-            cell = await repl.execute(code)
+            if o.expose_message_history:
+                history = "".join(json.dumps(m, ensure_ascii=False, default=str) + "\n" for m in messages)
+                cell = await repl.execute(code, history)
+            else:
+                cell = await repl.execute(code)
             stats.repl_times.append(cell.seconds)
             trajectory.append(
                 {
@@ -197,7 +203,7 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
         context = o.root_context_tokens
         if not warned and context is not None and prompt_tokens >= o.context_warning_threshold * context:
             warned = True
-            warning = context_warning(prompt_tokens, context)
+            warning = context_warning(prompt_tokens, context, o.repl_language)
             messages[-1]["content"] = f"{messages[-1]['content']}\n\n{warning}"
             trajectory.append({"type": "note", "text": warning})
     return "max_turns", last_answer

@@ -29,6 +29,30 @@ REPL_TOOL: dict[str, Any] = {
 }
 
 
+BASH_REPL_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "call_bash_repl",
+        "description": (
+            "Run bash commands in your REPL and see their output (stdout and stderr). The working directory, "
+            "the files and the ANSWER_CONTENT / ANSWER_READY variables carry over between calls; other shell "
+            "variables do not."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "Bash commands to run."}},
+            "required": ["code"],
+        },
+    },
+}
+
+
+def repl_tool(language: str) -> dict[str, Any]:
+    """The root model's one tool for ``language`` (``"python"``: :data:`REPL_TOOL`, ``"bash"``:
+    :data:`BASH_REPL_TOOL`, as the verifiers RLMEnv's ``call_python_repl`` / ``call_bash_repl``)."""
+    return BASH_REPL_TOOL if language == "bash" else REPL_TOOL
+
+
 def describe_context(context: Any) -> str:
     """One line on the shape and size of ``context`` (never its content)."""
     if isinstance(context, str):
@@ -54,6 +78,9 @@ def root_system_prompt(
     max_depth: int = setting_default("max_depth"),
     root_budget: int | None = None,
     root_turn_tokens: int | None = None,
+    files: str | None = None,
+    language: str = "python",
+    message_history: bool = False,
 ) -> str:
     """The root model's system message.
 
@@ -69,27 +96,45 @@ def root_system_prompt(
             with ``max_depth`` 1 nothing is said of ``rlm_batch`` (the text is as before it).
         root_budget: ``root_max_completion_tokens`` (tokens), told to the root as the reference's
             0.1.14 does, with ``root_turn_tokens`` (a turn's ``max_tokens``), or ``None``.
+        files: what the REPL's working directory holds (:func:`files_text`), or ``None``.
+        language: ``"python"`` or ``"bash"`` (:func:`bash_parts` then says how the bash REPL works).
+        message_history: the REPL's working directory has ``.messages`` (``expose_message_history``).
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
-    parts = [
-        "You are answering a question about a long input that you cannot see directly. You work in a "
-        "persistent Python REPL through the tool `call_python_repl(code)`.",
-        f"In the REPL, the variable `context` holds the input: {describe_context(context)}.",
-        "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
-        "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
-        "part of `context` and your question into each prompt.",
-        'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
-        "cell; that ends the task.",
-    ]
+    parts = (
+        bash_parts(files)
+        if language == "bash"
+        else [
+            "You are answering a question about a long input that you cannot see directly. You work in a "
+            "persistent Python REPL through the tool `call_python_repl(code)`.",
+            f"In the REPL, the variable `context` holds the input: {describe_context(context)}."
+            + (f" {files}" if files else ""),
+            "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
+            "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
+            "part of `context` and your question into each prompt.",
+            'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
+            "cell; that ends the task.",
+        ]
+    )
+    if message_history:
+        how = "cat .messages" if language == "bash" else '[json.loads(line) for line in open(".messages")]'
+        parts.append(
+            "The file `.messages` in the working directory holds this conversation so far, one JSON message per "
+            f"line, written anew before each of your calls; read it with `{how}`."
+        )
     if max_depth > 1:
         parts.append(rlm_batch_text(depth, max_depth))
     if tools:
-        parts.append(
-            "These tools are also functions in the REPL; call them from your code (arguments and results "
+        how = (
+            "These tools are also commands in the REPL: `name arg1 arg2` (an argument that is JSON is decoded, "
+            'else it is a string; or `name --json \'{"args": [...], "kwargs": {...}}\'`); a command prints a '
+            "str result as it is and anything else as JSON, and a failure prints `Error: ...` and exits with 1:\n"
+            if language == "bash"
+            else "These tools are also functions in the REPL; call them from your code (arguments and results "
             "are JSON values; a failure raises RuntimeError with its message):\n"
-            + "\n".join(f"- {line}" for line in tools)
         )
+        parts.append(how + "\n".join(f"- {line}" for line in tools))
     if budget is not None:
         parts.append(
             f"Sub-LLM calls share a budget of {budget:,} completion tokens for this task. Each `llm_batch` "
@@ -119,6 +164,30 @@ def root_system_prompt(
             "come back as strings starting with `[error]` or `[rejected]`."
         )
     return "\n\n".join(parts)
+
+
+def bash_parts(files: str | None) -> list[str]:
+    """The first paragraphs of the root scaffold for the bash REPL (the verifiers RLMEnv's
+    ``repl_language="bash"``), in rlmq's words: the tool, the files, ``llm_batch``, the answer."""
+    return [
+        "You are answering a question about a long input that you cannot see directly. You work in a "
+        "bash REPL through the tool `call_bash_repl(code)`; each call is a fresh shell in the directory the last "
+        "one ended in. " + (files or "The REPL's working directory holds the input as files."),
+        '`llm_batch "prompt 1" "prompt 2" ...` sends each prompt to a sub-LLM, all in parallel, and prints their '
+        "answers as a JSON list, in order (`llm_batch --lines` reads one prompt per line of its input; "
+        "`llm_batch --json '{\"prompts\": [...]}'` takes JSON). Sub-LLMs see only the prompt you give them, so put "
+        "the relevant part of the input and your question into each prompt.",
+        "When you know the final answer, put it in the variable `ANSWER_CONTENT` and run `export ANSWER_READY=1`; "
+        "that ends the task. Both variables carry over to your next call.",
+    ]
+
+
+def files_text(name: str | None) -> str:
+    """The scaffold's sentence on the REPL's working directory: ``name`` is the one context file
+    (``context.txt`` / ``context.json``), ``None`` for a copied context folder."""
+    if name is None:
+        return "The REPL's working directory holds the task's files (a copy of its context folder)."
+    return f"The REPL's working directory holds the same input as the file `{name}`."
 
 
 def rlm_batch_text(depth: int, max_depth: int) -> str:
@@ -175,16 +244,22 @@ def sub_system_prompt(verbosity: Verbosity = "light") -> str | None:
     return text
 
 
-def context_warning(prompt_tokens: int, context_tokens: int) -> str:
+def context_warning(prompt_tokens: int, context_tokens: int, language: str = "python") -> str:
     """The warning the root model reads (appended to its next tool message) once a reply's prompt
     reached ``context_warning_threshold`` of its context window.
 
     Args:
         prompt_tokens: the prompt tokens the server reported for the root's last reply.
         context_tokens: the root model's context window (tokens).
+        language: the REPL's (``"bash"``: the answer is set through ``ANSWER_CONTENT``).
     """
     share = prompt_tokens / context_tokens
+    how = (
+        "set ANSWER_CONTENT and export ANSWER_READY=1"
+        if language == "bash"
+        else 'set answer["content"] and answer["ready"] = True'
+    )
     return (
         f"[context warning] This conversation uses {prompt_tokens:,} of your {context_tokens:,}-token context "
-        f'({share:.0%}). Finish now: set answer["content"] and answer["ready"] = True in your next cell.'
+        f"({share:.0%}). Finish now: {how} in your next cell."
     )

@@ -112,7 +112,10 @@ class FakeRepl:
     async def serving(self) -> AsyncIterator[None]:
         yield
 
-    async def execute(self, code: str) -> CellResult:
+    async def retain_files(self) -> str | None:
+        return None
+
+    async def execute(self, code: str, history: str | None = None) -> CellResult:
         self.cells.append(code)
         if code == "hang":
             return CellResult("[timeout] the cell ran past its limit", False, self.content, 1.0, True, True)
@@ -160,7 +163,7 @@ def fake_repl_factory(
     """A :data:`~rlmq.producer.engine.ReplFactory` of :class:`FakeRepl`, each appended to ``made``."""
 
     def make(
-        context: Any, token: str, options: RolloutOptions, interception: Any, tools: Sequence[dict[str, str]]
+        row: Any, token: str, options: RolloutOptions, interception: Any, tools: Sequence[dict[str, str]]
     ) -> FakeRepl:
         repl = FakeRepl()
         made.append(repl)

@@ -27,6 +27,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from rlmq.common.errors import UncontainedReplError
+from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.engine import RolloutHost, sandbox_repl
 from rlmq.producer.host import root_model, start_host
@@ -62,7 +63,7 @@ async def probe_containment(server: InterceptionServer, options: RolloutOptions)
         return ["[error] containment probe" for _ in prompts], ""
 
     token = server.register(nothing)
-    repl = sandbox_repl("", token, options, server, [])
+    repl = sandbox_repl(DatasetRow(id="probe", question="", context=""), token, options, server, [])
     try:
         await repl.start()
         assert repl.containment is not None  # set by a successful start

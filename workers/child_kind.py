@@ -125,7 +125,12 @@ class ChildKind:
         # pip runs outside the REPL's sandbox, with the worker's rights: a job's payload never
         # makes a worker install anything (the children import what the worker's environment has)
         options = options.model_copy(
-            update={"rollout_timeout": min(options.rollout_timeout, remaining), "pip_install_packages": []}
+            # nor keep a child's files on the worker's host (retain_filesystem_after_rollout: top rollouts only)
+            update={
+                "rollout_timeout": min(options.rollout_timeout, remaining),
+                "pip_install_packages": [],
+                "retain_filesystem_after_rollout": False,
+            }
         )
         refused = await self._check_parent(req)
         if refused is not None:

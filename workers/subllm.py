@@ -96,6 +96,22 @@ FINAL_ANSWER_PROMPT = (
 """The user message of the forced final-answer turn (as the reference's, tools no longer offered)."""
 
 
+def boxed_answer(text: str) -> str:
+    """What a sub-LLM's answer gives back to ``llm_batch``: the content of its last ``\\boxed{...}``
+    (braces balanced), else the whole text, as verifiers' RLMEnv 0.1.14 (``extract_boxed_answer``,
+    not strict) did with every sub-LLM's final message. An unclosed ``\\boxed{`` keeps the text."""
+    start = text.rfind("\\boxed{")
+    if start == -1:
+        return text
+    depth, i = 1, start + len("\\boxed{")
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{") : i]
+        i += 1
+    return text
+
+
 class _Stop(Exception):
     """Ends a sub-call with an error result (internal)."""
 
@@ -455,6 +471,7 @@ async def run_sub_llm(
     status: SubCallStatus
     try:
         status, content = await run.run()
+        content = boxed_answer(content)
     except _Stop as stop:
         status, content, error, error_kind = "error", stop.content, stop.error, stop.kind
     except PayloadError as exc:

@@ -73,7 +73,7 @@ class CellClock:
 
 
 async def run_cell(
-    child: ChildHandle, code: str, clock: CellClock, recheck: float
+    child: ChildHandle, code: str, clock: CellClock, recheck: float, history: str | None = None
 ) -> tuple[dict[str, Any] | None, bool]:
     """Send ``code`` to ``child`` and wait for its result message.
 
@@ -82,6 +82,8 @@ async def run_cell(
         code: the cell's source.
         clock: the cell's time budget (its ``remaining`` seconds run out: timed out).
         recheck: seconds between re-checks while the clock is paused.
+        history: the conversation as JSON lines, for the child to write to ``.messages`` in its
+            working directory before the cell runs (``None``: no file).
 
     Returns:
         (the result message, or ``None`` when the child died, closed its pipe, or sent a
@@ -90,7 +92,10 @@ async def run_cell(
     receiving: asyncio.Task[dict[str, Any] | None] | None = None
     try:
         try:
-            await asyncio.wait_for(child.send({"op": "exec", "code": code}), max(clock.remaining, 0.001))
+            command: dict[str, Any] = {"op": "exec", "code": code}
+            if history is not None:
+                command["history"] = history
+            await asyncio.wait_for(child.send(command), max(clock.remaining, 0.001))
         except TimeoutError:
             return None, True
         except OSError:  # BrokenPipeError: the child is gone

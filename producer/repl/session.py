@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
-from rlmq.common.errors import ReplError
+from rlmq.common.errors import ReplError, ReplStartupError
 from rlmq.common.settings import setting_default
 from rlmq.producer.repl.cell import CellClock, CellResult, run_cell
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
 from rlmq.producer.repl.containment import Containment, note_containment
+from rlmq.producer.repl.files import ContextFiles, prepare_files, retain_working_directory
 from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
@@ -116,6 +117,11 @@ class Repl:
             can be made, ``memfd_create``, ``memfd_secret`` and ``shmget`` are refused instead
             and :attr:`containment` says so. A path: a delegated cgroup v2 folder to make it
             in. ``False``: no cgroup (that fallback).
+        files: the context as files (:mod:`.files`): written once into the host folder, and
+            copied by the child into its working directory at every (re)start, so a restarted
+            REPL finds them as they were at first. ``None``: an empty working directory.
+        language: ``"python"`` (cells are Python) or ``"bash"`` (cells are bash, as the
+            verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_bash.py``).
 
     Raises:
         TypeError: ``context`` is not JSON-serializable.
@@ -150,6 +156,8 @@ class Repl:
         tool_timeout: float = 60.0,
         max_tool_bytes: int = 1024 * 1024,
         cgroup: bool | str = True,
+        files: ContextFiles | None = None,
+        language: str = "python",
     ) -> None:
         if max_output_length < 0 or max_answer_length < 0:
             raise ValueError("max_output_length and max_answer_length must be >= 0")
@@ -198,6 +206,11 @@ class Repl:
         self._tool_timeout = tool_timeout
         self._max_tool_bytes = max_tool_bytes
         self._want_cgroup = cgroup
+        if language not in ("python", "bash"):
+            raise ValueError(f"language must be python or bash, not {language!r}")
+        self.language = language
+        self._files = files
+        self._files_ready = files is None
         self._cgroup: ReplCgroup | None = None
         self._no_cgroup_why = "not asked (cgroup=False)"
 
@@ -253,11 +266,31 @@ class Repl:
 
         Raises:
             ReplStartupError: the child (or the pip install) was not ready within
-                ``max_startup_wait_seconds``, or it failed.
+                ``max_startup_wait_seconds``, or it failed; or the context files were refused
+                (a ``context_dir`` with a symlink, too large for the scratch space).
             ReplError: the REPL was closed.
         """
         async with self._lock:
             await self._ensure_started()
+
+    async def retain_files(self) -> str | None:
+        """Copy the working directory out of the running REPL into a new host folder (the
+        reference's ``retain_filesystem_after_rollout``); ``None``: no REPL is running.
+        What could not be copied (pipes, sockets) is logged."""
+        child = self._child
+        if child is None or self._workdir is None or self.containment is None:
+            return None
+        private = self.containment.private_fs
+        dest, skipped = await asyncio.to_thread(
+            retain_working_directory,
+            child.proc.pid,
+            private,
+            self._workdir,
+            "/tmp/home",  # noqa: S108
+        )
+        if skipped:
+            log.warning("the REPL's files kept in %s lack %d entries: %s", dest, len(skipped), skipped[:5])
+        return dest
 
     async def close(self) -> None:
         """Kill the child's process group (and uid) and remove the work dir. Idempotent.
@@ -317,7 +350,7 @@ class Repl:
 
     # ------------------------------------------------------------------ cells
 
-    async def execute(self, code: str) -> CellResult:
+    async def execute(self, code: str, history: str | None = None) -> CellResult:
         """Run one cell of Python ``code`` in the persistent globals.
 
         Starts the child first if needed. A cell running past
@@ -328,7 +361,10 @@ class Repl:
 
         Args:
             code: Python source, any number of statements; the repr of a last
-                expression statement is printed when it is not ``None``.
+                expression statement is printed when it is not ``None`` (bash with ``language="bash"``).
+            history: the conversation so far as JSON lines (the reference's ``.messages``,
+                ``expose_message_history``): written to ``.messages`` in the REPL's first
+                working directory before the cell runs; ``None``: not written.
 
         Returns:
             The cell's :class:`CellResult`.
@@ -342,7 +378,7 @@ class Repl:
             oom_kills = child.cgroup.oom_kills() if child.cgroup is not None else 0
             started = time.monotonic()
             try:
-                reply, timed_out = await self._run_cell(child, code)
+                reply, timed_out = await self._run_cell(child, code, history)
             except BaseException:
                 # Cancelled (or an internal failure) mid-cell: the child's state is
                 # unknown and it may still be running; start afresh next time.
@@ -418,12 +454,14 @@ class Repl:
                 restarted=True,
             )
 
-    async def _run_cell(self, child: ChildHandle, code: str) -> tuple[dict[str, Any] | None, bool]:
+    async def _run_cell(
+        self, child: ChildHandle, code: str, history: str | None = None
+    ) -> tuple[dict[str, Any] | None, bool]:
         """Send the cell and wait for its result: (result message or None if the child died, timed out)."""
         clock = CellClock(self.code_execution_timeout, self._pause_during_llm_batch)
         self._clock = clock
         try:
-            return await run_cell(child, code, clock, self._llm_batch_timeout)
+            return await run_cell(child, code, clock, self._llm_batch_timeout, history)
         finally:
             self._clock = None
 
@@ -436,6 +474,13 @@ class Repl:
             return self._child
         if self._workdir is None:
             self._workdir = tempfile.mkdtemp(prefix="rlmq-repl-")
+        if not self._files_ready:
+            assert self._files is not None
+            try:
+                await asyncio.to_thread(prepare_files, self._files, self._files_dir(), self._scratch_bytes)
+            except (ValueError, OSError) as exc:
+                raise ReplStartupError(f"the REPL's context files: {exc}") from exc
+            self._files_ready = True
         if not self._packages_installed:
             await pip_install(self._pip_packages, self._site_packages(), self._workdir, self.max_startup_wait_seconds)
             self._packages_installed = True
@@ -457,6 +502,10 @@ class Repl:
         self._child = child
         return child
 
+    def _files_dir(self) -> str:
+        assert self._workdir is not None
+        return os.path.join(self._workdir, "files")
+
     def _site_packages(self) -> str:
         assert self._workdir is not None
         return os.path.join(self._workdir, "site-packages")
@@ -476,6 +525,8 @@ class Repl:
             "llm_batch_timeout": self._llm_batch_timeout,
             "workdir": self._workdir,
             "context_path": context_path,
+            "files_dir": self._files_dir() if self._files is not None else None,
+            "language": self.language,
             "sys_path": [self._site_packages()] if self._pip_packages else [],
             "cpu_seconds": self._cpu_seconds,
             "memory_bytes": self._memory_bytes,

@@ -54,6 +54,10 @@ Turn ``k`` is one plus the number of assistant messages in the conversation.
   child does the same one level down, and at the deepest level (``D == M``) uses ``llm_batch``
   as above. So ``rlmq demo --max-depth 3`` runs a tree of three levels without any directive.
 * Later turns: plain text, ``The answer is in answer['content'].`` (no tool call).
+* Offered ``call_bash_repl`` instead (the bash REPL), it is a root all the same: directives'
+  code is sent as it is (write it in bash), under that tool's name; without a directive, turn 1
+  is :func:`~rlmq.scripted.root_script.bash_root_code_for` (one ``llm_batch`` command over the
+  start of the context files, its answer into ``ANSWER_CONTENT``, ``ANSWER_READY=1``).
 
 Directives, read from the FIRST user message (which carries the question):
 

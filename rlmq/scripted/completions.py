@@ -16,6 +16,7 @@ from rlmq.scripted.answerer import _NONSPACE_RE, answer_from_chunk
 from rlmq.scripted.markers import (
     _ROOT_TOOL_RE,
     _TOOL_RE,
+    BASH_TOOL_NAME,
     DEFAULT_MAX_TOKENS,
     MODEL_FINGERPRINT,
     NO_TOOL_REPLY,
@@ -24,7 +25,7 @@ from rlmq.scripted.markers import (
     _root_codes,
 )
 from rlmq.scripted.recursion import is_needle_prompt, needle_answer, recursion_of, split_parts, split_root_code
-from rlmq.scripted.root_script import recursive_root_code_for, root_code_for, root_tool_code
+from rlmq.scripted.root_script import bash_root_code_for, recursive_root_code_for, root_code_for, root_tool_code
 from rlmq.scripted.tokens import ServedLog
 
 
@@ -193,7 +194,8 @@ def _tool_names(tools: Any) -> list[str]:
     return names
 
 
-def _root_reply(messages: Sequence[dict[str, Any]]) -> _Reply:
+def _root_reply(messages: Sequence[dict[str, Any]], tool: str = ROOT_TOOL_NAME) -> _Reply:
+    """The root's reply; ``tool``: the REPL tool offered (``call_bash_repl``: the default code is bash)."""
     first_user = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
     turn = 1 + sum(1 for m in messages if m.get("role") == "assistant")
     if "[[mock:" in first_user:
@@ -201,11 +203,11 @@ def _root_reply(messages: Sequence[dict[str, Any]]) -> _Reply:
             return _Reply(content=NO_TOOL_REPLY)
         code = _root_codes(first_user).get(turn)
         if code is not None:
-            return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
-        tool = _ROOT_TOOL_RE.search(first_user)
-        if tool is not None and turn == 1:
-            code = root_tool_code(tool.group(1), _ROOT_TOOL_RE.sub("", first_user).strip())
-            return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
+            return _Reply(tool_calls=[(tool, json.dumps({"code": code}))])
+        named = _ROOT_TOOL_RE.search(first_user)
+        if named is not None and turn == 1:
+            code = root_tool_code(named.group(1), _ROOT_TOOL_RE.sub("", first_user).strip())
+            return _Reply(tool_calls=[(tool, json.dumps({"code": code}))])
         if "[[mock:rlm-split:" in first_user:
             if turn != 1:
                 return _Reply(content=ROOT_FOLLOW_UP)
@@ -213,13 +215,16 @@ def _root_reply(messages: Sequence[dict[str, Any]]) -> _Reply:
             where = recursion_of(system)
             parts = split_parts(first_user, where.depth) or 1
             code = split_root_code(first_user, parts, recurse=where.recurses)
-            return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
+            return _Reply(tool_calls=[(tool, json.dumps({"code": code}))])
     if turn == 1:
         system = "\n".join(_text(m.get("content")) for m in messages if m.get("role") == "system")
         # rlm_batch starts child rollouts at this depth: the root recurses, as a real RLM may
         recurses = "rlm_batch" in system and recursion_of(system).recurses
-        code = recursive_root_code_for(first_user) if recurses else root_code_for(first_user)
-        return _Reply(tool_calls=[(ROOT_TOOL_NAME, json.dumps({"code": code}))])
+        if tool == BASH_TOOL_NAME:
+            code = bash_root_code_for(first_user)
+        else:
+            code = recursive_root_code_for(first_user) if recurses else root_code_for(first_user)
+        return _Reply(tool_calls=[(tool, json.dumps({"code": code}))])
     return _Reply(content=ROOT_FOLLOW_UP)
 
 

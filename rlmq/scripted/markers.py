@@ -14,6 +14,9 @@ from dataclasses import dataclass
 MODEL_FINGERPRINT = "rlmq-scripted-model"
 """``system_fingerprint`` of every completion, and the first name in ``GET /v1/models``."""
 ROOT_TOOL_NAME = "call_python_repl"
+BASH_TOOL_NAME = "call_bash_repl"
+"""The bash REPL's tool: a request offering it is a root too, and its code is bash."""
+ROOT_TOOL_NAMES = (ROOT_TOOL_NAME, BASH_TOOL_NAME)
 NOT_FOUND = "NOT FOUND"
 DEFAULT_MAX_TOKENS = 4096
 """Completion limit in tokens (words) when a request gives neither max_tokens nor max_completion_tokens."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 _ROOT_CODE_TEMPLATE = '''\
 # Scripted root model (rlmq test double): ask one sub-LLM per chunk of `context`,
 # then keep the answer that most chunks agree on.
@@ -81,6 +83,22 @@ def root_tool_code(name: str, question: str) -> str:
         f"try:\n    result = {name}({question!r})\nexcept Exception as exc:\n"
         "    result = f'[tool failed] {exc}'\nprint(repr(result)[:200])\n"
         "answer['content'] = str(result)\nanswer['ready'] = True\n"
+    )
+
+
+def bash_root_code_for(question: str) -> str:
+    """The bash code of the root model's first turn for ``question`` (the bash REPL): one
+    ``llm_batch`` prompt holding the question and the first 20,000 bytes of the context files
+    (``context.txt`` / ``context.json``, else every file under the working directory); its answer
+    (the JSON list's brackets and quotes stripped) becomes ``ANSWER_CONTENT``, and ``ANSWER_READY=1``."""
+    return (
+        f"question={shlex.quote(question)}\n"
+        "if ls context.* >/dev/null 2>&1; then text=$(cat context.* | head -c 20000);\n"
+        "else text=$(find . -type f -exec cat {} + | head -c 20000); fi\n"
+        'reply=$(llm_batch "$text\n\nQuestion: $question")\n'
+        'echo "$reply"\n'
+        'reply=${reply#\\[\\"}; reply=${reply%\\"\\]}\n'
+        'export ANSWER_CONTENT="$reply"; export ANSWER_READY=1\n'
     )
 
 

@@ -42,6 +42,7 @@ from rlmq.scripted.markers import (
     NOT_FOUND,
     ROOT_FOLLOW_UP,
     ROOT_TOOL_NAME,
+    ROOT_TOOL_NAMES,
     _Faults,
     _parse_faults,
     answer_tokens,
@@ -99,7 +100,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     tool_names = _tool_names(body.get("tools"))
     rlm_root = not tool_names and messages[0].get("role") == "system"
     rlm_root = rlm_root and is_rlm_format_root(_text(messages[0].get("content")), offers_tools=False)
-    counted = state.counters(user, model, "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub")
+    repl = next((t for t in tool_names if t in ROOT_TOOL_NAMES), None)
+    counted = state.counters(user, model, "root" if repl is not None or rlm_root else "sub")
     for counts in counted:
         counts.requests += 1
     state.record(body)
@@ -128,7 +130,8 @@ async def _answer(
     no_usage = False
     spend_all = False
     first_user = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
-    if ROOT_TOOL_NAME in tool_names:
+    repl = next((t for t in tool_names if t in ROOT_TOOL_NAMES), None)
+    if repl is not None:
         first = messages[0]
         if first.get("role") == "system":  # what the root model was told, for tests (the last 64)
             system = _text(first.get("content"))
@@ -144,7 +147,7 @@ async def _answer(
                     counts.faults += 1
                 return _error(400, context_length_message(window, used))
         try:
-            reply = _root_reply(messages)
+            reply = _root_reply(messages, repl)
         except ValueError as exc:  # a root-code directive that does not decode
             return _error(400, str(exc))
     elif rlm_root:

@@ -35,7 +35,7 @@ from rlmq.cli.local import ProcessGroup, child_env, rlmq_command, start_mock_llm
 from rlmq.cli.main import build_parser
 from rlmq.common import keys as K
 from rlmq.common.rqjobs import decode_job_data
-from rlmq.producer.scaffold import root_system_prompt, sub_system_prompt
+from rlmq.producer.scaffold import files_text, root_system_prompt, sub_system_prompt
 from rlmq.scripted.server import root_code_directive
 from tests.e2e.test_signals import as_from_a_terminal
 
@@ -94,6 +94,9 @@ TESTED_ELSEWHERE = {
     "--preflight": "the default: tests/e2e/test_preflight.py",
     "--allow-evicting-redis": "tests/fleet/test_conditions.py (rlmq run against an evicting Redis, with and without)",
     "--no-allow-evicting-redis": "the default: tests/fleet/test_conditions.py (refused)",
+    "--repl-language": "tests/e2e/test_bash_repl.py (rlmq run --repl-language bash, a child rollout in bash)",
+    "--expose-message-history": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
+    "--retain-filesystem-after-rollout": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
 }
 
 
@@ -285,6 +288,7 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
             "--max-startup-wait-seconds", "200", "--pip-install-packages", str(toy_wheel(tmp_path)),
             "--no-include-sub-llm-in-trajectory", "--no-abort-on-code-timeout", "--max-depth", "2",
             "--child-root-min-grant-tokens", "300", "--root-model-timeout", "300",
+            "--no-expose-message-history", "--no-retain-filesystem-after-rollout",
         ]  # fmt: skip
         for flag, value in FLAGS_B.items():
             argv_b += [flag] if value is None else [flag, value]
@@ -383,6 +387,7 @@ def check_run_a(r: redis.Redis, folder: Path, output: Path, run: Run, *, queue: 
         assert system == root_system_prompt(
             row["context"], verbosity="heavy", budget=60, max_turns=3, sub_llm_max_turns=2,
             max_output_length=500, parallelism=2, root_budget=300, root_turn_tokens=100,
+            files=files_text("context.txt"),
         )  # fmt: skip
         assert traj[row["id"]]["messages"][1]["content"] == row["question"]
     # --max-batch-prompts 6 / --max-batch-bytes 200000: the REPL refused both batches

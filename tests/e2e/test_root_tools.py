@@ -20,7 +20,7 @@ from rlmq.cli.local import LocalFleet
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import Settings, load_settings
 from rlmq.producer.env import RLMEnv
-from rlmq.producer.scaffold import root_system_prompt
+from rlmq.producer.scaffold import files_text, root_system_prompt
 from rlmq.scripted.server import root_code_directive
 
 pytestmark = pytest.mark.e2e
@@ -103,7 +103,7 @@ async def test_root_tools_run_in_the_producer_and_are_counted(tool_fleet: LocalF
     assert "tool result: 2" in got["sub"]  # ... and offered to the sub-LLM, run on the worker
     assert got["doc"].startswith("Look a vault up in the index.")
     m = res.row.metrics
-    assert m["root_tool_call_count"] == 3 and m["root_tool_error_count"] == 0
+    assert m["root_tool_call_count"] == 4 and m["root_tool_error_count"] == 0  # llm_batch counts, as the reference
     assert (m["lookup_root_calls"], m["as_set_root_calls"], m["count_words_root_calls"]) == (1, 1, 1)
     assert m["sub_llm_total_tool_calls"] == 1
     events = [e for e in res.trajectory if e["type"] == "root_tool"]
@@ -203,7 +203,9 @@ async def test_the_authors_system_prompt_reaches_the_root_model(tool_fleet: Loca
     author = f"You are a careful archivist {uuid.uuid4().hex}."
     row = DatasetRow(id="sys", question="What is it? [[mock:no-tool]]", context="some text")
     scaffold = root_system_prompt(
-        "some text", tools=["`lookup(key: str) -> dict[str, typing.Any]`: Look a vault up in the index."]
+        "some text",
+        tools=["`lookup(key: str) -> dict[str, typing.Any]`: Look a vault up in the index."],
+        files=files_text("context.txt"),
     )
     expected = {
         "prepend": f"{author}\n\n{scaffold}",

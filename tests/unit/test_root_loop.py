@@ -59,13 +59,13 @@ async def test_max_turns_of_zero_or_less_means_no_turn_limit(limit: int) -> None
     assert ro.stats.root_turns == 121  # past the default of 50
 
 
-async def test_no_tool_call_ends_with_the_reply_or_an_earlier_answer() -> None:
+async def test_no_tool_call_ends_with_an_earlier_answer_or_empty_as_the_reference() -> None:
     root, ro = FakeRoot(completion("It is 7.")), rollout()
-    assert await root_loop(root, ro, FakeRepl()) == ("no_tool_call", "It is 7.")
+    assert await root_loop(root, ro, FakeRepl()) == ("no_tool_call", "")  # not the reply's text
     root, ro = FakeRoot(code_turn("content:8"), completion("done")), rollout()
     assert await root_loop(root, ro, FakeRepl()) == ("no_tool_call", "8")
     root, ro = FakeRoot(completion(None)), rollout()
-    assert await root_loop(root, ro, FakeRepl()) == ("no_tool_call", None)
+    assert await root_loop(root, ro, FakeRepl()) == ("no_tool_call", "")
 
 
 async def test_a_model_error_is_raised_for_the_engine_to_record() -> None:
