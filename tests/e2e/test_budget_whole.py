@@ -14,15 +14,17 @@ import json
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rlmq.cli.local import LocalFleet
+from rlmq.cli.local import LocalFleet, ProcessGroup, start_mock_llm
 from rlmq.common.schemas import DatasetRow, SubLLMResult
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
 from rlmq.scripted.server import answer_tokens, root_code_directive
+from tests.e2e.test_cli_errors import rlmq
 
 pytestmark = pytest.mark.e2e
 MODEL = f"budget-whole-{uuid.uuid4().hex[:6]}"
@@ -139,3 +141,37 @@ async def test_f_root_turns_are_whole_or_not_started_under_the_root_budget(fleet
     assert all(e["usage"]["completion"] < 250 and e["tool_calls"] for e in roots)  # none cut short
     system = res.messages[0]["content"]
     assert "share a budget of 700 completion tokens" in system and "up to 250 a turn" in system
+
+
+def test_a_through_the_command_line_eight_answers_of_1500_all_whole(tmp_path: Path) -> None:
+    """Case (a) through ``rlmq run``: its own Redis, two local workers, the scripted model as a
+    process; one row whose root code sends 8 prompts of 1,500-token answers in one ``llm_batch``
+    under ``--sub-llm-max-completion-tokens 20000``: 8 of 8 whole, served by the model 12,000."""
+    tag = f"cli-a-{uuid.uuid4().hex[:6]}"
+    prompts = [f"Summarise part {i}. [[mock:tag:{tag}]] [[mock:tokens:1500]] [[mock:tps:1500]]" for i in range(8)]
+    row = {"id": "cli-a", "question": "Q. " + root_code_directive(batch_code(prompts)), "context": "x"}
+    (tmp_path / "ds.jsonl").write_text(json.dumps(row) + "\n")
+    group = ProcessGroup()
+    try:
+        model = start_mock_llm(group)
+        res = rlmq(
+            "run", "ds.jsonl", "--base-url", model, "--model", "scripted", "--quiet",
+            "--sub-llm-max-completion-tokens", str(BUDGET), "--max-sub-llm-parallelism", "8",
+            "--output", "rows.jsonl", "--run-dir", "run", cwd=tmp_path,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stdout + res.stderr
+        with urllib.request.urlopen(model.removesuffix("/v1") + "/stats", timeout=10) as resp:
+            served = json.load(resp)["per_tag"][tag]
+    finally:
+        group.stop()
+    (out,) = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    (trajectory,) = [json.loads(line) for line in (tmp_path / "run" / "trajectories.jsonl").read_text().splitlines()]
+    results = [SubLLMResult(**r) for e in trajectory["trajectory"] if e["type"] == "llm_batch" for r in e["results"]]
+    assert out["stop_reason"] == "answer_ready", out["error"]
+    assert len(results) == 8 and whole(results, [1500] * 8) == 8 and cut(results) == 0
+    assert (served["completions"], served["completion_tokens"]) == (8, 12_000)
+    m = out["metrics"]
+    assert m["sub_llm_budget_limit"] == BUDGET  # the flag reached the rollout's ledger
+    assert (m["sub_llm_call_count"], m["sub_llm_rejected_count"], m["sub_llm_truncated_count"]) == (8, 0, 0)
+    batch = next(e for e in trajectory["trajectory"] if e["type"] == "llm_batch")
+    assert batch["seconds"] < 4.0  # in parallel: about one call's second, not eight

@@ -26,6 +26,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from rlmq.cli.demo import needle_rows
 from rlmq.cli.local import LocalFleet, ProcessGroup, child_env, start_mock_llm
+from rlmq.scripted.server import root_code_directive
 
 pytestmark = pytest.mark.e2e
 
@@ -340,6 +341,33 @@ def test_the_budget_holds_under_vf_eval_set_by_the_environment_or_by_the_knob(
         assert 0 < served <= 3, served
         ran, rejected = m["sub_llm_call_count"], m["sub_llm_rejected_count"]  # ran: the calls that ran
         assert ran + rejected >= 5 and 1 <= ran <= 3
+
+
+def test_vf_eval_eight_answers_of_1500_under_a_budget_of_20000_are_all_whole(setup: Setup, tmp_path: Path) -> None:
+    """Case (a) through the harness: one row whose root code sends 8 prompts of 1,500-token answers
+    in one ``llm_batch`` under ``sub-llm-max-completion-tokens 20000``: the model server serves 8
+    whole answers (12,000 tokens) to the rollout, none cut, none refused."""
+    prompts = [f"Summarise part {i}. [[mock:tokens:1500]] [[mock:tps:1500]]" for i in range(8)]
+    code = f'out = llm_batch({prompts!r})\nanswer["content"] = "done"\nanswer["ready"] = True\n'
+    row = {"id": "vf-a", "question": "Q. " + root_code_directive(code), "context": "x", "answer": "done"}
+    path = _write_rows(tmp_path / "rows.jsonl", [row])
+    before = len(setup.proxy.requests())
+    args = [
+        "--model", "root-model", "--client.base-url", setup.proxy.url,
+        "--env.agent.harness.sub-model", setup.fleet.model,
+        "--env.agent.harness.sub-llm-max-completion-tokens", "20000",
+        "--env.agent.harness.max-sub-llm-parallelism", "8",
+    ]  # fmt: skip
+    (t,) = vf_eval(tmp_path, path, args, child_env({"REDIS_URL": setup.redis_url}))
+    subs = [s for s in setup.proxy.requests()[before:] if not s.root and s.session_id == t["id"]]
+    assert t["info"]["rlmq"]["stop_reason"] == "answer_ready", t.get("errors")
+    assert sorted(s.completion_tokens for s in subs) == [1500] * 8, [(s.completion_tokens, s.params) for s in subs]
+    m = t["metrics"]
+    assert m["sub_llm_budget_limit"] == 20000 and m["sub_llm_budget_charged"] == 12_000
+    assert (m["sub_llm_call_count"], m["sub_llm_rejected_count"], m["sub_llm_truncated_count"]) == (8, 0, 0)
+    (batch,) = [e for e in t["info"]["rlmq"]["trajectory"] if e["type"] == "llm_batch"]
+    assert all(r["status"] == "ok" and not r["truncated"] for r in batch["results"])
+    assert batch["seconds"] < 4.0  # in parallel: about one call's second, not eight
 
 
 @pytest.mark.parametrize(
