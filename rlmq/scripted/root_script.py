@@ -87,19 +87,36 @@ def root_tool_code(name: str, question: str) -> str:
 
 
 def bash_root_code_for(question: str) -> str:
-    """The bash code of the root model's first turn for ``question`` (the bash REPL): one
-    ``llm_batch`` prompt holding the question and the first 20,000 bytes of the context files
-    (``context.txt`` / ``context.json``, else every file under the working directory); its answer
-    (the JSON list's brackets and quotes stripped) becomes ``ANSWER_CONTENT``, and ``ANSWER_READY=1``."""
+    """The bash code of the root model's first turn for ``question`` (the bash REPL): the context
+    files (``context.txt`` / ``context.json``, else every file under the working directory) cut
+    in windows of 20,000 characters overlapping by 500, one ``llm_batch`` prompt per window with
+    the question (a JSON list on its stdin); the first answer that is not ``NOT FOUND`` (else
+    ``NOT FOUND``) becomes ``ANSWER_CONTENT``, and ``ANSWER_READY=1``."""
     return (
-        f"question={shlex.quote(question)}\n"
-        "if ls context.* >/dev/null 2>&1; then text=$(cat context.* | head -c 20000);\n"
-        "else text=$(find . -type f -exec cat {} + | head -c 20000); fi\n"
-        'reply=$(llm_batch "$text\n\nQuestion: $question")\n'
-        'echo "$reply"\n'
-        'reply=${reply#\\[\\"}; reply=${reply%\\"\\]}\n'
-        'export ANSWER_CONTENT="$reply"; export ANSWER_READY=1\n'
+        (
+            f"question={shlex.quote(question)}\n"
+            "if ls context.* >/dev/null 2>&1; then files=$(ls context.*); else files=$(find . -type f ! -name '.*'); fi\n"
+            'python3 -c $BASH_ROOT_WINDOWS "$question" $files > .prompts.json\n'
+            "reply=$(llm_batch < .prompts.json)\n"
+            'echo "$reply"\n'
+            'export ANSWER_CONTENT="$(python3 -c $BASH_ROOT_PICK "$reply")"; export ANSWER_READY=1\n'
+        )
+        .replace("$BASH_ROOT_WINDOWS", shlex.quote(_BASH_ROOT_WINDOWS))
+        .replace("$BASH_ROOT_PICK", shlex.quote(_BASH_ROOT_PICK))
     )
+
+
+_BASH_ROOT_WINDOWS = (
+    "import json, sys\n"
+    "text = ''.join(open(p, encoding='utf-8', errors='replace').read() for p in sys.argv[2:])\n"
+    "windows = [text[i : i + 20000] for i in range(0, max(len(text), 1), 19500)]\n"
+    "print(json.dumps([w + '\\n\\nQuestion: ' + sys.argv[1] for w in windows]))\n"
+)
+_BASH_ROOT_PICK = (
+    "import json, sys\n"
+    "found = [a for a in json.loads(sys.argv[1]) if a.strip() and 'NOT FOUND' not in a and not a.startswith('[')]\n"
+    "print(found[0] if found else 'NOT FOUND')\n"
+)
 
 
 def root_code_for(question: str) -> str:

@@ -107,7 +107,7 @@ class RecordingProxy:
         tools = [t.get("function", {}).get("name") for t in body.get("tools") or []]
         first_user = next((m.get("content") for m in body["messages"] if m.get("role") == "user"), "")
         seen = Seen(
-            root="call_python_repl" in tools,
+            root="call_python_repl" in tools or "call_bash_repl" in tools,
             session_id=request.headers.get("X-Session-ID"),
             user=body.get("user"),
             model=body.get("model", ""),
