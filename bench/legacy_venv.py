@@ -1,7 +1,7 @@
 """How long the verifiers 0.1.14 venv of the ``rlmq.verifiers_legacy`` tests takes to build.
 
-Builds it as ``tests/legacy/conftest.py`` does (``python -m venv`` then
-``pip install -e '.[verifiers-legacy]'``), in a temporary folder, prints the seconds of each
+Builds it with the commands ``tests/legacy/conftest.py`` builds it with
+(:func:`tests.legacy.conftest.build_steps`), in a temporary folder, prints the seconds of each
 step and the machine's load, and saves them to ``bench/results/legacy_venv.json``. The pip cache
 is whatever this machine has (say which in the saved note)::
 
@@ -20,6 +20,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tests.legacy.conftest import build_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "legacy_venv.json"
 
@@ -30,18 +32,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlmq-legacy-venv-") as tmp:
         venv = Path(tmp) / "venv"
-        steps = {
-            "venv": [getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)],
-            "pip_install": [
-                str(venv / "bin" / "python"),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "-e",
-                f"{ROOT}[verifiers-legacy]",
-            ],
-        }
+        steps = build_steps(venv)
         seconds: dict[str, float] = {}
         for name, argv in steps.items():
             t0 = time.monotonic()

@@ -42,6 +42,19 @@ def _stamp() -> str:
     return digest.hexdigest()
 
 
+def build_steps(venv: Path) -> dict[str, list[str]]:
+    """The commands that build the venv at ``venv``: ``python -m venv``, then ``pip install -e
+    '.[verifiers-legacy]'`` without compiling every module up front (``--no-compile``: Python
+    compiles what the tests import when they import it; measured 258-508 s with, 101 s without,
+    on two busy cores)."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    python = str(venv / "bin" / "python")
+    return {
+        "venv": [base, "-m", "venv", str(venv)],
+        "pip_install": [python, "-m", "pip", "install", "-q", "--no-compile", "-e", f"{ROOT}[verifiers-legacy]"],
+    }
+
+
 def legacy_python() -> Path:
     """The venv's Python, building the venv first when it is missing or stale.
 
@@ -55,12 +68,7 @@ def legacy_python() -> Path:
             return python
         shutil.rmtree(VENV, ignore_errors=True)
         started = time.monotonic()
-        base = getattr(sys, "_base_executable", sys.executable)
-        steps = [
-            [base, "-m", "venv", str(VENV)],
-            [str(python), "-m", "pip", "install", "-q", "-e", f"{ROOT}[verifiers-legacy]"],
-        ]
-        for argv in steps:
+        for argv in build_steps(VENV).values():
             try:
                 proc = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT, cwd=ROOT)
             except subprocess.TimeoutExpired:
