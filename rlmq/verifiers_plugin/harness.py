@@ -4,8 +4,9 @@ verifiers' ``Harness.launch`` contract (``verifiers/v1/harness.py``, 0.4.0): "a 
 run its loop in-process instead of launching a program, as long as every model call goes
 through ``endpoint`` + ``secret``". Here the root model's calls go to ``endpoint`` with
 ``secret`` (so verifiers records them in the trace and trains on them); the sub-LLM calls
-go through rlmq's queues to the worker fleet, under rlmq's hard token budget, and are not
-part of the trace's message graph. The REPL runs on the host running the harness, in rlmq's
+go through rlmq's queues to the worker fleet, under rlmq's hard token budget; with
+``include_sub_llm_in_trajectory`` their served turns, and every child rollout's root turns, join
+the trace's message graph as trainable nodes (:mod:`rlmq.verifiers_plugin.tree_nodes`). The REPL runs on the host running the harness, in rlmq's
 own sandbox, whatever verifiers runtime the agent is given (the runtime is not used).
 """
 
@@ -22,8 +23,9 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions, build_settings
 from rlmq.common.settings_schema import unset_model
-from rlmq.common.token_wire import expand_trajectory
+from rlmq.common.token_wire import expand_trajectory, turn_counts
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
+from rlmq.verifiers_plugin.tree_nodes import commit_tree
 
 __all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row", "trace_events"]
 
@@ -187,6 +189,9 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
         }
         if self.config.include_trajectory:
             info["trajectory"] = trace_events(outcome.trajectory, self.config.trajectory_prompt_chars)
+        if turn_counts(outcome.trajectory).get("trainable_turn_count"):
+            added = commit_tree(trace, expand_trajectory(outcome.trajectory))
+            info["tree_nodes"] = {"turns": added.turns, "edges": added.edges, "conversations": added.conversations}
         trace.info["rlmq"] = info
         if result.final_answer is not None:
             trace.root_reply = result.final_answer
