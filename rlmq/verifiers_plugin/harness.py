@@ -6,8 +6,9 @@ through ``endpoint`` + ``secret``". Here the root model's calls go to ``endpoint
 ``secret`` (so verifiers records them in the trace and trains on them); the sub-LLM calls
 go through rlmq's queues to the worker fleet, under rlmq's hard token budget; with
 ``include_sub_llm_in_trajectory`` their served turns, and every child rollout's root turns, join
-the trace's message graph as trainable nodes (:mod:`rlmq.verifiers_plugin.tree_nodes`). The REPL runs on the host running the harness, in rlmq's
-own sandbox, whatever verifiers runtime the agent is given (the runtime is not used).
+the trace's message graph as trainable nodes (:mod:`rlmq.verifiers_plugin.tree_nodes`). The
+REPL runs on the host running the harness, in rlmq's own sandbox, whatever verifiers runtime
+the agent is given (the runtime is not used).
 """
 
 from __future__ import annotations

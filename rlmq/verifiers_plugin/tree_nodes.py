@@ -60,7 +60,11 @@ def _dicts(items: Any) -> Iterator[dict[str, Any]]:
         yield from (i for i in items if isinstance(i, dict))
 
 
-def _commit_turns(trace: vf.Trace, label: str, turns: list[tuple[dict[str, Any], str]], out: TreeNodes) -> list[str | None]:
+Turns = list[tuple[dict[str, Any], str]]
+"""One conversation's turns, each with its reply text."""
+
+
+def _commit_turns(trace: vf.Trace, label: str, turns: Turns, out: TreeNodes) -> list[str | None]:
     """Commit one conversation's turns (each with its reply text); one request id per turn,
     ``None`` for a turn left out (untrainable)."""
     part = 0
@@ -88,7 +92,7 @@ def _commit_turns(trace: vf.Trace, label: str, turns: list[tuple[dict[str, Any],
     return ids
 
 
-def _sub_turns(result: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+def _sub_turns(result: dict[str, Any]) -> Turns:
     steps = list(_dicts(result.get("steps")))
     replies = [str(m.get("content") or "") for m in _dicts(result.get("messages")) if m.get("role") == "assistant"]
     if len(replies) != len(steps):
@@ -96,7 +100,9 @@ def _sub_turns(result: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     return list(zip(steps, replies, strict=True))
 
 
-def _rollout(trace: vf.Trace, trajectory: list[dict[str, Any]], root_ids: list[str | None], path: str, out: TreeNodes) -> None:
+def _rollout(
+    trace: vf.Trace, trajectory: list[dict[str, Any]], root_ids: list[str | None], path: str, out: TreeNodes
+) -> None:
     """Commit the sub-calls and children of one rollout whose root turns have ``root_ids``."""
     turn = -1
     for event in trajectory:

@@ -61,7 +61,9 @@ def tree() -> list[dict[str, Any]]:
             {"status": "ok", "index": 2, "steps": [turn([], [], trainable=False)]},  # no tokens: left out
             {"status": "rejected", "index": 3},
         ]},
-        {"type": "rlm_batch", "batch_id": "r1", "results": [{"status": "ok", "index": 0, "child": {"trajectory": child}}]},
+        {"type": "rlm_batch", "batch_id": "r1", "results": [
+            {"status": "ok", "index": 0, "child": {"trajectory": child}},
+        ]},
         {"type": "root", "content": "top2"},
     ]  # fmt: skip
 
