@@ -10,13 +10,13 @@ advertises them (``Trace.add_semantic_edges``): ``subagent_call`` from the root 
 made the call to the callee's first turn, ``subagent_return`` from the callee's last turn to the
 caller's next root turn.
 
-The node messages are labels (``[rlmq sub b1/0]``, ``[rlmq child r1/0]``) and the served reply
-text: rlmq keeps a turn's tokens, not the messages it was rendered from (those are in
+The node messages are labels (``[rlmq sub b1/0 part 0]``, ``[rlmq child r1/0/root part 0]``) and
+the served reply text: rlmq keeps a turn's tokens, not the messages it was rendered from (those are in
 ``info["rlmq"]``). The tokens are exact: each branch concatenates to the served prompt and
 completion, the mask is on the completion only, the logprobs on the sampled positions. A turn that
 continues the previous one's prompt and completion extends the same branch; one that does not
-(a template that re-renders history) forks a new branch whose earlier reply is unsampled context,
-so no sampled token is trained twice. Untrainable turns (no ids, ``frozen_fleet``, ``payload_cap``,
+(a template that re-renders history) starts a new branch (a new ``part``), so no sampled token is
+in two branches. Untrainable turns (no ids, ``frozen_fleet``, ``payload_cap``,
 ...) and slots that did not answer are left out.
 """
 
@@ -65,28 +65,39 @@ Turns = list[tuple[dict[str, Any], str]]
 
 
 def _commit_turns(trace: vf.Trace, label: str, turns: Turns, out: TreeNodes) -> list[str | None]:
-    """Commit one conversation's turns (each with its reply text); one request id per turn,
-    ``None`` for a turn left out (untrainable)."""
-    part = 0
-    prompt: list[Any] = [vf.UserMessage(content=f"[rlmq {label}]")]
-    ids: list[str | None] = []
+    """Commit one conversation's turns; one request id per turn, ``None`` for a turn left out
+    (untrainable). A turn whose prompt extends the previous turn's prompt and completion goes on
+    the same path; any other starts a new part (its own root). Every prompt message is given its
+    token span (the label none, each earlier reply the tokens its node holds), so the commit finds
+    each prefix node by key, never by scanning the graph."""
+    part, ids = 0, []
+    prompt: list[Any] = []
+    seen: list[int] = []
+    spans: list[tuple[int, int] | None] = []
     for turn, text in turns:
         if not turn.get("trainable"):
-            part += 1
-            prompt = [vf.UserMessage(content=f"[rlmq {label} part {part}]")]
+            prompt, seen, spans = [], [], []
             ids.append(None)
             continue
+        prompt_ids = list(turn["prompt_token_ids"])
+        if not prompt or prompt_ids[: len(seen)] != seen:
+            prompt, seen, spans = [vf.UserMessage(content=f"[rlmq {label} part {part}]")], [], [(0, 0)]
+            part += 1
         rid = out.request_id()
         reply = vf.AssistantMessage(content=text)
+        completion = list(turn["completion_token_ids"])
         tokens = vf.TurnTokens(
-            prompt_ids=list(turn["prompt_token_ids"]),
-            completion_ids=list(turn["completion_token_ids"]),
+            prompt_ids=prompt_ids,
+            completion_ids=completion,
             completion_logprobs=list(turn["completion_logprobs"]),
+            message_spans=list(spans),
         )
         response = vf.Response(id=rid, created=0, model="", message=reply, finish_reason=None, tokens=tokens)
         node = graph.prepare_turn(trace, list(prompt)).commit(response)
         trace.calls.append(vf.ModelCall(node=node, acp=vf.ACPInfo(request_id=rid)))
+        spans.append((len(seen), len(prompt_ids) + len(completion)))
         prompt.append(reply)
+        seen = prompt_ids + completion
         ids.append(rid)
         out.turns += 1
     return ids
