@@ -124,3 +124,13 @@ def test_a_tree_without_token_fields_adds_nothing() -> None:
     bare = [{k: v for k, v in e.items() if k != "results"} for e in tree()]
     added = commit_tree(trace, bare)
     assert (added.turns, added.edges, len(trace.nodes)) == (0, 0, 4)
+
+
+def test_the_verifiers_internals_relied_on_are_those_of_the_installed_version() -> None:
+    import verifiers
+
+    assert verifiers.__version__.startswith("0.4."), verifiers.__version__
+    assert {"message_spans", "prompt_ids", "completion_ids", "completion_logprobs"} <= set(vf.TurnTokens.model_fields)
+    assert "acp" in vf.ModelCall.model_fields and "semantic_parents" in graph.MessageNode.model_fields
+    assert callable(graph.prepare_turn) and callable(vf.Trace.add_semantic_edges)
+    assert {"token_ids", "sampled_mask", "logprobs"} <= {n for n in dir(vf.Branch) if not n.startswith("_")}
