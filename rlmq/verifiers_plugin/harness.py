@@ -136,6 +136,17 @@ def _cut_prompts(events: list[Any], prompt_chars: int) -> None:
                 _cut_prompts(child["trajectory"], prompt_chars)
 
 
+def _tree_nodes(trace: vf.Trace, trajectory: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tree's trainable turns into ``trace`` (:func:`commit_tree`); what was added, or the
+    error verifiers raised (the rollout and its answer stand; the edges and the turns not yet
+    committed are lost)."""
+    try:
+        added = commit_tree(trace, expand_trajectory(trajectory))
+    except (ValueError, TypeError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"turns": added.turns, "edges": added.edges, "conversations": added.conversations}
+
+
 class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
     """rlmq's RLM loop, in-process: root calls through verifiers' interception, sub-calls on
     the rlmq fleet. Returns a synthetic ``ProgramResult`` (exit 0, or 1 with the error)."""
@@ -191,8 +202,7 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
         if self.config.include_trajectory:
             info["trajectory"] = trace_events(outcome.trajectory, self.config.trajectory_prompt_chars)
         if turn_counts(outcome.trajectory).get("trainable_turn_count"):
-            added = commit_tree(trace, expand_trajectory(outcome.trajectory))
-            info["tree_nodes"] = {"turns": added.turns, "edges": added.edges, "conversations": added.conversations}
+            info["tree_nodes"] = _tree_nodes(trace, outcome.trajectory)
         trace.info["rlmq"] = info
         if result.final_answer is not None:
             trace.root_reply = result.final_answer

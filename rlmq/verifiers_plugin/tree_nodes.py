@@ -70,7 +70,8 @@ def _commit_turns(trace: vf.Trace, label: str, turns: Turns, out: TreeNodes) -> 
     the same path; any other starts a new part (its own root). Every prompt message is given its
     token span (the label none, each earlier reply the tokens its node holds), so the commit finds
     each prefix node by key, never by scanning the graph."""
-    part, ids = 0, []
+    part = 0
+    ids: list[str | None] = []
     prompt: list[Any] = []
     seen: list[int] = []
     spans: list[tuple[int, int] | None] = []

@@ -134,3 +134,13 @@ def test_the_verifiers_internals_relied_on_are_those_of_the_installed_version() 
     assert "acp" in vf.ModelCall.model_fields and "semantic_parents" in graph.MessageNode.model_fields
     assert callable(graph.prepare_turn) and callable(vf.Trace.add_semantic_edges)
     assert {"token_ids", "sampled_mask", "logprobs"} <= {n for n in dir(vf.Branch) if not n.startswith("_")}
+
+
+def test_a_turn_verifiers_refuses_costs_the_tree_nodes_not_the_rollout() -> None:
+    from rlmq.verifiers_plugin.harness import _tree_nodes
+
+    bad = tree()
+    bad[1]["results"][0]["steps"][0]["completion_logprobs"] = ["not a number"]
+    got = _tree_nodes(top_trace(), [{k: v for k, v in e.items() if k != "results"} for e in tree()])
+    assert got == {"turns": 0, "edges": 0, "conversations": 0}
+    assert _tree_nodes(top_trace(), bad)["error"].startswith("ValidationError")
