@@ -23,8 +23,7 @@ def trajectory(calls: int, prompt_tokens: int) -> list[dict[str, Any]]:
     """The expanded trajectory of a top rollout with ``calls`` two-turn sub-calls."""
     p = list(range(prompt_tokens))
     results = [
-        {"status": "ok", "index": i, "steps": [turn(p, [i, i + 1]), turn([*p, i, i + 1, 5], [7])]}
-        for i in range(calls)
+        {"status": "ok", "index": i, "steps": [turn(p, [i, i + 1]), turn([*p, i, i + 1, 5], [7])]} for i in range(calls)
     ]
     return [{"type": "root", "content": "top1"}, {"type": "llm_batch", "batch_id": "b1", "results": results}]
 
