@@ -69,7 +69,8 @@ def _commit_turns(trace: vf.Trace, label: str, turns: Turns, out: TreeNodes) -> 
     (untrainable). A turn whose prompt extends the previous turn's prompt and completion goes on
     the same path; any other starts a new part (its own root). Every prompt message is given its
     token span (the label none, each earlier reply the tokens its node holds), so the commit finds
-    each prefix node by key, never by scanning the graph."""
+    each reused prefix node by key (only a new label is looked up across the graph, verifiers'
+    cost: ``bench.tree_nodes``)."""
     part = 0
     ids: list[str | None] = []
     prompt: list[Any] = []
