@@ -4,9 +4,11 @@ verifiers' ``Harness.launch`` contract (``verifiers/v1/harness.py``, 0.4.0): "a 
 run its loop in-process instead of launching a program, as long as every model call goes
 through ``endpoint`` + ``secret``". Here the root model's calls go to ``endpoint`` with
 ``secret`` (so verifiers records them in the trace and trains on them); the sub-LLM calls
-go through rlmq's queues to the worker fleet, under rlmq's hard token budget, and are not
-part of the trace's message graph. The REPL runs on the host running the harness, in rlmq's
-own sandbox, whatever verifiers runtime the agent is given (the runtime is not used).
+go through rlmq's queues to the worker fleet, under rlmq's hard token budget; with
+``include_sub_llm_in_trajectory`` their served turns, and every child rollout's root turns, join
+the trace's message graph as trainable nodes (:mod:`rlmq.verifiers_plugin.tree_nodes`). The
+REPL runs on the host running the harness, in rlmq's own sandbox, whatever verifiers runtime
+the agent is given (the runtime is not used).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions, build_settings
 from rlmq.common.settings_schema import unset_model
-from rlmq.common.token_wire import expand_trajectory
+from rlmq.common.token_wire import expand_trajectory, turn_counts
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
 from rlmq.verifiers_plugin.rlm_keys import RlmHarnessKeys, log_ignored, rlm_settings
+from rlmq.verifiers_plugin.tree_nodes import commit_tree
 
 __all__ = ["RlmqHarness", "RlmqHarnessConfig", "dataset_row", "trace_events"]
 
@@ -158,6 +161,17 @@ def _cut_prompts(events: list[Any], prompt_chars: int) -> None:
                 _cut_prompts(child["trajectory"], prompt_chars)
 
 
+def _tree_nodes(trace: vf.Trace, trajectory: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tree's trainable turns into ``trace`` (:func:`commit_tree`); what was added, or the
+    error verifiers raised (the rollout and its answer stand; the edges and the turns not yet
+    committed are lost)."""
+    try:
+        added = commit_tree(trace, expand_trajectory(trajectory))
+    except (ValueError, TypeError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"turns": added.turns, "edges": added.edges, "conversations": added.conversations}
+
+
 class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
     """rlmq's RLM loop, in-process: root calls through verifiers' interception, sub-calls on
     the rlmq fleet. Returns a synthetic ``ProgramResult`` (exit 0, or 1 with the error)."""
@@ -219,6 +233,8 @@ class RlmqHarness(vf.Harness[RlmqHarnessConfig]):
         }
         if self.config.include_trajectory:
             info["trajectory"] = trace_events(outcome.trajectory, self.config.trajectory_prompt_chars)
+        if turn_counts(outcome.trajectory).get("trainable_turn_count"):
+            info["tree_nodes"] = _tree_nodes(trace, outcome.trajectory)
         trace.info["rlmq"] = info
         if result.final_answer is not None:
             trace.root_reply = result.final_answer

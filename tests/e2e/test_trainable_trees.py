@@ -157,3 +157,50 @@ def test_a_frozen_fleet_serves_turns_kept_untrainable_and_asked_for_no_tokens(
     assert all(t["untrainable_reason"] == "frozen_fleet" and "prompt_token_ids" not in t for t in [*roots, *steps])
     assert res.child.metrics["untrainable_turns_frozen_fleet"] == len(roots) + len(steps)
     assert params and not any("return_token_ids" in p or "logprobs" in p for p in params)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_verifiers_harness_puts_every_served_turn_in_the_trace_as_a_trainable_branch(
+    hosts: LocalFleet, tmp_path: Path, depth: int
+) -> None:
+    from verifiers.v1.trace import WireTrace
+
+    from tests.e2e.test_verifiers import vf_eval
+    from tests.unit.test_tree_nodes import samples
+
+    data, _ = needle_data(tmp_path, rows=1, split=2, lines=1200)
+    base = str(hosts.base_url)
+    reset_stats(base)
+    args = [
+        "--model", hosts.model, "--client.base-url", base, "--env.agent.harness.max-depth", str(depth),
+        "--env.agent.harness.include-sub-llm-in-trajectory", "true",
+    ]  # fmt: skip
+    (record,) = vf_eval(tmp_path, data, args, child_env({"REDIS_URL": hosts.redis_url}))
+    trace = WireTrace.model_validate(record)
+    assert trace.ok, record.get("errors")
+    tops = [e for e in trace.info["rlmq"]["trajectory"] if e["type"] == "root"]
+    inner: list[Turn] = []
+    depths: Counter[int] = Counter()
+    tree_turns([e for e in trace.info["rlmq"]["trajectory"] if e["type"] != "root"], inner, depths)
+    want = Counter(as_turn(s["role"], s) for s in served(base))
+    # every served turn is in the trace's info: the top root turns (verifiers relays the token request) and the tree's
+    assert not Counter(inner) - want and want.total() - len(inner) == len(tops) >= 1
+    assert sorted(depths) == list(range(2, depth + 1))
+    assert len(inner) >= 2 * (1 + 2 * (depth - 1))  # two sub-calls per leaf rollout, two child roots per split
+
+    # one trainable branch per served turn (the scripted tokenizer re-renders: no turn extends another)
+    ours = [b for b in trace.branches if str(b.nodes[0].message.content).startswith("[rlmq ")]
+    assert len(ours) == len(inner) == trace.info["rlmq"]["tree_nodes"]["turns"]
+    by_tokens = {t[1] + t[2]: t for t in inner}
+    assert len(by_tokens) == len(inner)
+    for branch in ours:
+        turn = by_tokens[tuple(branch.token_ids)]  # prompt then completion, exactly as served
+        ones = [i for i, m in enumerate(branch.sampled_mask) if m]
+        assert ones == list(range(len(turn[1]), len(turn[1]) + len(turn[2])))  # the mask: completion only
+        assert [branch.logprobs[i] for i in ones] == [round(lp, 4) for lp in turn[3]]  # the record keeps 4 decimals
+        assert not any(branch.logprobs[: len(turn[1])])
+    # prime-rl's sample builder: a sample per trainable branch; vf-eval's client keeps no tokens on the top's own
+    assert len(samples(trace)) == len(inner)
+    links = Counter(link.type for node in trace.nodes for link in node.semantic_parents)
+    conversations = trace.info["rlmq"]["tree_nodes"]["conversations"]
+    assert links["subagent_call"] == conversations == 2 * (2 ** (depth - 1)) + (2**depth - 2)
