@@ -95,7 +95,8 @@ def bash_root_code_for(question: str) -> str:
     return (
         (
             f"question={shlex.quote(question)}\n"
-            "if ls context.* >/dev/null 2>&1; then files=$(ls context.*); else files=$(find . -type f ! -name '.*'); fi\n"
+            "if ls context.* >/dev/null 2>&1; then files=$(ls context.*);\n"
+            "else files=$(find . -type f ! -name '.*'); fi\n"
             'python3 -c $BASH_ROOT_WINDOWS "$question" $files > .prompts.json\n'
             "reply=$(llm_batch < .prompts.json)\n"
             'echo "$reply"\n'
