@@ -274,6 +274,21 @@ class ToolRegistry:
     def _find(self, name: str) -> _Tool | None:
         return self._by_path.get(_canonical(name)) or self._by_name.get(name)
 
+    def is_allowed(self, name: str) -> bool:
+        """Whether ``name`` (a dotted path or a model-facing name) is on the allow-list."""
+        return self._find(name) is not None
+
+    @classmethod
+    def from_callables(
+        cls, tools: Sequence[tuple[str, Callable[..., Any]]], *, max_output_chars: int = 20_000
+    ) -> ToolRegistry:
+        """Register already-resolved callables under their dotted paths (the rollout's hosted tools).
+
+        Raises:
+            ConfigError: a callable's name or parameters cannot make a tool schema.
+        """
+        return cls([_build(p, f) for p, f in tools], max_output_chars=max_output_chars)
+
     def check_allowed(self, names: Sequence[str]) -> None:
         """Check that every tool in ``names`` is on the allow-list.
 

@@ -237,6 +237,7 @@ class SubLLMWorker:
             ledger=self.ledger,
             tools=ToolRegistry.from_paths(s.allowed_sub_tools),
             worker_name=self.name,
+            redis=self.redis,
         )
         rq_worker = self.upkeep.register_birth()
         loop = asyncio.get_running_loop()
