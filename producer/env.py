@@ -141,6 +141,7 @@ class RLMEnv:
         root_tool_timeout: float | _FromSettings = FROM_SETTINGS,
         root_tool_max_args_bytes: int | _FromSettings = FROM_SETTINGS,
         root_tool_max_result_bytes: int | _FromSettings = FROM_SETTINGS,
+        hosted_tool_timeout: float | _FromSettings = FROM_SETTINGS,
         system_prompt: str | None | _FromSettings = FROM_SETTINGS,
         system_prompt_mode: SystemPromptMode | _FromSettings = FROM_SETTINGS,
         sub_llm_final_answer_turn: bool | _FromSettings = FROM_SETTINGS,

@@ -426,7 +426,7 @@ class _Run:
             return f"[tool error] unknown tool {name!r} (available: {available})"
         spec = self.hosted.get(name)
         if spec is not None and self.ctx.redis is not None:
-            wait = self.request.hosted_tool_timeout + ANSWER_GRACE
+            wait = (self.request.hosted_tool_timeout or 0.0) + ANSWER_GRACE
             call = ToolCallRequest(
                 id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
             )
