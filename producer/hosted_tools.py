@@ -106,10 +106,15 @@ class HostedToolServer:
                     log.warning("hosted tools of %s: reading requests failed: %s", self.keys.rollout_id, exc)
                     await asyncio.sleep(_RETRY_PAUSE)
                     continue
+                taken: list[bytes] = []
                 for _key, entries in got or []:
                     for entry_id, fields in entries:
                         last = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                        taken.append(entry_id)
                         self._take(fields)
+                if taken:  # each id is remembered here: the stream need not keep the arguments
+                    with contextlib.suppress(RedisError):
+                        await self.redis.xdel(self.keys.tool_requests, *taken)
         finally:
             for task in list(self._running):
                 task.cancel()

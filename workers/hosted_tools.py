@@ -20,10 +20,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.tool_wire import FIELD, TOOL_ERROR, ToolCallAnswer, ToolCallRequest
 
-__all__ = ["ANSWER_GRACE", "call_hosted"]
+__all__ = ["ANSWER_GRACE", "REQUESTS_TTL_MARGIN", "call_hosted"]
 
 ANSWER_GRACE = 10.0
 """Seconds a worker waits for an answer past the tool's own timeout (the rollout's turn-around)."""
+REQUESTS_TTL_MARGIN = 60
+"""Seconds a rollout's request stream outlives the wait of its latest request (a rollout whose
+process is gone leaves nothing behind for longer)."""
 _RETRY_PAUSE = 0.2
 _READ_BLOCK = 2.0
 """Seconds of one blocking read: short, so a connection gone quiet is noticed and retried."""
@@ -50,7 +53,10 @@ async def call_hosted(redis: Redis, rollout_id: str, request: ToolCallRequest, *
     while time.time() < deadline:
         try:
             if not sent:
-                await redis.xadd(keys.tool_requests, {FIELD: body})
+                async with redis.pipeline(transaction=True) as pipe:
+                    pipe.xadd(keys.tool_requests, {FIELD: body})
+                    pipe.expire(keys.tool_requests, int(request.wait) + REQUESTS_TTL_MARGIN)
+                    await pipe.execute()
                 sent = True
             block = max(1, int(min(_READ_BLOCK, deadline - time.time()) * 1000))
             got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await redis.xread(
