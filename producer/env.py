@@ -89,9 +89,11 @@ class RLMEnv:
     :class:`~rlmq.common.errors.ConfigError`):
         tools: tools for the root REPL and the sub-LLMs alike, as the reference's ``tools``:
             callables or dotted import paths (``pkg.mod:func``). In the REPL each is a global of
-            its own name that runs here, in the producer (:mod:`rlmq.producer.root_tools`); the
-            sub-LLMs get it by its import path, so it must have one (a module-level function)
-            and the workers must allow-list it. Default: ``settings.tools``.
+            its own name that runs here, in the producer (:mod:`rlmq.producer.root_tools`). A
+            sub-LLM's call runs on its worker when the worker allow-lists the tool's import path,
+            else here too, through Redis (:mod:`rlmq.producer.hosted_tools`); a callable needs a
+            module-level name either way (a lambda belongs in ``root_tools``). Default:
+            ``settings.tools``.
         root_tools: tools for the root REPL only (callables or dotted paths; a lambda will
             do). Default: ``settings.root_tools``.
         settings: the base settings (Redis URL, queue, model server); default

@@ -63,8 +63,7 @@ async def call_hosted(redis: Redis, rollout_id: str, request: ToolCallRequest, *
                 {answer_key: "0-0"}, count=1, block=block
             )  # type: ignore[assignment]
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            last_error = f"{type(exc).__name__}: {exc}"
-            sent = False  # it may not have arrived: send it again (the rollout answers each id once)
+            last_error = f"{type(exc).__name__}: {exc}"  # a failed send is sent again (answered once)
             await asyncio.sleep(_RETRY_PAUSE)
             continue
         except RedisError as exc:

@@ -3,7 +3,9 @@
 A worker is started with ``allowed_sub_tools`` (``Settings.allowed_sub_tools``), a list of
 dotted import paths, ``pkg.mod:func`` or ``pkg.mod.func``. A job names the tools it wants
 in ``SubLLMRequest.sub_tools`` (dotted paths too); a job asking for a tool outside the
-worker's allow-list fails with a payload error before the model is called.
+worker's allow-list fails with a payload error before the model is called, unless the job's
+rollout hosts it (``SubLLMRequest.hosted_tools``): then the call is sent to the rollout's
+process (:mod:`rlmq.workers.hosted_tools`).
 
 The model sees each tool under the function's own name (``count_words``), with a JSON
 schema built by pydantic from the signature and the docstring (first paragraph: the
