@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
 from rlmq.common.tool_wire import FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
@@ -51,7 +52,14 @@ class HostedTools:
     """
 
     def __init__(self, tools: Sequence[tuple[str, Callable[..., Any]]], *, timeout: float, max_args_bytes: int) -> None:
-        canonical = [(p.strip().replace(":", "."), f) for p, f in tools]
+        canonical: list[tuple[str, Callable[..., Any]]] = []
+        for path, func in tools:
+            try:  # one without a tool schema stays a REPL tool; its sub-LLM calls fail as not allowed
+                ToolRegistry.from_callables([(path, func)])
+            except ConfigError as exc:
+                log.warning("shared tool %s is not offered to the sub-LLMs by this process: %s", path, exc)
+                continue
+            canonical.append((path.strip().replace(":", "."), func))
         self.registry = ToolRegistry.from_callables(canonical)
         self.specs = tuple(HostedTool(path=p, tool_schema=self.registry.schemas([p])[0]) for p, _ in canonical)
         self.timeout = timeout

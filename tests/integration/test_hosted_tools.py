@@ -98,3 +98,19 @@ async def test_no_rollout_gives_a_producer_gone_line_by_the_deadline(redis_url: 
     ttl = await redis_ttl(redis_url, RolloutKeys(rid).tool_requests)
     assert 0 < ttl <= 10 + REQUESTS_TTL_MARGIN  # a request nobody serves does not stay (its wait: 10 s)
     assert text.startswith("[tool error] echo: no answer from the rollout's process"), text
+
+
+class Opaque:
+    """A parameter type with no JSON schema."""
+
+
+def takes_an_object(thing: Opaque) -> str:
+    """Takes what no model can send."""
+    return "x"
+
+
+def test_a_callable_without_a_tool_schema_is_left_out_not_refused() -> None:
+    tools = HostedTools(
+        [(f"{__name__}:echo", echo), ("pkg.mod:takes_an_object", takes_an_object)], timeout=1.0, max_args_bytes=1024
+    )
+    assert [spec.name for spec in tools.specs] == ["echo"]
