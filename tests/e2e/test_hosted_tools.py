@@ -55,15 +55,19 @@ answer["ready"] = True
 @pytest.fixture(scope="module")
 def fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFleet]:
     logs = tmp_path_factory.mktemp("hosted-logs")
-    with LocalFleet(redis_url=redis_url, model=f"hosted-{uuid.uuid4().hex[:6]}", workers=1, log_dir=str(logs)) as f:
+    allow = ["--allow-tool", "rlmq.workers.tools.count_words"]  # the fast path for this one, not for lookup
+    with LocalFleet(
+        redis_url=redis_url, model=f"hosted-{uuid.uuid4().hex[:6]}", workers=1, worker_args=allow, log_dir=str(logs)
+    ) as f:
         yield f
 
 
-async def run(fleet: LocalFleet, keys: list[str], **kw: object) -> tuple[list[str], Metrics]:
+async def run(fleet: LocalFleet, keys: list[str], code: str = "", **kw: object) -> tuple[list[str], Metrics]:
     settings = load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model, **kw)
     metrics = Metrics()
-    row = DatasetRow(id="hosted", question="Hosted. " + root_code_directive(batch_code(keys)), context="x")
-    async with RLMEnv(settings=settings, tools=[lookup], metrics=metrics) as env:
+    row = DatasetRow(id="hosted", question="Hosted. " + root_code_directive(code or batch_code(keys)), context="x")
+    tools = [lookup, "rlmq.workers.tools:count_words"]
+    async with RLMEnv(settings=settings, tools=tools, metrics=metrics) as env:
         res = await env.rollout(row, model=fleet.model)
     assert res.row.stop_reason == "answer_ready", res.row.error
     return str(res.row.final_answer).split(" || "), metrics
@@ -92,3 +96,14 @@ async def test_a_hanging_callable_gives_a_timeout_line_not_a_hang(fleet: LocalFl
     assert time.monotonic() - t0 < 15
     assert "tool result: [tool error] lookup timed out after 1 s" in answers[0], answers
     assert counted(metrics, "error") == 1
+
+
+async def test_a_shared_tool_the_worker_allow_lists_runs_on_the_worker(fleet: LocalFleet) -> None:
+    code = """
+out = llm_batch(['Count. [[mock:tool:count_words:{"text": "one two three four"}]] [[mock:echo-tool-result]]'])
+answer["content"] = " || ".join(out)
+answer["ready"] = True
+"""
+    answers, metrics = await run(fleet, [], code=code)
+    assert "tool result: 4" in answers[0], answers
+    assert counted(metrics, "ok") == counted(metrics, "error") == 0  # nothing ran in this process
