@@ -227,6 +227,18 @@ class RolloutKeys:
         the producer once the result is taken."""
         return namespace(self.tag, "spill", job_id, str(attempt))
 
+    @property
+    def tool_requests(self) -> str:
+        """Stream: sub-LLM calls of the rollout's hosted tools (callables that live in the rollout's
+        process); workers ``XADD`` each request (:mod:`rlmq.common.tool_wire`), the rollout reads
+        them with ``XREAD`` from the last id it saw."""
+        return namespace(self.tag, "toolreq")
+
+    def tool_answer(self, request_id: str) -> str:
+        """Stream: the answer of one hosted-tool request (one entry, TTL'd); the worker reads it with
+        ``XREAD`` from the start, so a read whose reply was lost is simply read again."""
+        return namespace(self.tag, "toolans", request_id)
+
     def all_static(self) -> list[str]:
         """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
         own = LedgerKeys(self.rollout_id)
@@ -452,6 +464,8 @@ KEY_USES: tuple[KeyUse, ...] = (
     KeyUse("RolloutKeys.info", "rlmq:{*}:info", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.reply", "rlmq:{*}:reply:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.spill", "rlmq:{*}:spill:*", "rw", "rw", "", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.tool_requests", "rlmq:{*}:toolreq", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("RolloutKeys.tool_answer", "rlmq:{*}:toolans:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.released", "rlmq:{*}:released", "rw", "rw", "", channel=True, tenant_pattern=_ROLLOUT_T),
     KeyUse("ORPHAN_REPLIES", "rlmq:orphan-replies", "", "rw", "r"),
     KeyUse("serving", "rlmq:serving:*", "r", "rw", "r"),

@@ -81,6 +81,13 @@ class Metrics:
         self.budget_wait_seconds = Counter(
             "rlmq_budget_wait_seconds", "Seconds budgeted sub-LLM calls spent parked waiting for budget", registry=r
         )
+        self.hosted_tool_calls = Counter(
+            "rlmq_hosted_tool_calls",
+            "Sub-LLM calls of hosted tools run in this (the rollout's) process, by outcome (ok, error); "
+            "a request sent again for a call already run is not counted",
+            ["outcome"],
+            registry=r,
+        )
         self.truncated = Counter(
             "rlmq_truncated",
             'Sub-LLM calls whose last model turn ended with finish_reason "length" (cut by grant or cap)',

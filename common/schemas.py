@@ -29,6 +29,7 @@ from pydantic import (
 
 from rlmq.common.errors import PayloadError, validation_summary
 from rlmq.common.token_wire import TurnTokens
+from rlmq.common.tool_wire import HostedTool
 
 StopReason = Literal[
     "answer_ready", "max_turns", "no_tool_call", "prompt_too_long", "code_timeout", "error", "budget_spent"
@@ -131,6 +132,12 @@ class SubCallOptions(_Strict):
     model: str
     system_prompt: str | None = None
     sub_tools: list[str] = Field(default_factory=list)
+    hosted_tools: list[HostedTool] = Field(default_factory=list, max_length=64)
+    """Tools of ``sub_tools`` that the rollout's process runs for a worker that does not
+    allow-list them (:mod:`rlmq.common.tool_wire`)."""
+    hosted_tool_timeout: float | None = Field(default=None, gt=0)
+    """Seconds a hosted tool may run in the rollout's process (``hosted_tool_timeout``; set with
+    ``hosted_tools``)."""
     max_turns: int = Field(default=SUB_LLM_MAX_TURNS_DEFAULT, ge=1, le=SUB_LLM_MAX_TURNS_LIMIT)
     """Turns of the sub-LLM's own tool loop (``sub_llm_max_turns``)."""
     max_completion_tokens: int | None = Field(default=None, ge=1)

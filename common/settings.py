@@ -277,6 +277,14 @@ class RolloutOptions(BaseModel):
         description="largest JSON result a root-tool call may return",
         json_schema_extra=meta(group="repl", unit="bytes"),
     )
+    hosted_tool_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="how long a sub-LLM's call of a shared tool that no worker allow-lists may run in the "
+        "rollout's own process, where the callable lives (the worker waits 10 s more for the answer)",
+        json_schema_extra=meta(group="repl", unit="seconds"),
+    )
     system_prompt: str | None = Field(
         default=None,
         description="the environment author's own system prompt for the root model (see system_prompt_mode)",

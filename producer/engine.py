@@ -35,6 +35,7 @@ from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.token_wire import turn_counts
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import Dispatcher
+from rlmq.producer.hosted_tools import HostedTools, HostedToolServer
 from rlmq.producer.interception import BatchHandler, RlmBatchHandler, ToolHandler
 from rlmq.producer.live import LiveRollouts
 from rlmq.producer.llm_batch import LlmBatchService
@@ -163,6 +164,8 @@ class RolloutHost:
     batches: LlmBatchService
     live: LiveRollouts
     toolbox: RootToolbox | None = None
+    hosted: HostedTools | None = None
+    """Shared tools this process runs for the sub-LLMs' workers that do not allow-list them."""
     make_repl: ReplFactory = sandbox_repl
     rlm: RlmBatchService | None = None
     frozen: bool = False
@@ -311,6 +314,7 @@ class _RolloutRun:
             await self._announce(stack)
             stack.push_async_callback(self.node.close)  # its tree (a top) or subtree (a child) gets no more grants
             await self.node.open()
+            self._serve_hosted_tools(stack)
             self.token = self.host.interception.register(
                 self.handle_batch, self.handle_tool if self.tools is not None else None, self.handle_rlm
             )
@@ -320,6 +324,28 @@ class _RolloutRun:
             stack.push_async_callback(self._close_repl, repl)
             return await self._run_root(repl)
         raise AssertionError("unreachable")  # pragma: no cover  (the stack never swallows)
+
+    def _serve_hosted_tools(self, stack: contextlib.AsyncExitStack) -> None:
+        """Serve the sub-LLMs' calls of the shared tools this process hosts, until the rollout ends."""
+        hosted = self.host.hosted
+        if hosted is None or not hosted.specs:
+            return
+        self.ro.hosted_tools = hosted.specs
+        server = HostedToolServer(
+            self.host.redis,
+            self.ro.id,
+            hosted,
+            answer_ttl=self.options.rollout_key_ttl,
+            metrics=self.host.batches.metrics,
+        )
+        task = asyncio.create_task(server.serve(), name=f"rlmq-hosted-tools-{self.ro.id}")
+
+        async def stop() -> None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        stack.push_async_callback(stop)
 
     async def _announce(self, stack: contextlib.AsyncExitStack) -> None:
         """List the rollout as live (``rlmq status``, its keys refreshed) until it ends."""

@@ -51,10 +51,11 @@ from rlmq.common.settings import (
 from rlmq.common.settings_schema import arguments_doc
 from rlmq.producer.engine import RolloutHost, raise_if_cancelled, run_rollout
 from rlmq.producer.host import root_model, start_host
+from rlmq.producer.hosted_tools import HostedTools
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.rollout import RolloutResult, normalize_answer
 from rlmq.producer.root import RootModel
-from rlmq.producer.root_tools import RootToolbox, ToolLike, import_path, shared_tool_paths
+from rlmq.producer.root_tools import RootToolbox, ToolLike, import_path, resolve_tool, shared_tool_paths
 
 __all__ = ["FROM_SETTINGS", "RLMEnv", "RolloutResult", "normalize_answer", "raise_if_cancelled"]
 
@@ -88,9 +89,11 @@ class RLMEnv:
     :class:`~rlmq.common.errors.ConfigError`):
         tools: tools for the root REPL and the sub-LLMs alike, as the reference's ``tools``:
             callables or dotted import paths (``pkg.mod:func``). In the REPL each is a global of
-            its own name that runs here, in the producer (:mod:`rlmq.producer.root_tools`); the
-            sub-LLMs get it by its import path, so it must have one (a module-level function)
-            and the workers must allow-list it. Default: ``settings.tools``.
+            its own name that runs here, in the producer (:mod:`rlmq.producer.root_tools`). A
+            sub-LLM's call runs on its worker when the worker allow-lists the tool's import path,
+            else here too, through Redis (:mod:`rlmq.producer.hosted_tools`); a callable needs a
+            module-level name either way (a lambda belongs in ``root_tools``). Default:
+            ``settings.tools``.
         root_tools: tools for the root REPL only (callables or dotted paths; a lambda will
             do). Default: ``settings.root_tools``.
         settings: the base settings (Redis URL, queue, model server); default
@@ -140,6 +143,7 @@ class RLMEnv:
         root_tool_timeout: float | _FromSettings = FROM_SETTINGS,
         root_tool_max_args_bytes: int | _FromSettings = FROM_SETTINGS,
         root_tool_max_result_bytes: int | _FromSettings = FROM_SETTINGS,
+        hosted_tool_timeout: float | _FromSettings = FROM_SETTINGS,
         system_prompt: str | None | _FromSettings = FROM_SETTINGS,
         system_prompt_mode: SystemPromptMode | _FromSettings = FROM_SETTINGS,
         sub_llm_final_answer_turn: bool | _FromSettings = FROM_SETTINGS,
@@ -175,6 +179,12 @@ class RLMEnv:
             [*shared, *root_only], timeout=s.root_tool_timeout, max_result_bytes=s.root_tool_max_result_bytes
         )
         """The root (REPL) tools: refused here when a name collides or does not resolve."""
+        self.hosted = HostedTools(
+            [(path, resolve_tool(tool)) for path, tool in zip(paths["tools"], shared, strict=True)],
+            timeout=s.hosted_tool_timeout,
+            max_args_bytes=s.root_tool_max_args_bytes,
+        )
+        """The shared tools, run here for the sub-LLMs' workers that do not allow-list them."""
         self._root = root
         self.metrics = metrics
         self._options = s.rollout_options()
@@ -206,6 +216,7 @@ class RLMEnv:
             raise
         started = await start_host(s, self._redis, self._root, metrics=self.metrics, toolbox=self.toolbox)
         self._server, self._host = started.server, started.host
+        self._host.hosted = self.hosted
         self._refresher = asyncio.create_task(self._host.live.refresh_forever(s.rollout_key_ttl / 3))
         return self
 

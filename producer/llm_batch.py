@@ -96,6 +96,8 @@ class LlmBatchService:
                 system_prompt=sub_system_prompt(o.sub_prompt_verbosity),
                 # shared tools go by their import path (pkg.mod:func and pkg.mod.func are one tool)
                 sub_tools=list(dict.fromkeys(t.strip().replace(":", ".") for t in [*o.sub_tools, *o.tools])),
+                hosted_tools=list(rollout.hosted_tools),
+                hosted_tool_timeout=o.hosted_tool_timeout,
                 final_answer_turn=o.sub_llm_final_answer_turn,
                 max_turns=o.sub_llm_max_turns,
                 max_completion_tokens=sub_call_max_tokens(o),  # sent with or without a budget

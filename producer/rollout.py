@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMResult
 from rlmq.common.settings import RolloutOptions
 from rlmq.common.token_wire import TokenCap, TurnEncoder
+from rlmq.common.tool_wire import HostedTool
 from rlmq.producer.child_trajectory import KeptChildren
 from rlmq.producer.inflight import RolloutInFlight
 
@@ -146,6 +147,8 @@ class Rollout:
     ledger_id: str = ""
     """The budget ledger its calls charge (``""``: its own, id = the rollout id; a child rollout
     of a tree carries its top rollout's)."""
+    hosted_tools: tuple[HostedTool, ...] = ()
+    """Shared tools this process runs for its sub-LLMs' workers (:mod:`rlmq.producer.hosted_tools`)."""
     nodes: tuple[str, ...] = ()
     """Its tree chain, top .. itself, carried by its calls (empty for a top rollout: its calls
     carry none; see :class:`~rlmq.common.tree.TreePosition`)."""

@@ -51,12 +51,15 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.token_wire import TurnEncoder, TurnTokens
+from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
+from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
 
@@ -79,6 +82,8 @@ class SubLLMContext:
         tool_timeout: seconds one sub-tool call may run.
         frozen: this worker's server is not the policy being trained (``rlmq worker --frozen``):
             its turns are marked untrainable (``frozen_fleet``) and no token is asked for.
+        redis: the client a hosted tool's call travels on (``None``: hosted tools are refused as
+            tools not allowed on this worker).
     """
 
     client: ChatClient
@@ -88,6 +93,7 @@ class SubLLMContext:
     include_messages: bool = False
     tool_timeout: float = 30.0
     frozen: bool = False
+    redis: Redis | None = None
 
 
 FINAL_ANSWER_PROMPT = (
@@ -156,15 +162,12 @@ class _Run:
         self.messages: list[dict[str, Any]] = []
         self.encoder = TurnEncoder()
         self.turn_tokens: list[TurnTokens] = []
+        self.hosted: dict[str, HostedTool] = {}
+        """The job's hosted tools this worker sends to the rollout, by the name the model sees."""
 
     async def run(self) -> tuple[SubCallStatus, str]:
         request, ctx = self.request, self.ctx
-        if request.sub_tools:
-            ctx.tools.check_allowed(request.sub_tools)  # PayloadError before any model call
-            tools = ctx.tools.schemas(request.sub_tools)
-            offered = {t["function"]["name"] for t in tools}
-        else:
-            tools, offered = [], set()
+        tools, offered = self._offered_tools()  # PayloadError before any model call
         if request.must_be_budgeted and ctx.ledger is None:
             raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
         # Whether the call is budgeted, and its limit, is the ledger's to say, not the job's: a job
@@ -399,6 +402,31 @@ class _Run:
         served = None if self.ctx.frozen else response.served
         self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling))
 
+    def _offered_tools(self) -> tuple[list[dict[str, Any]], set[str]]:
+        """The tool schemas offered to the model and their names: the worker's own allow-listed
+        tools (the fast path), then the job's hosted tools this worker does not allow-list.
+
+        Raises:
+            PayloadError: a tool is neither allowed here nor hosted by the rollout, or two share a name.
+        """
+        request, ctx = self.request, self.ctx
+        if not request.sub_tools:
+            return [], set()
+        hosted = {h.path.replace(":", "."): h for h in request.hosted_tools} if ctx.redis is not None else {}
+        local = [t for t in request.sub_tools if t.replace(":", ".") not in hosted or ctx.tools.is_allowed(t)]
+        ctx.tools.check_allowed(local)
+        tools = ctx.tools.schemas(local)
+        self.hosted = {}
+        for path in request.sub_tools:
+            spec = hosted.get(path.replace(":", "."))
+            if spec is not None and path not in local:
+                self.hosted[spec.name] = spec
+                tools.append(spec.tool_schema)
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise PayloadError(f"two sub-tools share a name: {', '.join(sorted(names))}")
+        return tools, set(names)
+
     async def _run_tools(self, tool_calls: list[dict[str, Any]], offered: set[str], turn: int) -> None:
         self.tool_calls += len(tool_calls)
         calls: list[tuple[str, str, str]] = []
@@ -411,14 +439,25 @@ class _Run:
                 arguments = "" if arguments is None else json.dumps(arguments)
             call_id = call.get("id") if isinstance(call, dict) else None
             calls.append((str(call_id or f"call_{turn}_{i}"), name, arguments))
-        outputs = await asyncio.gather(*(self._tool(name, arguments, offered) for _, name, arguments in calls))
+        outputs = await asyncio.gather(
+            *(self._tool(name, arguments, offered, turn, i) for i, (_, name, arguments) in enumerate(calls))
+        )
         for (call_id, _, _), output in zip(calls, outputs, strict=True):
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
 
-    async def _tool(self, name: str, arguments: str, offered: set[str]) -> str:
+    async def _tool(self, name: str, arguments: str, offered: set[str], turn: int, index: int) -> str:
         if name not in offered:
             available = ", ".join(sorted(offered)) or "none"
             return f"[tool error] unknown tool {name!r} (available: {available})"
+        spec = self.hosted.get(name)
+        if spec is not None and self.ctx.redis is not None:
+            wait = (self.request.hosted_tool_timeout or 0.0) + ANSWER_GRACE
+            call = ToolCallRequest(
+                id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
+            )
+            return await call_hosted(
+                self.ctx.redis, self.request.rollout_id, call, name=name, deadline=time.time() + wait
+            )
         return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
 
 

@@ -3,7 +3,9 @@
 A worker is started with ``allowed_sub_tools`` (``Settings.allowed_sub_tools``), a list of
 dotted import paths, ``pkg.mod:func`` or ``pkg.mod.func``. A job names the tools it wants
 in ``SubLLMRequest.sub_tools`` (dotted paths too); a job asking for a tool outside the
-worker's allow-list fails with a payload error before the model is called.
+worker's allow-list fails with a payload error before the model is called, unless the job's
+rollout hosts it (``SubLLMRequest.hosted_tools``): then the call is sent to the rollout's
+process (:mod:`rlmq.workers.hosted_tools`).
 
 The model sees each tool under the function's own name (``count_words``), with a JSON
 schema built by pydantic from the signature and the docstring (first paragraph: the
@@ -273,6 +275,21 @@ class ToolRegistry:
 
     def _find(self, name: str) -> _Tool | None:
         return self._by_path.get(_canonical(name)) or self._by_name.get(name)
+
+    def is_allowed(self, name: str) -> bool:
+        """Whether ``name`` (a dotted path or a model-facing name) is on the allow-list."""
+        return self._find(name) is not None
+
+    @classmethod
+    def from_callables(
+        cls, tools: Sequence[tuple[str, Callable[..., Any]]], *, max_output_chars: int = 20_000
+    ) -> ToolRegistry:
+        """Register already-resolved callables under their dotted paths (the rollout's hosted tools).
+
+        Raises:
+            ConfigError: a callable's name or parameters cannot make a tool schema.
+        """
+        return cls([_build(p, f) for p, f in tools], max_output_chars=max_output_chars)
 
     def check_allowed(self, names: Sequence[str]) -> None:
         """Check that every tool in ``names`` is on the allow-list.

@@ -283,6 +283,7 @@ def test_every_run_flag_reaches_the_rollout(real_redis: redis.Redis, redis_url: 
             "--sub-model", sub_b, "--sub-base-url", sub_url, "--workers", "1", "--concurrency", "1",
             "--run-dir", str(dir_b), "--sub-tool", "rlmq.workers.tools.count_words", "--verbose",
             "--tool", "rlmq.workers.tools:count_words", "--root-tool", "json:dumps", "--root-tool-timeout", "30",
+            "--hosted-tool-timeout", "45",
             "--root-tool-max-args-bytes", "2048", "--root-tool-max-result-bytes", "1500",
             "--system-prompt", SYSTEM_B, "--system-prompt-mode", "append", "--no-sub-llm-final-answer-turn",
             "--max-startup-wait-seconds", "200", "--pip-install-packages", str(toy_wheel(tmp_path)),
@@ -454,10 +455,11 @@ def check_run_b(folder: Path, run: Run) -> None:
     assert [row["stop_reason"] for row in rows] == ["answer_ready", "answer_ready"], rows
     for row in rows:
         assert row["metrics"]["count_words_root_calls"] == 1 and row["metrics"]["dumps_root_calls"] == 1
-    # --root-tool-timeout, --root-tool-max-result-bytes, --no-sub-llm-final-answer-turn,
+    # --root-tool-timeout, --hosted-tool-timeout, --root-tool-max-result-bytes, --no-sub-llm-final-answer-turn,
     # --max-startup-wait-seconds, --no-abort-on-code-timeout: recorded as the run's settings
     settings = json.loads((folder / "meta.json").read_text(encoding="utf-8"))["settings"]
     assert settings["root_tool_timeout"] == 30 and settings["root_tool_max_result_bytes"] == 1500
+    assert settings["hosted_tool_timeout"] == 45
     assert settings["sub_llm_final_answer_turn"] is False and settings["max_startup_wait_seconds"] == 200
     assert settings["abort_on_code_timeout"] is False and settings["max_depth"] == 2
     # --child-root-min-grant-tokens: recorded here; its effect (a child ending budget_spent) is

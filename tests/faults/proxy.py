@@ -47,6 +47,7 @@ class ProxyStats:
     refused: int = 0
     connections: int = 0
     by_command: dict[str, int] = field(default_factory=dict)
+    dropped_by_command: dict[str, int] = field(default_factory=dict)
 
 
 async def _read_command(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -101,6 +102,8 @@ class FaultProxy:
         self.target = target
         self.target_host, self.target_port = target.hostname or "127.0.0.1", target.port
         self.drop_rate = drop_rate
+        self.drop_containing: tuple[bytes, ...] = ()
+        """When set, only commands whose raw bytes hold one of these are dropped (a key's name, say)."""
         self.stats = ProxyStats()
         self._rng = random.Random(seed)
         self._refuse_until = 0.0
@@ -178,6 +181,11 @@ class FaultProxy:
                 await uwriter.drain()
                 self.stats.forwarded += 1
                 drop = self.drop_rate > 0 and name not in HANDSHAKE and self._rng.random() < self.drop_rate
+                if drop and self.drop_containing and not any(part in raw for part in self.drop_containing):
+                    drop = False
+                if drop:
+                    key = name.decode(errors="replace")
+                    self.stats.dropped_by_command[key] = self.stats.dropped_by_command.get(key, 0) + 1
                 await plan.put(("drop" if drop else "up", b""))
 
         async def replies() -> None:

@@ -144,7 +144,15 @@ def _edges() -> list[Any]:
 def _rollout(options: RolloutOptions) -> Any:
     """What :meth:`LlmBatchService.spec` reads of a rollout (a plain record; no Redis)."""
     return types.SimpleNamespace(
-        id="r1", queue="q@t", ledger_id=None, nodes=[], inflight=None, sub_model="m", budget=None, options=options
+        id="r1",
+        queue="q@t",
+        ledger_id=None,
+        nodes=[],
+        inflight=None,
+        sub_model="m",
+        budget=None,
+        options=options,
+        hosted_tools=(),
     )
 
 
