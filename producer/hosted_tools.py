@@ -28,8 +28,8 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
+from rlmq.common.tool_registry import ToolRegistry
 from rlmq.common.tool_wire import FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
-from rlmq.workers.tools import ToolRegistry
 
 __all__ = ["HostedToolServer", "HostedTools"]
 

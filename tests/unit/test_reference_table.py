@@ -54,9 +54,16 @@ REFERENCE_STATE = ["final_answer", "rlm_fs_root", "rlm_fs_source", "rlm_fs_has_d
 STATUSES = {"same", "different", "reference only", "rlmq only"}
 
 
+TABLE_HEADING = "## Every shared name, row by row"
+
+
 def rows() -> list[dict[str, str]]:
+    """The rows of the table under :data:`TABLE_HEADING` (up to the next ``## `` heading)."""
+    text = DOC.read_text(encoding="utf-8")
+    assert TABLE_HEADING in text
+    section = text.split(TABLE_HEADING, 1)[1].split("\n## ", 1)[0]
     out = []
-    for line in DOC.read_text(encoding="utf-8").splitlines():
+    for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| ") and cells[0] in ("argument", "metric", "state", "stop"):
             assert len(cells) == 6, line
