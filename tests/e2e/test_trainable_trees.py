@@ -172,8 +172,10 @@ def test_the_verifiers_harness_puts_every_served_turn_in_the_trace_as_a_trainabl
     base = str(hosts.base_url)
     reset_stats(base)
     args = [
-        "--model", hosts.model, "--client.base-url", base, "--env.agent.harness.max-depth", str(depth),
+        "--model", hosts.model, "--client.base-url", base,
         "--env.agent.harness.include-sub-llm-in-trajectory", "true",
+        # the harness's max_depth is the rlm harness's: levels below the root
+        *(["--env.agent.harness.max-depth", str(depth - 1)] if depth > 1 else []),
     ]  # fmt: skip
     (record,) = vf_eval(tmp_path, data, args, child_env({"REDIS_URL": hosts.redis_url}))
     trace = WireTrace.model_validate(record)
