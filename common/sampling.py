@@ -62,9 +62,12 @@ def sub_call_sampling(options: RolloutOptions) -> dict[str, Any]:
 
 def child_root_sampling(options: RolloutOptions) -> dict[str, Any]:
     """The sampling arguments of a child rollout's root turns (its ``sampling_args``): its
-    parent's sub-call sampling with ``max_tokens`` = :func:`sub_call_max_tokens`. The same again
-    for a grandchild (the merge is idempotent)."""
-    return {**sub_call_sampling(options), "max_tokens": sub_call_max_tokens(options)}
+    parent's sub-call sampling, with ``max_tokens`` the sub-sampling arguments', else the
+    parent's sampling arguments', else :data:`DEFAULT_CALL_MAX_TOKENS` (a root turn writes code:
+    ``sub_llm_per_call_max_tokens``, the cap of one sub-LLM answer, is not a root turn's). The
+    same again for a grandchild (the merge is idempotent)."""
+    per_turn = _max_tokens(options.sub_sampling_args) or _max_tokens(options.sampling_args)
+    return {**sub_call_sampling(options), "max_tokens": per_turn or DEFAULT_CALL_MAX_TOKENS}
 
 
 def root_turn_max_tokens(options: RolloutOptions) -> int | None:

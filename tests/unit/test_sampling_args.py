@@ -129,5 +129,6 @@ def test_sub_calls_sample_as_their_rollout_unless_sub_sampling_arguments_say_oth
     assert (sub_call_sampling(o), sub_call_max_tokens(o)) == ({"temperature": 0.9, "top_k": 5}, 700)
     o = RolloutOptions(sampling_args=root, sub_sampling_args={"max_tokens": 700}, sub_llm_per_call_max_tokens=300)
     assert sub_call_max_tokens(o) == 300
-    assert child_root_sampling(o) == {"temperature": 0.3, "top_k": 5, "max_tokens": 300}
+    assert child_root_sampling(o) == {"temperature": 0.3, "top_k": 5, "max_tokens": 700}  # a root turn, not a sub-call
+    assert child_root_sampling(RolloutOptions(sub_llm_per_call_max_tokens=16))["max_tokens"] == DEFAULT_CALL_MAX_TOKENS
     assert sub_call_max_tokens(RolloutOptions()) == DEFAULT_CALL_MAX_TOKENS  # never sent uncapped
