@@ -32,7 +32,7 @@ from tests.integration.conftest import parked
 
 pytestmark = pytest.mark.integration
 
-LIMIT, CAP = 256, 128  # two calls of 128 hold the whole budget; a call needs 64 free to be granted
+LIMIT, CAP = 256, 128  # two calls of 128 hold the whole budget; a call is granted a whole 128
 
 
 def request(ledger_id: str, deadline: float) -> SubLLMRequest:
@@ -59,12 +59,12 @@ async def test_a_cancelled_early_call_gives_its_grant_back_to_the_parked_owner(
     owner = asyncio.create_task(early_worker_free_acquire(owner_worker, lid, reservation, deadline))
     await parked(owner_worker, 1)
 
-    # One loop turn of the lane worker: call c ends (half its grant used: 64 back) and the lane
+    # One loop turn of the lane worker: call c ends (nothing used: its whole 128 back) and the lane
     # entry's early call of the same job reserves; both go out in one script, in that order.
     async with ChatClient("http://127.0.0.1:9/v1", retries=1, backoff_base=0.001) as client:
         ctx = SubLLMContext(client=client, ledger=early_worker, tools=ToolRegistry(), worker_name="lane")
         claim: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        settle = asyncio.create_task(early_worker.settle(lid, "c:1:1", 64))
+        settle = asyncio.create_task(early_worker.settle(lid, "c:1:1", 0))
         early = asyncio.create_task(run_sub_llm(request(lid, deadline), ctx, job_id=job, attempt=1, gate=claim))
         await settle
         # The early call holds the grant and waits for START at its gate.
