@@ -241,19 +241,8 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]], tokens: boo
         log.warning("model server reported usage.completion_tokens=%.60r: not a token count; ignored", completion)
     elif completion is not None:
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        return _with_tokens(
-            tokens,
-            data,
-            ChatResponse(
-                content=content,
-                tool_calls=tool_calls,
-                finish_reason=choice.get("finish_reason"),
-                prompt_tokens=prompt if isinstance(prompt, int) and _valid_count(prompt) else 0,
-                completion_tokens=completion,
-                usage_reported=True,
-                message=message,
-            ),
-        )
+        counts = (prompt if isinstance(prompt, int) and _valid_count(prompt) else 0, completion, True)
+        return _with_tokens(tokens, data, _response(choice, message, content, tool_calls, counts))
     chars = len(content or "")
     for call in tool_calls:
         fn = call.get("function") if isinstance(call, dict) else None
@@ -264,18 +253,28 @@ def _parse(body: bytes, status: int, messages: list[dict[str, Any]], tokens: boo
         c = m.get("content")
         if isinstance(c, str):
             prompt_chars += len(c)
-    return _with_tokens(
-        tokens,
-        data,
-        ChatResponse(
-            content=content,
-            tool_calls=tool_calls,
-            finish_reason=choice.get("finish_reason"),
-            prompt_tokens=estimate_tokens(prompt_chars),
-            completion_tokens=estimate_tokens(chars),
-            usage_reported=False,
-            message=message,
-        ),
+    counts = (estimate_tokens(prompt_chars), estimate_tokens(chars), False)
+    return _with_tokens(tokens, data, _response(choice, message, content, tool_calls, counts))
+
+
+def _response(
+    choice: dict[str, Any],
+    message: dict[str, Any],
+    content: str | None,
+    tool_calls: list[Any],
+    counts: tuple[int, int, bool],
+) -> ChatResponse:
+    """A :class:`ChatResponse` of one choice with ``counts`` = (prompt tokens, completion tokens,
+    whether the server reported them)."""
+    prompt_tokens, completion_tokens, reported = counts
+    return ChatResponse(
+        content=content,
+        tool_calls=tool_calls,
+        finish_reason=choice.get("finish_reason"),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        usage_reported=reported,
+        message=message,
     )
 
 
