@@ -265,7 +265,7 @@ async def test_zero_overshoot_in_repeated_trees_under_cpu_load(tree_fleet: Local
             started = time.monotonic()
             async with env_for(
                 tree_fleet, sub_llm_max_completion_tokens=STRESS_BUDGET, sub_llm_per_call_max_tokens=64,
-                rollout_timeout=100,
+                sub_sampling_args={"max_tokens": 400}, rollout_timeout=100,  # child root turns: 400 whole
             ) as env:  # fmt: skip
                 results = await asyncio.gather(
                     *(env.rollout(row, model=TOP_MODEL, rollout_id=rid) for row, rid in zip(rows, rids, strict=True))
@@ -278,7 +278,7 @@ async def test_zero_overshoot_in_repeated_trees_under_cpu_load(tree_fleet: Local
             for res, snap in zip(results, snaps, strict=True):
                 assert res.row.stop_reason == "answer_ready", res.row.error
                 assert snap is not None and snap.charged == snap.used <= STRESS_BUDGET and snap.overrun == 0
-                assert STRESS_BUDGET - snap.used < 256
+                assert STRESS_BUDGET - snap.used < 400  # less than a child root turn's whole grant left
                 figures.append((snap.used, snap.rejections, took))
             assert served == sum(used)  # the two trees' tokens, as the server counted them
     finally:
