@@ -81,8 +81,19 @@ def import_path(fn: Callable[..., Any]) -> str | None:
         return None
 
 
-def shared_tool_paths(tools: Sequence[ToolLike]) -> list[str]:
+def _no_import_path(tool: Any) -> str:
+    return (
+        f"tool {getattr(tool, '__name__', tool)!r} has no import path (a lambda or a nested function), "
+        "so the sub-LLMs' workers cannot run it: pass it in root_tools= for the REPL only"
+    )
+
+
+def shared_tool_paths(tools: Sequence[ToolLike], refusal: Callable[[Any], str] = _no_import_path) -> list[str]:
     """The dotted paths the sub-LLMs' workers import ``tools`` (shared tools) by.
+
+    Args:
+        tools: callables or dotted paths.
+        refusal: the error text for a callable without an import path (the caller's words).
 
     Raises:
         ConfigError: a callable has no import path (a lambda, a nested function): the workers
@@ -92,10 +103,7 @@ def shared_tool_paths(tools: Sequence[ToolLike]) -> list[str]:
     for tool in tools:
         path = tool if isinstance(tool, str) else import_path(tool)
         if path is None:
-            raise ConfigError(
-                f"tool {getattr(tool, '__name__', tool)!r} has no import path (a lambda or a nested function), "
-                "so the sub-LLMs' workers cannot run it: pass it in root_tools= for the REPL only"
-            )
+            raise ConfigError(refusal(tool))
         paths.append(path.strip())
     return paths
 

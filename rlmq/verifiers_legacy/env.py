@@ -31,7 +31,7 @@ from rlmq.common.errors import ConfigError, RlmqError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.env import RLMEnv as RlmqEnv
-from rlmq.producer.root_tools import import_path
+from rlmq.producer.root_tools import shared_tool_paths
 from rlmq.verifiers_legacy.root_turns import CURRENT, RootDispatch, RootTurns
 from rlmq.verifiers_legacy.state import LegacyMonitorRubric, fill_state
 
@@ -248,7 +248,7 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
         "rollout_timeout": float(given["sandbox_timeout_minutes"]) * 60.0,
         "tools": list(given["tools"] or []),
         "root_tools": list(given["root_tools"] or []),
-        "sub_tools": _sub_tool_paths(given["sub_tools"] or []),
+        "sub_tools": shared_tool_paths(given["sub_tools"] or [], _sub_tool_refusal),
         **_repl_arguments(given),
     }
 
@@ -284,22 +284,12 @@ def _text(part: Any) -> str:
     return text if isinstance(text, str) else ""
 
 
-def _sub_tool_paths(tools: list[Callable[..., Any] | str]) -> list[str]:
-    """``sub_tools`` as rlmq's workers import them: a callable becomes its ``module:name`` path.
-
-    Raises:
-        ConfigError: a callable without an import path (a lambda, a nested function).
-    """
-    paths: list[str] = []
-    for tool in tools:
-        path = tool if isinstance(tool, str) else import_path(tool)
-        if path is None:
-            raise ConfigError(
-                f"RLMEnv(sub_tools=[{tool!r}]): the sub-LLMs run on rlmq workers, which import a sub-tool by its path; "
-                "give a module-level function (root_tools take any callable)"
-            )
-        paths.append(path)
-    return paths
+def _sub_tool_refusal(tool: Any) -> str:
+    """The one line for a ``sub_tools`` callable without an import path (a lambda, a nested function)."""
+    return (
+        f"RLMEnv(sub_tools=[{tool!r}]): the sub-LLMs run on rlmq workers, which import a sub-tool by its path; "
+        "give a module-level function (root_tools take any callable)"
+    )
 
 
 def _refuse_unsupported(*, enable_sub_llms: bool, enable_summarization: bool) -> None:
