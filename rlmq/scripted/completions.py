@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import json
 import time
@@ -65,10 +66,12 @@ class _Counts:
     faults: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    repeats: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {
             "requests": self.requests,
+            "repeats": self.repeats,
             "completions": self.completions,
             "faults": self.faults,
             "prompt_tokens": self.prompt_tokens,
@@ -78,6 +81,9 @@ class _Counts:
 
 PARAMS_KEPT = 1000
 """Requests whose parameters ``GET /stats`` shows (``params``), newest last."""
+
+CONVERSATIONS_KEPT = 100_000
+"""Conversations the server remembers to count a request that repeats one (``repeats``)."""
 
 
 class _State:
@@ -101,6 +107,7 @@ class _State:
         self.system_prompts: list[str] = []
         self.root_requests_by_depth: dict[str, int] = {}
         self.attempts.clear()
+        self.conversations: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.served.reset()
         self.params: collections.deque[dict[str, Any]] = collections.deque(maxlen=PARAMS_KEPT)
         self.in_flight_peak = self.in_flight  # the requests still open count towards the new peak
@@ -144,6 +151,17 @@ class _State:
             "last_request_at": self.last_request_at,
             "last_answered_at": self.last_answered_at,
         }
+
+    def is_repeat(self, messages: list[dict[str, Any]], tools: Any) -> bool:
+        """True when a request with this conversation and these tools came before (the last
+        :data:`CONVERSATIONS_KEPT` conversations): a client sent the same call again."""
+        digest = hashlib.sha256(json.dumps([messages, tools], sort_keys=True, default=str).encode()).hexdigest()
+        if digest in self.conversations:
+            return True
+        self.conversations[digest] = None
+        if len(self.conversations) > CONVERSATIONS_KEPT:
+            self.conversations.popitem(last=False)
+        return False
 
     def record(self, body: dict[str, Any]) -> None:
         """Keep what a request asked for besides its conversation (sampling arguments, ``model``,

@@ -102,8 +102,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     rlm_root = rlm_root and is_rlm_format_root(_text(messages[0].get("content")), offers_tools=False)
     repl = next((t for t in tool_names if t in ROOT_TOOL_NAMES), None)
     counted = state.counters(user, model, "root" if repl is not None or rlm_root else "sub")
+    repeat = state.is_repeat(messages, body.get("tools"))
     for counts in counted:
         counts.requests += 1
+        counts.repeats += repeat
     state.record(body)
     state.opened()
     try:
@@ -347,10 +349,12 @@ class ScriptedModelServer:
     def stats(self) -> dict[str, Any]:
         """A copy of the server's counters (the body of ``GET /stats``).
 
-        Keys: ``requests`` (chat completions accepted, faults included), ``completions``
+        Keys: ``requests`` (chat completions accepted, faults included), ``repeats`` (those of
+        them whose conversation and tools an earlier request already had: a call sent again, by a
+        retry, a re-run job or a lost race), ``completions``
         (200 answers with a completion), ``faults`` (scripted failures), ``prompt_tokens``
         and ``completion_tokens`` (tokens = words, of the completions served),
-        ``invalid_requests`` (answered 400), and ``per_user`` / ``per_model``: the same five
+        ``invalid_requests`` (answered 400), and ``per_user`` / ``per_model``: the same six
         counters per ``user`` field value (``""`` when absent) and per requested model name;
         ``per_role``: the same per role, ``root`` (requests offering ``call_python_repl``) and ``sub``;
         ``per_tag``: the same per ``[[mock:tag:<name>]]`` of the first user message (counted

@@ -5,7 +5,8 @@ child rollouts run as jobs on real ``rlmq worker --repl-slots`` processes over a
 
 Each run is checked against the tree it must have built: every row correct and ``answer_ready``,
 the scripted server's counters (root requests per depth = the tree's rollouts per depth, leaf
-calls = ``rows * K**D`` exactly: a leaf served twice fails the test), the rows' per-depth
+calls = ``rows * K**D`` distinct conversations exactly, and at most a quarter as many sent again,
+such as an idle worker's early lane call that lost its race to a busy worker), the rows' per-depth
 metrics and the nesting of ``trajectories.jsonl``.
 """
 
@@ -128,8 +129,13 @@ def check_run(run_dir: Path, answers: dict[str, str], seen: dict[str, Any], *, d
     # the server saw each rollout's one root turn at its depth, and each leaf once
     want = {str(d): n * split ** (d - 1) for d in range(1, depth + 1)}
     assert seen["root_requests_by_depth"] == want, seen["root_requests_by_depth"]
-    assert seen["per_role"]["sub"]["completions"] == n * split**depth, seen["per_role"]
-    assert seen["per_role"]["sub"]["requests"] == n * split**depth, seen["per_role"]
+    # each leaf's call reached the server; a call sent again (an idle worker's early lane call
+    # that lost its START race to a busy worker: a wasted call the producer drops) is the same
+    # conversation, never a new leaf
+    sub = seen["per_role"]["sub"]
+    assert sub["requests"] - sub["repeats"] == n * split**depth, seen["per_role"]
+    assert sub["completions"] - sub["repeats"] == n * split**depth, seen["per_role"]
+    assert sub["repeats"] <= n * split**depth // 4, seen["per_role"]
     trajectories = read_jsonl(run_dir / "trajectories.jsonl")
     assert len(trajectories) == n
     for t in trajectories:
@@ -188,7 +194,7 @@ def test_depth2_needle_on_separate_repl_hosts_visible_in_status_and_rq(
     # a slow first line of every prompt of the tree keeps it running while we look at it
     slow = tmp_path / "slow.jsonl"
     slow.write_text(
-        "".join(json.dumps({**r, "question": r["question"] + " [[mock:sleep:0.7]]"}) + "\n" for r in read_jsonl(data))
+        "".join(json.dumps({**r, "question": r["question"] + " [[mock:sleep:1.5]]"}) + "\n" for r in read_jsonl(data))
     )
     base = str(hosts.base_url)
     reset_stats(base)

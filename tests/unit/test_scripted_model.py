@@ -416,6 +416,7 @@ async def test_stats_per_user_and_model(server: ScriptedModelServer, session: ai
     assert stats["requests"] == 6 and stats["completions"] == 5 and stats["faults"] == 1
     assert stats["per_user"]["rollout-a"] == {
         "requests": 3,
+        "repeats": 2,  # the same conversation sent again (the user field is not part of it)
         "completions": 3,
         "faults": 0,
         "prompt_tokens": 6,
@@ -423,6 +424,7 @@ async def test_stats_per_user_and_model(server: ScriptedModelServer, session: ai
     }
     assert stats["per_user"]["rollout-b"]["completion_tokens"] == 10
     assert stats["per_user"]["rollout-b"]["faults"] == 1
+    assert stats["per_user"]["rollout-b"]["repeats"] == 1 and stats["repeats"] == 3
     assert stats["per_user"][""]["requests"] == 1
     assert stats["per_model"]["test-model"]["completion_tokens"] == 40
     assert stats["per_model"]["other-model"]["requests"] == 1
@@ -436,6 +438,8 @@ async def test_stats_per_user_and_model(server: ScriptedModelServer, session: ai
     async with session.delete(server.url.removesuffix("/v1") + "/stats") as resp:
         assert (await resp.json())["requests"] == 0
     assert server.stats["per_user"] == {}
+    await chat(session, server, user(prompt), user="rollout-a", max_tokens=10)
+    assert server.stats["repeats"] == 0  # a reset forgets the conversations too
 
 
 async def test_latency_option(session: aiohttp.ClientSession) -> None:
