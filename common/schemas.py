@@ -133,8 +133,9 @@ class SubCallOptions(_Strict):
     system_prompt: str | None = None
     sub_tools: list[str] = Field(default_factory=list)
     hosted_tools: list[HostedTool] = Field(default_factory=list, max_length=64)
-    """Tools of ``sub_tools`` that the rollout's process runs for a worker that does not
-    allow-list them (:mod:`rlmq.common.tool_wire`)."""
+    """Tools of ``sub_tools`` that the top rollout's process runs for a worker that does not
+    allow-list them (:mod:`rlmq.common.tool_wire`): the process of the rollout itself, or for a
+    call of a child rollout, that of its tree's top (``nodes[0]``)."""
     hosted_tool_timeout: float | None = Field(default=None, gt=0)
     """Seconds a hosted tool may run in the rollout's process (``hosted_tool_timeout``; set with
     ``hosted_tools``)."""
@@ -198,6 +199,12 @@ class SubLLMRequest(SubCallOptions):
         return self.ledger_id or self.rollout_id
 
     @property
+    def tool_host(self) -> str:
+        """The rollout whose process runs the call's ``hosted_tools``: its tree's top rollout
+        (``nodes[0]``), else the calling rollout itself."""
+        return self.nodes[0] if self.nodes else self.rollout_id
+
+    @property
     def must_be_budgeted(self) -> bool:
         """True when the call must find its ledger: it says so (``budgeted``), or it names a
         ledger other than its own rollout's (a missing one is then lost, never "unbudgeted")."""
@@ -257,6 +264,9 @@ class ChildRolloutRequest(_Strict):
     """The child's root model: the model of the queue it is enqueued for."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The child's :class:`~rlmq.common.settings.RolloutOptions` (JSON; no secrets)."""
+    hosted_tools: list[HostedTool] = Field(default_factory=list, max_length=64)
+    """The shared tools the tree's top rollout runs in its process (``nodes[0]``): the child's
+    sub-calls offer them as the top's own do (:mod:`rlmq.producer.hosted_tools`)."""
     enqueued_at: float
     deadline: float
     """Unix time after which the parent no longer waits for this child."""

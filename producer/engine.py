@@ -33,6 +33,7 @@ from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
 from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.token_wire import turn_counts
+from rlmq.common.tool_wire import HostedTool
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import Dispatcher
 from rlmq.producer.hosted_tools import HostedTools, HostedToolServer
@@ -228,6 +229,7 @@ async def run_rollout(
     rollout_id: str | None = None,
     rollout_index: int | None = None,
     tree: TreePosition | None = None,
+    hosted_tools: Sequence[HostedTool] = (),
 ) -> RolloutResult:
     """Run one rollout of ``row`` with root model ``model``; its sub-calls go to ``queue``.
 
@@ -249,6 +251,9 @@ async def run_rollout(
             child (depth >= 2) charges ``tree.ledger_id``, opens and deletes its own node, its calls
             carry ``(*tree.nodes, rollout_id)`` and its root turns reserve from the tree's budget
             (:mod:`rlmq.producer.tree_node`).
+        hosted_tools: a child's: the shared tools its tree's top rollout runs in its own process
+            (:class:`~rlmq.common.schemas.ChildRolloutRequest`); its sub-calls offer them. A top
+            rollout offers those of ``host.hosted`` and serves their calls while it runs.
 
     Returns:
         The result row, trajectory and messages. ``stop_reason`` is one of
@@ -270,7 +275,7 @@ async def run_rollout(
     pos = tree_position(rid, tree, options.max_depth)
     ro = Rollout(
         id=rid, row=row, model=model, sub_model=sub_model, queue=queue, options=options,
-        ledger_id=pos.ledger_id, nodes=chain_of(rid, pos), frozen=host.frozen,
+        ledger_id=pos.ledger_id, nodes=chain_of(rid, pos), frozen=host.frozen, hosted_tools=tuple(hosted_tools),
     )  # fmt: skip
     run = _RolloutRun(host, ro, pos)
     stop, final, error = await run.run()
@@ -326,9 +331,10 @@ class _RolloutRun:
         raise AssertionError("unreachable")  # pragma: no cover  (the stack never swallows)
 
     def _serve_hosted_tools(self, stack: contextlib.AsyncExitStack) -> None:
-        """Serve the sub-LLMs' calls of the shared tools this process hosts, until the rollout ends."""
+        """Serve the calls of the shared tools this process hosts, made by the sub-LLMs of the
+        rollout's whole tree, until the rollout (a top: the tree outlives none of its children) ends."""
         hosted = self.host.hosted
-        if hosted is None or not hosted.specs:
+        if hosted is None or not hosted.specs or self.pos.depth > 1:
             return
         self.ro.hosted_tools = hosted.specs
         server = HostedToolServer(

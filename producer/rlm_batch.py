@@ -36,6 +36,7 @@ from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
 from rlmq.common.sampling import child_root_sampling
 from rlmq.common.schemas import ChildRolloutRequest, RlmTask, SubLLMResult
 from rlmq.common.spill import unspill
+from rlmq.common.tool_wire import HostedTool
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for
 from rlmq.producer.llm_batch import TRAJECTORY_PROMPTS, LlmBatchService, redis_failures, refused_results
@@ -64,6 +65,7 @@ class ChildJobs:
         options: the children's :class:`~rlmq.common.settings.RolloutOptions` (JSON, no secrets).
         contexts: each task's REPL ``context`` (JSON), one per prompt.
         child_ids: each task's fresh child id (uuid4 hex), one per prompt.
+        hosted_tools: the shared tools the tree's top rollout runs in its process, handed down.
     """
 
     depth: int
@@ -74,6 +76,7 @@ class ChildJobs:
     options: dict[str, Any]
     contexts: list[Any] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
+    hosted_tools: list[HostedTool] = field(default_factory=list)
     func: str = CHILD_ROLLOUT_FUNC
     what: str = "child rollout"
 
@@ -101,6 +104,7 @@ class ChildJobs:
                 context=self.contexts[i],
                 model=self.model,
                 options=self.options,
+                hosted_tools=self.hosted_tools,
                 enqueued_at=now,
                 deadline=now + spec.sub_call_timeout,
             )
@@ -167,6 +171,7 @@ class RlmBatchService:
             options=options,
             contexts=[t.context for t in tasks],
             child_ids=[uuid.uuid4().hex for _ in tasks],
+            hosted_tools=list(rollout.hosted_tools),
         )
         return base
 

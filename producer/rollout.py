@@ -148,7 +148,8 @@ class Rollout:
     """The budget ledger its calls charge (``""``: its own, id = the rollout id; a child rollout
     of a tree carries its top rollout's)."""
     hosted_tools: tuple[HostedTool, ...] = ()
-    """Shared tools this process runs for its sub-LLMs' workers (:mod:`rlmq.producer.hosted_tools`)."""
+    """Shared tools its tree's top rollout runs in its process for the workers of its sub-LLMs
+    (:mod:`rlmq.producer.hosted_tools`): a top's own, a child's handed down by its parent."""
     nodes: tuple[str, ...] = ()
     """Its tree chain, top .. itself, carried by its calls (empty for a top rollout: its calls
     carry none; see :class:`~rlmq.common.tree.TreePosition`)."""

@@ -151,8 +151,9 @@ class ChildKind:
             ended: tuple[str, str | None] = ("cancelled", None)  # cancelled unless it returns or fails
             try:
                 res = await run_rollout(
-                    host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree
-                )
+                    host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree,
+                    hosted_tools=req.hosted_tools,
+                )  # fmt: skip
                 ended = (res.row.stop_reason, res.row.error)
             except Exception:
                 ended = ("failed to run", None)  # logged below

@@ -456,7 +456,7 @@ class _Run:
                 id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
             )
             return await call_hosted(
-                self.ctx.redis, self.request.rollout_id, call, name=name, deadline=time.time() + wait
+                self.ctx.redis, self.request.tool_host, call, name=name, deadline=time.time() + wait
             )
         return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
 

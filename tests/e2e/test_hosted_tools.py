@@ -11,6 +11,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,25 @@ answer["ready"] = True
     answers, metrics = await run(fleet, [], code=code)
     assert "tool result: 4" in answers[0], answers
     assert counted(metrics, "ok") == counted(metrics, "error") == 0  # nothing ran in this process
+
+
+def child_task(key: str) -> str:
+    """An ``rlm_batch`` task whose child rollout asks one sub-LLM to call ``lookup(key)``."""
+    return "child " + root_code_directive(batch_code([key]))
+
+
+async def test_the_sub_llms_of_child_rollouts_reach_the_tops_process(redis_url: str, tmp_path: Path) -> None:
+    """Children run on a REPL host, their sub-calls on a worker; neither imports ``lookup``: each
+    call travels to the top rollout's process (this one), once, and its answer back down the tree."""
+    keys = [f"c{i}-{uuid.uuid4().hex[:4]}" for i in range(2)]
+    top = f"got = rlm_batch({[child_task(k) for k in keys]!r})\nanswer['content'] = ' || '.join(got)\nanswer['ready'] = True"
+    with LocalFleet(
+        redis_url=redis_url, model=f"hosted-tree-{uuid.uuid4().hex[:6]}", workers=1, repl_slots=2,
+        log_dir=str(tmp_path / "logs"),
+    ) as tree_fleet:  # fmt: skip
+        tree_fleet.wait_for_workers(1)
+        answers, metrics = await run(tree_fleet, [], code=top, max_depth=2)
+    for key, answer in zip(keys, answers, strict=True):
+        assert f"tool result: value-of-{key}-xxx" in answer, answer
+    assert {k: CALLS[k] for k in keys} == dict.fromkeys(keys, 1)
+    assert counted(metrics, "ok") == 2
