@@ -6,8 +6,9 @@ The model sees each tool under the function's own name (``count_words``), with a
 schema built by pydantic from the signature and the docstring (first paragraph: the
 description; a Google-style ``Args:`` section: the parameter descriptions). Arguments the
 model sends are validated with the same pydantic model. Sync tools run in a daemon thread
-of their own (one past its timeout neither queues later calls nor holds the worker's exit),
-async tools are awaited; both under a timeout. A failing tool never raises (nor does its
+of their own (one past its timeout neither queues later calls nor holds the worker's exit;
+at most :data:`MAX_OVERRUN_THREADS` of them run on past their timeout, then sync tools are
+refused until one returns), async tools are awaited; both under a timeout. A failing tool never raises (nor does its
 ``SystemExit``): the model gets a ``"[tool error] ..."`` string and can try again.
 """
 
@@ -18,6 +19,7 @@ import importlib
 import inspect
 import json
 import re
+import threading
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from rlmq.common.aio import start_in_daemon_thread
 from rlmq.common.errors import ConfigError, PayloadError
 
-__all__ = ["ToolRegistry"]
+__all__ = ["MAX_OVERRUN_THREADS", "ToolRegistry"]
+
+MAX_OVERRUN_THREADS = 16
+"""Threads of a registry's sync tools that may run on after their calls gave up (a timeout or a
+cancelled job: a thread cannot be stopped). While that many run, a sync tool's call is refused at
+once with a ``[tool error]`` line, so a tool that hangs costs a bounded number of threads."""
 
 _ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters):\s*$")
 _SECTION = re.compile(r"^\s*[A-Z][A-Za-z ]*:\s*$")
@@ -162,18 +169,54 @@ class _ToolExit(Exception):
         self.raised = raised
 
 
-async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    """The tool's result (a sync tool in a thread); its ``SystemExit``/``KeyboardInterrupt`` as
-    :class:`_ToolExit` (caught here, inside the task ``wait_for`` runs it in)."""
+class _Overruns:
+    """The sync tool threads of one registry still running after their calls gave up."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def watch(self) -> _ThreadCall:
+        """A tracker for one sync call's thread."""
+        return _ThreadCall(self)
+
+
+class _ThreadCall:
+    """One sync call's thread: counted in its :class:`_Overruns` from the moment its call gives up
+    (:meth:`give_up`) until the thread ends (:meth:`ended`, in the thread); thread-safe."""
+
+    def __init__(self, overruns: _Overruns) -> None:
+        self._overruns = overruns
+        self._ended = self._abandoned = False
+
+    def ended(self) -> None:
+        with self._overruns._lock:
+            self._ended = True
+            if self._abandoned:
+                self._overruns.count -= 1
+
+    def give_up(self) -> None:
+        with self._overruns._lock:
+            if not self._ended and not self._abandoned:
+                self._abandoned = True
+                self._overruns.count += 1
+
+
+async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any], thread: _ThreadCall | None) -> Any:
+    """The tool's result (a sync tool in a thread, tracked by ``thread``); its
+    ``SystemExit``/``KeyboardInterrupt`` as :class:`_ToolExit` (caught here, inside the task
+    ``wait_for`` runs it in)."""
     try:
-        if tool.is_async:
+        if tool.is_async or thread is None:
             return await tool.func(*args, **kwargs)
-        return await _in_daemon_thread(tool.func, args, kwargs)
+        return await _in_daemon_thread(tool.func, args, kwargs, thread)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise _ToolExit(exc) from None
 
 
-async def _in_daemon_thread(func: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+async def _in_daemon_thread(
+    func: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], thread: _ThreadCall
+) -> Any:
     """``func(*args, **kwargs)`` in a daemon thread of its own: a tool past its timeout runs on
     until it returns (a thread cannot be stopped) but holds neither a pool's thread (later calls
     do not queue behind it) nor the worker's exit (the executor's threads are joined at exit).
@@ -182,7 +225,12 @@ async def _in_daemon_thread(func: Callable[..., Any], args: list[Any], kwargs: d
         RuntimeError: no thread could be started; else what ``func`` raised.
     """
     name = f"rlmq-sub-tool-{getattr(func, '__name__', 'tool')}"
-    return await start_in_daemon_thread(lambda: func(*args, **kwargs), name=name)
+    try:
+        future = start_in_daemon_thread(lambda: func(*args, **kwargs), name=name, on_end=thread.ended)
+    except RuntimeError:
+        thread.ended()  # none started: nothing runs on
+        raise
+    return await future
 
 
 def _to_text(value: Any) -> str:
@@ -213,6 +261,7 @@ class ToolRegistry:
             by_name.setdefault(t.name, []).append(t)
         self._by_name = {n: ts[0] for n, ts in by_name.items() if len(ts) == 1}
         self.max_output_chars = max_output_chars
+        self._overruns = _Overruns()
 
     @classmethod
     def from_paths(cls, paths: Sequence[str], *, max_output_chars: int = 20_000) -> ToolRegistry:
@@ -333,8 +382,14 @@ class ToolRegistry:
                 args.append(value)
             else:
                 kwargs[pname] = value
+        if not tool.is_async and self._overruns.count >= MAX_OVERRUN_THREADS:
+            return (
+                f"[tool error] {tool.name}: refused: {self._overruns.count} earlier sync tool calls still run "
+                "past their timeout here; try again later"
+            )
+        thread = None if tool.is_async else self._overruns.watch()
         try:
-            result = await asyncio.wait_for(_run(tool, args, kwargs), timeout)
+            result = await asyncio.wait_for(_run(tool, args, kwargs, thread), timeout)
         except TimeoutError:
             return f"[tool error] {tool.name} timed out after {timeout:g} s"
         except asyncio.CancelledError:
@@ -346,6 +401,9 @@ class ToolRegistry:
             return f"[tool error] {tool.name}: {type(exc.raised).__name__}: {exc.raised}"
         except Exception as exc:
             return f"[tool error] {tool.name}: {type(exc).__name__}: {exc}"
+        finally:
+            if thread is not None:  # a thread still running now runs on past its call
+                thread.give_up()
         text = _to_text(result)
         if len(text) > self.max_output_chars:
             cut = len(text) - self.max_output_chars
