@@ -164,7 +164,8 @@ def served_tokens(body: Mapping[str, Any], usage: tuple[int, int] | None) -> tup
 
     Args:
         body: the whole completion: ``prompt_token_ids``, ``choices[0].token_ids``,
-            ``choices[0].logprobs.content[i].logprob`` (vLLM's names).
+            ``choices[0].logprobs.content[i].logprob`` (vLLM's names; SGLang puts
+            ``prompt_token_ids`` on ``choices[0]``, where it is read when the top has none).
         usage: ``(prompt_tokens, completion_tokens)`` the server reported, ``None`` when it sent none.
 
     Returns:
@@ -174,7 +175,9 @@ def served_tokens(body: Mapping[str, Any], usage: tuple[int, int] | None) -> tup
     """
     choices = body.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    prompt, completion = _id_list(body.get("prompt_token_ids")), _id_list(choice.get("token_ids"))
+    prompt_ids = body.get("prompt_token_ids")
+    prompt_ids = choice.get("prompt_token_ids") if prompt_ids is None else prompt_ids
+    prompt, completion = _id_list(prompt_ids), _id_list(choice.get("token_ids"))
     logprobs = _logprob_list(choice)
     if prompt is None or completion is None or logprobs is None:
         return None, "no_token_ids"

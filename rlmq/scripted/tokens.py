@@ -8,7 +8,9 @@ float32-exact, distinct per reply). Directives in a user message change that:
 
 * ``[[mock:token-ids:none]]``: no token field at all (as llama.cpp or OpenAI answer);
 * ``[[mock:token-ids:mismatch]]``: one logprob fewer than completion ids;
-* ``[[mock:token-ids:usage]]``: one completion id more than ``usage.completion_tokens``.
+* ``[[mock:token-ids:usage]]``: one completion id more than ``usage.completion_tokens``;
+* ``[[mock:token-ids:sglang]]``: SGLang's shape: ``prompt_token_ids`` on ``choices[0]``, not at
+  the top of the reply.
 
 Every reply that carried the fields is recorded (:class:`ServedLog`, ``GET /served``): its
 ``id``, ``user``, role and the three lists, so a test compares what a trajectory holds with what
@@ -25,7 +27,7 @@ from typing import Any
 
 __all__ = ["ServedLog", "served_fields", "word_id"]
 
-_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage)\]\]")
+_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang)\]\]")
 SERVED_KEPT = 200_000
 """Served replies :class:`ServedLog` keeps (newest last)."""
 
@@ -90,7 +92,7 @@ def served_fields(
         logprobs = [*logprobs, -0.5]
     if mode == "mismatch" and logprobs:
         logprobs = logprobs[:-1]
-    result["prompt_token_ids"] = prompt
+    (choice if mode == "sglang" else result)["prompt_token_ids"] = prompt
     choice["token_ids"] = completion
     choice["logprobs"] = {
         "content": [{"token": f"t{i}", "logprob": lp, "bytes": None} for i, lp in enumerate(logprobs)]
