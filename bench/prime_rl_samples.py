@@ -10,18 +10,20 @@ there. Nothing of prime-rl is kept. Before running it, the ``branch.*``, ``node.
 that verifiers 0.4.0 does not have, ``Branch.multi_modal_data`` (a branch's images), is given
 the value ``None`` (no images: these traces are text) for the run, and the results say so.
 
-Two traces go through it:
+Three traces go through it:
 
 * ``synthetic``: the tree of ``tests/unit/test_tree_nodes.py`` (a sub-call whose second turn
   extends its first, one that re-renders, an untrainable turn, a rejected call, a child with a
   sub-call and two root turns on one branch), compared with the restated contract there;
-* ``harness``: one ``vf-eval rlmq`` episode at ``--depth`` (the default 2: the root splits the
-  context over child rollouts, each of which makes sub-calls), run in this process by verifiers'
-  own eval runner with ``include_sub_llm_in_trajectory``, on a private embedded Redis, real
-  ``rlmq worker --repl-slots`` processes and the scripted model serving vLLM's token fields; the
-  trace is sent through verifiers' env-serve msgpack encoding and validated as a ``WireTrace``
-  (what prime-rl's orchestrator receives), then every sample is compared, element by element,
-  with what the scripted model recorded serving (``GET /served``).
+* ``harness``: two ``vf-eval rlmq`` episodes, each run in this process by verifiers' own eval
+  runner with ``include_sub_llm_in_trajectory``, on a private embedded Redis, real ``rlmq worker
+  --repl-slots`` processes and the scripted model serving vLLM's token fields: ``needle``, the
+  needle search of ``bench.needle`` at ``--depth`` (the default 2: the root splits the context
+  over child rollouts, each of which makes sub-calls), and ``turns`` (:func:`turns_row`: several
+  turns at every level of a depth-2 tree). Each trace is sent through verifiers' env-serve
+  msgpack encoding and validated as a ``WireTrace`` (what prime-rl's orchestrator receives),
+  then every sample is compared, element by element, with what the scripted model recorded
+  serving (``GET /served``).
 
 Run: ``python -m bench.prime_rl_samples --prime-rl /path/to/prime-rl[.git] [--commit SHA]
 [--depth 2]``; prints the figures and saves ``bench/results/prime_rl_samples.json``. Without
@@ -127,7 +129,7 @@ def load_builder(git_dir: str, commit: str) -> tuple[ModuleType, str, dict[str, 
             module = importlib.import_module("prime_rl.orchestrator.trajectories")
         finally:
             sys.path.remove(tmp)
-    date, subject = git(git_dir, "show", "-s", "--format=%cs%x00%s", sha).strip().split("\x00", 1)
+    date, subject = git(git_dir, "show", "-s", "--format=%as%x00%s", sha).strip().split("\x00", 1)
     info = {"commit": sha, "date": date, "subject": subject, "read": [BUILDER, types_path], "stubbed": stubs}
     return module, source, info
 
