@@ -375,6 +375,7 @@ def check_harness(builder: ModuleType, depth: int, workers: int, tree: str) -> d
         "child_root_turns": roles["root"],
         "child_root_turns_by_depth": dict(sorted(depths.items())),
         "tree_turns_not_served": (Counter(inner) - want).total(),
+        "trace_ok_and_agent_trainable": bool(trace.ok and trace.agent.trainable),  # prime-rl drops any other
         "branches": len(trace.branches),
         "trainable_branches": len(trainable),
         "trainable_branches_flagged_untrainable": sum(1 for b in trainable if not b.trainable),
