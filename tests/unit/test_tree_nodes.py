@@ -6,7 +6,8 @@ Guards what :mod:`rlmq.verifiers_plugin.tree_nodes` relies on in verifiers 0.4: 
 ``ModelCall.acp``; ``Trace.branches`` gives one branch per leaf with ``token_ids`` /
 ``sampled_mask`` / ``logprobs``. :func:`samples` restates prime-rl's sample builder
 (``trace_to_samples``: one sample per branch with a sampled token, a sampled node shared by
-several branches trained only in the first).
+several branches trained only in the first); ``python -m bench.prime_rl_samples --prime-rl DIR``
+runs prime-rl's own builder, read from a prime-rl git directory, on the same tree and on real trees.
 """
 
 from __future__ import annotations
