@@ -119,7 +119,8 @@ async def test_the_sub_llms_of_child_rollouts_reach_the_tops_process(redis_url: 
     """Children run on a REPL host, their sub-calls on a worker; neither imports ``lookup``: each
     call travels to the top rollout's process (this one), once, and its answer back down the tree."""
     keys = [f"c{i}-{uuid.uuid4().hex[:4]}" for i in range(2)]
-    top = f"got = rlm_batch({[child_task(k) for k in keys]!r})\nanswer['content'] = ' || '.join(got)\nanswer['ready'] = True"
+    tasks = [child_task(k) for k in keys]
+    top = f"got = rlm_batch({tasks!r})\nanswer['content'] = ' || '.join(got)\nanswer['ready'] = True"
     with LocalFleet(
         redis_url=redis_url, model=f"hosted-tree-{uuid.uuid4().hex[:6]}", workers=1, repl_slots=2,
         log_dir=str(tmp_path / "logs"),
