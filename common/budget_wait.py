@@ -16,7 +16,9 @@ asks again when
 * the pub/sub connection fails (every waiting call asks again; a new connection subscribes
   to every channel still wanted, and its confirmations wake them once more),
 * the earliest live reservation's deadline passes (it stops counting as live: a dead
-  worker's reservation holds its tokens, but nobody waits for it any more), or
+  worker's reservation holds its tokens, but nobody waits for it any more; when the ledger,
+  by Redis's clock, still counts it live after this host's clock passed it, the call asks
+  again after a short pause that grows, :data:`STALE_RETRY_FIRST`), or
 * it gives up at its own deadline minus a margin: a clear rejection, never a hang.
 
 Why no wake-up is lost (``tests/unit/test_budget_wait_model.py`` explores the orderings):
@@ -90,6 +92,25 @@ forgot an idle flow leaves, would otherwise strand every parked call until a dea
 
 LEASE_END_SLACK = 0.05
 """Seconds after a grant lease's end at which its parked calls ask again (clock skew, rounding)."""
+
+STALE_RETRY_FIRST, STALE_RETRY_MAX = 0.05, 1.0
+"""Seconds before a call asks again when the ledger said "wait until ``retry_at``" and ``retry_at``
+has already passed by this host's clock (the live reservation ended between the ledger's check
+and now, or Redis's clock is behind this host's): the first pause, doubled at each such answer
+up to the second. Without it such a call would park until its own deadline."""
+
+
+def _park_until(grant: Grant, give_up: float, now: float, stale: int) -> float:
+    """When a call told to wait (``grant``) asks again, in Unix seconds: at the earliest live
+    reservation's deadline (``retry_at``), or, when that has passed by this host's clock, after a
+    pause of :data:`STALE_RETRY_FIRST` doubled for each earlier such answer in a row (``stale``
+    counts this one too); never after ``give_up``."""
+    if grant.retry_at <= 0:
+        return give_up
+    if grant.retry_at > now:
+        return min(give_up, grant.retry_at)
+    pause: float = STALE_RETRY_FIRST * 2.0 ** max(0, stale - 1)
+    return min(give_up, now + min(STALE_RETRY_MAX, pause))
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -234,11 +255,13 @@ class ReleaseWaits:
             asyncio.CancelledError: the worker is stopping (:meth:`abandon`): the call is not
                 granted after all, and its job is handed back to the queue unrun.
         """
-        parks, parked_seconds = 0, 0.0
+        parks, parked_seconds, stale = 0, 0.0, 0
         self._enter(rollout_id)
         failures = self._failures
         try:
-            until = min(give_up, grant.retry_at) if grant.retry_at > time.time() else give_up
+            now = time.time()
+            stale = 1 if 0 < grant.retry_at <= now else 0
+            until = _park_until(grant, give_up, now, stale)
             while True:
                 if (
                     not self._confirmed(rollout_id)
@@ -270,7 +293,8 @@ class ReleaseWaits:
                     return Grant(0, grant.charged, grant.limit, Code.WAITED_OUT), parks, parked_seconds
                 if self._seen.get(rollout_id, 0) != seen:
                     continue  # woken while asking: ask again at once
-                until = min(give_up, grant.retry_at) if grant.retry_at > now else give_up
+                stale = stale + 1 if 0 < grant.retry_at <= now else 0
+                until = _park_until(grant, give_up, now, stale)
                 t0 = time.monotonic()
                 await self._park(rollout_id, max(0.001, until - now), grant.need)
                 parks += 1

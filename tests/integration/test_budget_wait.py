@@ -17,6 +17,7 @@ import redis
 from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import GRANTED, REJECTED, WAIT, WAITED_OUT, BudgetLedger
+from rlmq.common.ledger_wire import Grant
 from tests.integration.conftest import parked
 
 pytestmark = pytest.mark.integration
@@ -204,3 +205,48 @@ async def test_killing_pubsub_connections_again_and_again_never_fails_a_waiting_
             assert [r[0].tokens if isinstance(r, tuple) else repr(r) for r in results] == [10] * len(calls)
     finally:
         await killer.aclose()
+
+
+class _StaleLedger:
+    """A ledger whose clock is behind this host's: it says "wait until ``retry_at``" with a
+    ``retry_at`` this host has already passed (the earliest live reservation still counts as live
+    by Redis's ``TIME``), ``stale`` times, then grants."""
+
+    def __init__(self, stale: int) -> None:
+        self.stale = stale
+        self.asked: list[float] = []
+
+    async def reserve_until(
+        self, until: float, ledger_id: str, reservation_id: str, cap: int | None, deadline: float | None = None
+    ) -> Grant:
+        self.asked.append(time.monotonic())
+        if len(self.asked) <= self.stale:
+            return Grant(0, 100, 100, WAIT, retry_at=time.time() - 0.001, need=50)
+        return Grant(50, 100, 100, GRANTED, need=50)
+
+    async def count_rejections(self, ledger_id: str, n: int) -> None:
+        raise AssertionError("the call was not granted")
+
+
+async def test_a_wait_until_a_deadline_that_has_already_passed_here_asks_again_soon_not_at_the_calls_end(
+    redis_url: str,
+) -> None:
+    """A live reservation's deadline passed by this host's clock but not yet by Redis's (the two
+    clocks a millisecond or more apart): the call asks again after a short, growing pause, where it
+    used to park until its own deadline (20 s in the worker test that found it)."""
+    client = async_client(redis_url)
+    waits = ReleaseWaits(client, lambda: None)
+    ledger = _StaleLedger(stale=4)
+    first = Grant(0, 100, 100, WAIT, retry_at=time.time() - 0.001, need=50)
+    t0 = time.monotonic()
+    try:
+        grant, _, _ = await asyncio.wait_for(
+            waits.wait_for_grant(ledger, "stale", "r1", None, time.time() + 30, time.time() + 29, first), 10
+        )
+    finally:
+        await waits.aclose()
+        await client.aclose()
+    assert grant.code == GRANTED and len(ledger.asked) == 5
+    assert time.monotonic() - t0 < 2.0  # pauses of 0.05, 0.1, 0.2, 0.4 s (and the subscription's round trip)
+    gaps = [b - a for a, b in zip(ledger.asked, ledger.asked[1:], strict=False)]
+    assert gaps[-1] > gaps[0]  # the pause grows while the ledger keeps saying the same
