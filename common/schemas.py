@@ -135,7 +135,7 @@ class SubCallOptions(_Strict):
     hosted_tools: list[HostedTool] = Field(default_factory=list, max_length=64)
     """Tools of ``sub_tools`` that the top rollout's process runs for a worker that does not
     allow-list them (:mod:`rlmq.common.tool_wire`): the process of the rollout itself, or for a
-    call of a child rollout, that of its tree's top (``nodes[0]``)."""
+    call of a child rollout, that of its tree's top (:attr:`SubLLMRequest.tool_host`)."""
     hosted_tool_timeout: float | None = Field(default=None, gt=0)
     """Seconds a hosted tool may run in the rollout's process (``hosted_tool_timeout``; set with
     ``hosted_tools``)."""
@@ -200,9 +200,12 @@ class SubLLMRequest(SubCallOptions):
 
     @property
     def tool_host(self) -> str:
-        """The rollout whose process runs the call's ``hosted_tools``: its tree's top rollout
-        (``nodes[0]``), else the calling rollout itself."""
-        return self.nodes[0] if self.nodes else self.rollout_id
+        """The rollout whose process runs the call's ``hosted_tools``: the top rollout of its tree,
+        whose id is the ledger it charges (:attr:`charged_ledger`). A call naming a ledger other
+        than its own rollout's is checked to be a call of a node of that tree before any model
+        call (:attr:`must_be_budgeted`), so a job cannot send its tool calls to another tree's
+        process."""
+        return self.charged_ledger
 
     @property
     def must_be_budgeted(self) -> bool:
@@ -265,8 +268,8 @@ class ChildRolloutRequest(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)
     """The child's :class:`~rlmq.common.settings.RolloutOptions` (JSON; no secrets)."""
     hosted_tools: list[HostedTool] = Field(default_factory=list, max_length=64)
-    """The shared tools the tree's top rollout runs in its process (``nodes[0]``): the child's
-    sub-calls offer them as the top's own do (:mod:`rlmq.producer.hosted_tools`)."""
+    """The shared tools the tree's top rollout runs in its process (its id is ``ledger_id``): the
+    child's sub-calls offer them as the top's own do (:mod:`rlmq.producer.hosted_tools`)."""
     enqueued_at: float
     deadline: float
     """Unix time after which the parent no longer waits for this child."""
