@@ -131,3 +131,23 @@ async def test_the_sub_llms_of_child_rollouts_reach_the_tops_process(redis_url: 
         assert f"tool result: value-of-{key}-xxx" in answer, answer
     assert {k: CALLS[k] for k in keys} == dict.fromkeys(keys, 1)
     assert counted(metrics, "ok") == 2
+
+
+async def test_a_hung_shared_tool_frees_the_worker_slot_by_the_deadline(redis_url: str, tmp_path: Path) -> None:
+    """The tool hangs (its rollout ended, nobody answers), the sub-call's deadline is 2 s: the
+    worker's only slot is free again by then, not at the tool's timeout plus the answer grace."""
+    RELEASE.clear()
+    try:
+        with LocalFleet(
+            redis_url=redis_url, model=f"hosted-dl-{uuid.uuid4().hex[:6]}", workers=1, worker_concurrency=1,
+            log_dir=str(tmp_path / "logs"),
+        ) as one_slot:  # fmt: skip
+            one_slot.wait_for_workers(1)
+            answers, _ = await run(one_slot, ["hang"], sub_call_timeout=2.0, hosted_tool_timeout=15.0)
+            assert "within its deadline" in answers[0], answers
+            code = 'out = llm_batch(["plain"])\nanswer["content"] = " || ".join(out)\nanswer["ready"] = True'
+            t0 = time.monotonic()
+            await run(one_slot, [], code=code)
+            assert time.monotonic() - t0 < 8, "the slot stayed held by a call past its deadline"
+    finally:
+        RELEASE.set()
