@@ -455,9 +455,8 @@ class _Run:
             call = ToolCallRequest(
                 id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
             )
-            return await call_hosted(
-                self.ctx.redis, self.request.tool_host, call, name=name, deadline=time.time() + wait
-            )
+            deadline = min(time.time() + wait, self.request.deadline)  # nobody reads a late result
+            return await call_hosted(self.ctx.redis, self.request.tool_host, call, name=name, deadline=deadline)
         return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
 
 
