@@ -8,6 +8,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from rlmq.common.tool_registry import MAX_OVERRUN_THREADS, ToolRegistry
 
 RELEASE = threading.Event()
@@ -78,3 +80,19 @@ async def test_calls_that_return_in_time_never_count_against_the_cap() -> None:
         *(tools.call("fine", '{"key": "x"}', timeout=5) for _ in range(MAX_OVERRUN_THREADS * 2))
     )
     assert set(outs) == {"fine x"}
+
+
+async def test_a_thread_that_fails_to_start_with_any_error_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    tools = registry()
+
+    def no_thread(self: threading.Thread) -> None:
+        raise MemoryError("no memory for a thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    for _ in range(MAX_OVERRUN_THREADS):
+        assert (
+            await tools.call("fine", '{"key": "x"}', timeout=5)
+            == "[tool error] fine: MemoryError: no memory for a thread"
+        )
+    monkeypatch.undo()
+    assert await tools.call("fine", '{"key": "y"}', timeout=5) == "fine y"
