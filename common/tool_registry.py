@@ -227,8 +227,8 @@ async def _in_daemon_thread(
     name = f"rlmq-sub-tool-{getattr(func, '__name__', 'tool')}"
     try:
         future = start_in_daemon_thread(lambda: func(*args, **kwargs), name=name, on_end=thread.ended)
-    except RuntimeError:
-        thread.ended()  # none started: nothing runs on
+    except BaseException:  # RuntimeError, or MemoryError building the thread: none started, nothing runs on
+        thread.ended()
         raise
     return await future
 
