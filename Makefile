@@ -20,7 +20,7 @@ types:
 	$(PY) -m mypy
 
 test:
-	$(PY) -m pytest -q -n 3 --dist loadfile
+	$(PY) -m pytest -q -n 4 --dist loadfile
 
 bench:
 	$(PY) -m bench.queue_path
