@@ -19,6 +19,7 @@ from rlmq.common.keys import queue_name_for_model, tenant_queue
 from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
 from rlmq.common.settings_fields import field_env_vars, meta, validated
+from rlmq.common.settings_worker import WorkerOptions
 from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
@@ -333,99 +334,6 @@ class RolloutOptions(BaseModel):
         if value is not None and str(value).strip() == "0":
             raise ValueError(BUDGET_ZERO)
         return value
-
-
-class WorkerOptions(BaseModel):
-    """What only a sub-LLM worker process reads (flags of ``rlmq worker``). Times in seconds."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-
-    worker_concurrency: int = Field(
-        default=256,
-        ge=1,
-        description="sub-calls in flight in one worker process",
-        json_schema_extra=meta(group="common", unit="sub-calls", flag="--concurrency"),
-    )
-    model_timeout: float = Field(
-        default=120.0,
-        gt=0,
-        description="how long one HTTP call to the model server may take",
-        json_schema_extra=meta(unit="seconds"),
-    )
-    model_retries: int = Field(
-        default=3,
-        ge=0,
-        description="retries of a failed model call (429, 5xx, timeouts, resets)",
-        json_schema_extra=meta(unit="retries"),
-    )
-    heartbeat_interval: float = Field(
-        default=1.0, gt=0, description="how often a worker heartbeats", json_schema_extra=meta(unit="seconds")
-    )
-    job_heartbeat_ttl: int = Field(
-        default=10,
-        ge=2,
-        description="a started job whose worker has not heartbeated for this long is taken back",
-        json_schema_extra=meta(unit="seconds", flag="--heartbeat-ttl"),
-    )
-    job_max_attempts: int = Field(
-        default=2,
-        ge=1,
-        description="attempts of a sub-call job whose worker died",
-        json_schema_extra=meta(unit="attempts"),
-    )
-    result_ttl: int = Field(
-        default=600,
-        ge=0,
-        description="how long RQ keeps finished jobs (rq info and rq-dashboard show them)",
-        json_schema_extra=meta(unit="seconds"),
-    )
-    sub_llm_budget_max_parked: int | None = Field(
-        default=None,
-        ge=0,
-        description=(
-            "budgeted calls waiting for a release that a worker does not count against its concurrency; "
-            "past that, waiters hold slots (a parked call costs memory only, never a model call)"
-        ),
-        json_schema_extra=meta(group="budget", unit="sub-calls", default_text="4 x --concurrency"),
-    )
-    sub_llm_budget_grant_lease: float = Field(
-        default=5.0,
-        gt=0,
-        le=300,
-        description=(
-            "a budget grant whose model call has not begun this long after it was granted (the job was "
-            "cancelled or lost its START, or its worker died first) goes back to the budget"
-        ),
-        json_schema_extra=meta(unit="seconds"),
-    )
-    allowed_sub_tools: list[str] = Field(
-        default_factory=list,
-        description="a sub-tool this worker may run, a dotted import path (repeatable; a job asking for others fails)",
-        json_schema_extra=meta(group="repl", flag="--allow-tool", metavar="DOTTED.PATH", default_text="none"),
-    )
-    lane_early_calls: bool = Field(
-        default=True,
-        description="start the calls a lane entry carries (and their budget reservations) before START "
-        "confirms the jobs; turn off when producers of different tenants share the fleet (the lane is not "
-        "confined to a tenant)",
-    )
-    repl_slots: int = Field(
-        default=0,
-        ge=0,
-        description="child rollouts (rlm_batch) this worker hosts at once PER DEPTH, each with its own REPL; "
-        "0: it hosts none. A host needs a contained REPL (own uid, no network, private file system: run it as "
-        "root with namespaces) or --allow-uncontained-repl",
-        json_schema_extra=meta(group="common", unit="child rollouts per depth"),
-    )
-    frozen_fleet: bool = Field(default=False, description="this worker's server is not the trained policy: its "
-        "turns are untrainable (frozen_fleet)", json_schema_extra=meta(group="common", flag="--frozen"))  # fmt: skip
-    allow_uncontained_repl: bool = Field(
-        default=False,
-        description="host child rollouts even when the REPL sandbox is NOT fully contained on this host: code the "
-        "models write then runs with this worker's network, files or user (which hold Redis write rights and "
-        "model keys)",
-        json_schema_extra=meta(group="recursion"),
-    )
 
 
 class Settings(BaseSettings, RolloutOptions, WorkerOptions):

@@ -22,7 +22,8 @@ from pydantic import BaseModel, Field, SecretStr, create_model
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rlmq.common.settings import RolloutOptions, Settings, WorkerOptions, env_vars
+from rlmq.common.settings import RolloutOptions, Settings, env_vars
+from rlmq.common.settings_worker import WorkerOptions
 
 Owner = Literal["rollout", "worker", "process"]
 COMMANDS_OF: dict[Owner, tuple[str, ...]] = {"rollout": ("run", "demo"), "worker": ("worker",), "process": ()}

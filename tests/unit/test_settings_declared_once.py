@@ -1,4 +1,5 @@
-"""Each default and bound of a setting is declared once (``common/settings.py``) and referred to.
+"""Each default and bound of a setting is declared once (``common/settings.py``, and
+``common/settings_worker.py`` for a worker's own) and referred to.
 
 Two guards, each of which would have caught ``rlmq run --sub-llm-max-turns 200``: accepted at
 start-up, then every ``llm_batch`` failed with HTTP 503, because the wire model
@@ -38,7 +39,7 @@ SOURCES = sorted(
         *(ROOT / "rlmq").glob("*.py"),
         *(p for folder in ("cli", "scripted", "verifiers_plugin") for p in (ROOT / "rlmq" / folder).rglob("*.py")),
     }
-    - {ROOT / "common" / "settings.py"}
+    - {ROOT / "common" / "settings.py", ROOT / "common" / "settings_worker.py"}
 )
 """Every module below the declaration (``rlmq/common`` etc. are links to the top-level folders)."""
 

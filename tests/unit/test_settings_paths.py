@@ -24,8 +24,9 @@ from pydantic import SecretStr
 from rlmq.cli.flags import settings_from_flags
 from rlmq.cli.main import build_parser
 from rlmq.common.errors import ConfigError
-from rlmq.common.settings import RolloutOptions, Settings, WorkerOptions, build_settings, load_settings
+from rlmq.common.settings import RolloutOptions, Settings, build_settings, load_settings
 from rlmq.common.settings_schema import Knob, knobs
+from rlmq.common.settings_worker import WorkerOptions
 from rlmq.producer.env import FROM_SETTINGS, RLMEnv
 
 REQUIRED_ARGV = {"run": ["rows.jsonl", "--base-url", "http://root:1/v1", "--model", "root"]}
