@@ -43,6 +43,11 @@ async def quick(key: str) -> str:
     return f"quick {key}"
 
 
+def tool_threads() -> int:
+    """Threads of this module's sync tools running now (other tests' threads may come and go)."""
+    return sum(1 for t in threading.enumerate() if t.name in ("rlmq-sub-tool-stuck", "rlmq-sub-tool-fine"))
+
+
 def registry() -> ToolRegistry:
     return ToolRegistry.from_callables([(f"{__name__}.{f.__name__}", f) for f in (stuck, fine, quick)])
 
@@ -50,23 +55,23 @@ def registry() -> ToolRegistry:
 async def test_hung_sync_tools_hold_at_most_the_cap_of_threads_then_calls_are_refused_until_one_returns() -> None:
     RELEASE.clear()
     tools = registry()
-    threads_before = threading.active_count()
+    assert tool_threads() == 0
     try:
         outs = await asyncio.gather(
             *(tools.call("stuck", f'{{"key": "k{i}"}}', timeout=0.2) for i in range(MAX_OVERRUN_THREADS))
         )
         assert all(o == "[tool error] stuck timed out after 0.2 s" for o in outs), outs
-        assert threading.active_count() - threads_before == MAX_OVERRUN_THREADS
+        assert tool_threads() == MAX_OVERRUN_THREADS
         t0 = time.monotonic()
         refused = await tools.call("fine", '{"key": "a"}', timeout=5)
         assert time.monotonic() - t0 < 1.0  # at once, no thread started
         assert refused.startswith(f"[tool error] fine: refused: {MAX_OVERRUN_THREADS} earlier sync tool calls"), refused
-        assert threading.active_count() - threads_before == MAX_OVERRUN_THREADS
+        assert tool_threads() == MAX_OVERRUN_THREADS
         assert await tools.call("quick", '{"key": "b"}', timeout=5) == "quick b"  # async tools take no thread
     finally:
         RELEASE.set()
     deadline = time.monotonic() + 10
-    while threading.active_count() > threads_before:  # the stuck threads return once released
+    while tool_threads() > 0:  # the stuck threads return once released
         assert time.monotonic() < deadline, "the released threads did not end"
         await asyncio.sleep(0.01)
     assert await tools.call("fine", '{"key": "c"}', timeout=5) == "fine c"
