@@ -327,3 +327,61 @@ def start_in_daemon_thread(
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+class OverrunThreads:
+    """Daemon threads whose callers stopped waiting for them (a timeout, a cancelled task), counted
+    until they end: a thread cannot be stopped, so a tool that hangs keeps its thread; the count lets
+    its owner refuse further sync calls while ``limit`` such threads run on (:attr:`full`).
+
+    Used by the sub-LLM tool registry (:mod:`rlmq.common.tool_registry`) and the root tools
+    (:mod:`rlmq.producer.root_tools`). Thread-safe.
+
+    Args:
+        limit: how many threads may run on past their callers before :attr:`full`.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        """Threads running now whose callers stopped waiting."""
+        self._lock = threading.Lock()
+
+    @property
+    def full(self) -> bool:
+        """True while ``limit`` threads (or more) run on past their callers."""
+        return self.count >= self.limit
+
+    def start(
+        self, call: Callable[[], T], *, name: str, on_end: Callable[[], None] | None = None
+    ) -> Coroutine[Any, Any, T]:
+        """Start ``call()`` in a daemon thread of its own (:func:`start_in_daemon_thread`, ``on_end``
+        as there) and return the coroutine that waits for it: when that wait is cancelled while the
+        thread runs, the thread counts in :attr:`count` until it ends. Await it at once.
+
+        Raises:
+            RuntimeError: no thread could be started (nothing ran, nothing is counted); any other
+                error of starting one propagates the same way.
+        """
+        state = {"ended": False, "counted": False}
+
+        def ended() -> None:
+            with self._lock:
+                state["ended"] = True
+                if state["counted"]:
+                    self.count -= 1
+            if on_end is not None:
+                on_end()
+
+        future = start_in_daemon_thread(call, name=name, on_end=ended)
+        return self._wait(future, state)
+
+    async def _wait(self, future: asyncio.Future[T], state: dict[str, bool]) -> T:
+        try:
+            return await future
+        except asyncio.CancelledError:  # the caller's timeout or cancel: the thread runs on
+            with self._lock:
+                if not state["ended"]:
+                    state["counted"] = True
+                    self.count += 1
+            raise

@@ -19,7 +19,6 @@ import importlib
 import inspect
 import json
 import re
-import threading
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from rlmq.common.aio import start_in_daemon_thread
+from rlmq.common.aio import OverrunThreads
 from rlmq.common.errors import ConfigError, PayloadError
 
 __all__ = ["MAX_OVERRUN_THREADS", "ToolRegistry"]
@@ -169,68 +168,18 @@ class _ToolExit(Exception):
         self.raised = raised
 
 
-class _Overruns:
-    """The sync tool threads of one registry still running after their calls gave up."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def watch(self) -> _ThreadCall:
-        """A tracker for one sync call's thread."""
-        return _ThreadCall(self)
-
-
-class _ThreadCall:
-    """One sync call's thread: counted in its :class:`_Overruns` from the moment its call gives up
-    (:meth:`give_up`) until the thread ends (:meth:`ended`, in the thread); thread-safe."""
-
-    def __init__(self, overruns: _Overruns) -> None:
-        self._overruns = overruns
-        self._ended = self._abandoned = False
-
-    def ended(self) -> None:
-        with self._overruns._lock:
-            self._ended = True
-            if self._abandoned:
-                self._overruns.count -= 1
-
-    def give_up(self) -> None:
-        with self._overruns._lock:
-            if not self._ended and not self._abandoned:
-                self._abandoned = True
-                self._overruns.count += 1
-
-
-async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any], thread: _ThreadCall | None) -> Any:
-    """The tool's result (a sync tool in a thread, tracked by ``thread``); its
+async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any], threads: OverrunThreads) -> Any:
+    """The tool's result (a sync tool in a daemon thread of its own, one past its timeout counted
+    in ``threads``: it holds neither a pool's thread nor the worker's exit); its
     ``SystemExit``/``KeyboardInterrupt`` as :class:`_ToolExit` (caught here, inside the task
     ``wait_for`` runs it in)."""
     try:
-        if tool.is_async or thread is None:
+        if tool.is_async:
             return await tool.func(*args, **kwargs)
-        return await _in_daemon_thread(tool.func, args, kwargs, thread)
+        name = f"rlmq-sub-tool-{getattr(tool.func, '__name__', 'tool')}"
+        return await threads.start(lambda: tool.func(*args, **kwargs), name=name)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise _ToolExit(exc) from None
-
-
-async def _in_daemon_thread(
-    func: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], thread: _ThreadCall
-) -> Any:
-    """``func(*args, **kwargs)`` in a daemon thread of its own: a tool past its timeout runs on
-    until it returns (a thread cannot be stopped) but holds neither a pool's thread (later calls
-    do not queue behind it) nor the worker's exit (the executor's threads are joined at exit).
-
-    Raises:
-        RuntimeError: no thread could be started; else what ``func`` raised.
-    """
-    name = f"rlmq-sub-tool-{getattr(func, '__name__', 'tool')}"
-    try:
-        future = start_in_daemon_thread(lambda: func(*args, **kwargs), name=name, on_end=thread.ended)
-    except BaseException:  # RuntimeError, or MemoryError building the thread: none started, nothing runs on
-        thread.ended()
-        raise
-    return await future
 
 
 def _to_text(value: Any) -> str:
@@ -261,7 +210,7 @@ class ToolRegistry:
             by_name.setdefault(t.name, []).append(t)
         self._by_name = {n: ts[0] for n, ts in by_name.items() if len(ts) == 1}
         self.max_output_chars = max_output_chars
-        self._overruns = _Overruns()
+        self._overruns = OverrunThreads(MAX_OVERRUN_THREADS)
 
     @classmethod
     def from_paths(cls, paths: Sequence[str], *, max_output_chars: int = 20_000) -> ToolRegistry:
@@ -382,14 +331,13 @@ class ToolRegistry:
                 args.append(value)
             else:
                 kwargs[pname] = value
-        if not tool.is_async and self._overruns.count >= MAX_OVERRUN_THREADS:
+        if not tool.is_async and self._overruns.full:
             return (
                 f"[tool error] {tool.name}: refused: {self._overruns.count} earlier sync tool calls still run "
                 "past their timeout here; try again later"
             )
-        thread = None if tool.is_async else self._overruns.watch()
         try:
-            result = await asyncio.wait_for(_run(tool, args, kwargs, thread), timeout)
+            result = await asyncio.wait_for(_run(tool, args, kwargs, self._overruns), timeout)
         except TimeoutError:
             return f"[tool error] {tool.name} timed out after {timeout:g} s"
         except asyncio.CancelledError:
@@ -401,9 +349,6 @@ class ToolRegistry:
             return f"[tool error] {tool.name}: {type(exc.raised).__name__}: {exc.raised}"
         except Exception as exc:
             return f"[tool error] {tool.name}: {type(exc).__name__}: {exc}"
-        finally:
-            if thread is not None:  # a thread still running now runs on past its call
-                thread.give_up()
         text = _to_text(result)
         if len(text) > self.max_output_chars:
             cut = len(text) - self.max_output_chars

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from rlmq.common.aio import start_in_daemon_thread
+from rlmq.common.aio import OverrunThreads
 from rlmq.common.errors import ConfigError
 from rlmq.producer.rollout import Rollout
 
@@ -235,11 +235,9 @@ def _message(exc: BaseException) -> str:
 
 @dataclass
 class _Held:
-    """One sync call's thread: which tool, and whether its call gave up on it (past its timeout)."""
+    """One sync call's thread, held by its owner while it runs: which tool."""
 
     name: str
-    hung: bool = False
-    done: bool = False
 
 
 class RootToolbox:
@@ -271,8 +269,7 @@ class RootToolbox:
             self.tools[described.name] = described
         self.timeout = timeout
         self.max_result_bytes = max_result_bytes
-        self._max_threads = max_threads
-        self._busy = 0
+        self._threads = OverrunThreads(max_threads)
         """Threads of sync calls still running past their call's timeout."""
         self._held: dict[str, _Held] = {}
         """Per owner (a rollout), the thread of its sync call while that thread runs."""
@@ -296,9 +293,9 @@ class RootToolbox:
                     f"{name}: this rollout's previous call of {previous.name} is still running past its "
                     "timeout and holds the rollout's tool thread until it returns; try again later"
                 )
-            if self._busy >= self._max_threads:
+            if self._threads.full:
                 raise ToolFailure(
-                    f"all {self._max_threads} threads of the root tools are busy (calls still running past "
+                    f"all {self._threads.limit} threads of the root tools are busy (calls still running past "
                     "their timeout); try again later"
                 )
             if owner is not None:
@@ -306,28 +303,17 @@ class RootToolbox:
 
         def release() -> None:
             with self._lock:
-                held.done = True
-                self._busy -= held.hung
                 if owner is not None and self._held.get(owner) is held:
                     del self._held[owner]
 
         try:
-            future = start_in_daemon_thread(call, name=f"rlmq-root-tool-{name}", on_end=release)
+            waiting = self._threads.start(call, name=f"rlmq-root-tool-{name}", on_end=release)
         except RuntimeError as exc:  # "can't start new thread": the process is out of threads or memory
-            with self._lock:
-                if owner is not None and self._held.get(owner) is held:
-                    del self._held[owner]
+            release()
             raise ToolFailure(
                 f"{name}: the producer could not start a thread for it ({exc}); try again later"
             ) from None
-        try:
-            return await future
-        except asyncio.CancelledError:  # the call's timeout (or its rollout's end): the thread runs on
-            with self._lock:
-                if not held.done:
-                    held.hung = True
-                    self._busy += 1
-            raise
+        return await waiting  # cancelled (the call's timeout, its rollout's end): the thread runs on, counted
 
     async def call(self, name: str, args: list[Any], kwargs: dict[str, Any], *, owner: str | None = None) -> str:
         """Run tool ``name`` with ``args``/``kwargs``; returns its result as JSON text.

@@ -286,7 +286,7 @@ async def test_a_call_in_flight_when_the_rollout_ends_is_recorded_as_ended_and_n
             recorded = json.dumps(res.trajectory)
             release.set()
             deadline = asyncio.get_running_loop().time() + 20
-            while env.toolbox._busy or env.toolbox._held:  # the tool's thread returns once released
+            while env.toolbox._threads.count or env.toolbox._held:  # the tool's thread returns once released
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.01)
             for _ in range(10):  # let the call's late completion (if any) run on the loop

@@ -109,7 +109,7 @@ async def test_one_owner_holds_at_most_one_thread_past_its_timeout() -> None:
         assert await box.call("fine", [], {}, owner="other") == "1"
         release.set()
         deadline = time.monotonic() + 10
-        while box._busy:
+        while box._threads.count:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert await box.call("fine", [], {}, owner="hostile") == "1"
@@ -143,7 +143,7 @@ async def test_a_call_running_when_the_rollout_ends_is_recorded_then_and_never_a
         assert await service.run(ro, "slow", [], {}) == (False, "slow: the rollout has ended")
         release.set()
         deadline = time.monotonic() + 10
-        while box._busy:
+        while box._threads.count:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert len(ro.trajectory) == 1 and ro.stats.metrics()["root_tool_call_count"] == 1

@@ -82,7 +82,7 @@ async def test_hung_sync_tools_hold_their_threads_and_later_calls_fail_at_once()
             await box.call("fine", [], {})
         release.set()
         deadline = time.monotonic() + 10
-        while box._busy:  # the stuck thread returns once released
+        while box._threads.count:  # the stuck thread returns once released
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert await box.call("fine", [], {}) == "1"
