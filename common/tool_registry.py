@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from rlmq.common.aio import OverrunThreads
 from rlmq.common.errors import ConfigError, PayloadError
 
-__all__ = ["MAX_OVERRUN_THREADS", "ToolRegistry"]
+__all__ = ["MAX_OVERRUN_THREADS", "ToolRegistry", "canonical_tool_path"]
 
 MAX_OVERRUN_THREADS = 16
 """Threads of a registry's sync tools that may run on after their calls gave up (a timeout or a
@@ -58,7 +58,9 @@ class _Tool:
     schema: dict[str, Any]
 
 
-def _canonical(path: str) -> str:
+def canonical_tool_path(path: str) -> str:
+    """A tool's dotted import path as the registry keys it: ``pkg.mod:func`` and ``pkg.mod.func``
+    are one tool."""
     return path.strip().replace(":", ".")
 
 
@@ -112,7 +114,7 @@ def _parse_doc(doc: str) -> tuple[str, dict[str, str]]:
 
 
 def _build(path: str, func: Callable[..., Any]) -> _Tool:
-    name = getattr(func, "__name__", None) or _canonical(path).rsplit(".", 1)[-1]
+    name = getattr(func, "__name__", None) or canonical_tool_path(path).rsplit(".", 1)[-1]
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
         raise ConfigError(f"sub-tool {path!r}: name {name!r} is not a valid tool name ([A-Za-z0-9_-]{{1,64}})")
     try:
@@ -148,7 +150,7 @@ def _build(path: str, func: Callable[..., Any]) -> _Tool:
     if description:
         function["description"] = description
     return _Tool(
-        path=_canonical(path),
+        path=canonical_tool_path(path),
         name=name,
         func=func,
         is_async=inspect.iscoroutinefunction(func),
@@ -228,7 +230,7 @@ class ToolRegistry:
         return list(self._by_path)
 
     def _find(self, name: str) -> _Tool | None:
-        return self._by_path.get(_canonical(name)) or self._by_name.get(name)
+        return self._by_path.get(canonical_tool_path(name)) or self._by_name.get(name)
 
     def is_allowed(self, name: str) -> bool:
         """Whether ``name`` (a dotted path or a model-facing name) is on the allow-list."""

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
-from rlmq.common.tool_registry import ToolRegistry
+from rlmq.common.tool_registry import ToolRegistry, canonical_tool_path
 from rlmq.common.tool_wire import FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
 
 __all__ = ["HostedToolServer", "HostedTools"]
@@ -59,7 +59,7 @@ class HostedTools:
             except ConfigError as exc:
                 log.warning("shared tool %s is not offered to the sub-LLMs by this process: %s", path, exc)
                 continue
-            canonical.append((path.strip().replace(":", "."), func))
+            canonical.append((canonical_tool_path(path), func))
         self.registry = ToolRegistry.from_callables(canonical)
         self.specs = tuple(HostedTool(path=p, tool_schema=self.registry.schemas([p])[0]) for p, _ in canonical)
         self.timeout = timeout

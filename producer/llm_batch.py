@@ -19,6 +19,7 @@ from rlmq.common.sampling import sub_call_max_tokens, sub_call_sampling
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.common.settings import setting_default
 from rlmq.common.spill import unspill
+from rlmq.common.tool_registry import canonical_tool_path
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.scaffold import sub_system_prompt
@@ -95,7 +96,7 @@ class LlmBatchService:
                 model=rollout.sub_model,
                 system_prompt=sub_system_prompt(o.sub_prompt_verbosity),
                 # shared tools go by their import path (pkg.mod:func and pkg.mod.func are one tool)
-                sub_tools=list(dict.fromkeys(t.strip().replace(":", ".") for t in [*o.sub_tools, *o.tools])),
+                sub_tools=list(dict.fromkeys(canonical_tool_path(t) for t in [*o.sub_tools, *o.tools])),
                 hosted_tools=list(rollout.hosted_tools),
                 hosted_tool_timeout=o.hosted_tool_timeout,
                 final_answer_turn=o.sub_llm_final_answer_turn,

@@ -58,6 +58,7 @@ from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.token_wire import TurnEncoder, TurnTokens
+from rlmq.common.tool_registry import canonical_tool_path
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
 from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
@@ -412,13 +413,13 @@ class _Run:
         request, ctx = self.request, self.ctx
         if not request.sub_tools:
             return [], set()
-        hosted = {h.path.replace(":", "."): h for h in request.hosted_tools} if ctx.redis is not None else {}
-        local = [t for t in request.sub_tools if t.replace(":", ".") not in hosted or ctx.tools.is_allowed(t)]
+        hosted = {canonical_tool_path(h.path): h for h in request.hosted_tools} if ctx.redis is not None else {}
+        local = [t for t in request.sub_tools if canonical_tool_path(t) not in hosted or ctx.tools.is_allowed(t)]
         ctx.tools.check_allowed(local)
         tools = ctx.tools.schemas(local)
         self.hosted = {}
         for path in request.sub_tools:
-            spec = hosted.get(path.replace(":", "."))
+            spec = hosted.get(canonical_tool_path(path))
             if spec is not None and path not in local:
                 self.hosted[spec.name] = spec
                 tools.append(spec.tool_schema)
