@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -131,17 +132,13 @@ class LlmBatchService:
         """
         batch_id, results, seconds = await self.execute(rollout, prompts)
         summary = await self.summary(rollout, results, seconds)
-        keep_messages = rollout.options.include_sub_llm_in_trajectory
         rollout.trajectory.append(
             {
                 "type": "llm_batch",
                 "batch_id": batch_id,
                 "seconds": round(seconds, 4),
                 "prompts": prompts[:TRAJECTORY_PROMPTS],
-                "results": [
-                    r.model_dump(exclude_none=True, exclude={"spilled"} if keep_messages else {"messages", "spilled"})
-                    for r in results
-                ],
+                "results": [trajectory_result(rollout, r) for r in results],
             }
         )
         return [r.content for r in results], summary
@@ -196,6 +193,14 @@ class LlmBatchService:
                 + ("  final-answer turn skipped (budget spent)" if r.final_turn == "skipped" else "")
             )
         return "\n".join(lines)
+
+
+def trajectory_result(rollout: Rollout, result: SubLLMResult) -> dict[str, Any]:
+    """``result`` as ``rollout``'s trajectory keeps it in its batch's event: without ``None``
+    fields and the worker's ``spilled`` flag, and with the sub-LLM's conversation only under
+    ``include_sub_llm_in_trajectory``."""
+    keep_messages = rollout.options.include_sub_llm_in_trajectory
+    return result.model_dump(exclude_none=True, exclude={"spilled"} if keep_messages else {"messages", "spilled"})
 
 
 def _cut_note(result: SubLLMResult, cap: int) -> str:

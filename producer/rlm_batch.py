@@ -39,7 +39,13 @@ from rlmq.common.spill import unspill
 from rlmq.common.tool_wire import HostedTool
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for
-from rlmq.producer.llm_batch import TRAJECTORY_PROMPTS, LlmBatchService, redis_failures, refused_results
+from rlmq.producer.llm_batch import (
+    TRAJECTORY_PROMPTS,
+    LlmBatchService,
+    redis_failures,
+    refused_results,
+    trajectory_result,
+)
 from rlmq.producer.rollout import Rollout
 from rlmq.producer.tree_metrics import number
 
@@ -197,21 +203,13 @@ class RlmBatchService:
             batch_id = rollout.start_rlm_batch()
             results = await self._children(rollout, tasks, tree, batch_id, max(MIN_CHILD_SECONDS, remaining))
         seconds = time.perf_counter() - t0
-        keep_messages = rollout.options.include_sub_llm_in_trajectory
         rollout.trajectory.append(
             {
                 "type": "rlm_batch",
                 "batch_id": batch_id,
                 "seconds": round(seconds, 4),
                 "tasks": [t.prompt for t in tasks[:TRAJECTORY_PROMPTS]],
-                "results": [
-                    rollout.kept_children.keep(
-                        r.model_dump(
-                            exclude_none=True, exclude={"spilled"} if keep_messages else {"messages", "spilled"}
-                        )
-                    )
-                    for r in results
-                ],
+                "results": [rollout.kept_children.keep(trajectory_result(rollout, r)) for r in results],
             }
         )
         return [r.content for r in results], await self.summary(rollout, tree, results, seconds)
