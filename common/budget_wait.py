@@ -100,17 +100,18 @@ and now, or Redis's clock is behind this host's): the first pause, doubled at ea
 up to the second. Without it such a call would park until its own deadline."""
 
 
-def _park_until(grant: Grant, give_up: float, now: float, stale: int) -> float:
-    """When a call told to wait (``grant``) asks again, in Unix seconds: at the earliest live
-    reservation's deadline (``retry_at``), or, when that has passed by this host's clock, after a
-    pause of :data:`STALE_RETRY_FIRST` doubled for each earlier such answer in a row (``stale``
-    counts this one too); never after ``give_up``."""
+def _park_until(grant: Grant, give_up: float, now: float, stale: int) -> tuple[float, int]:
+    """When a call told to wait (``grant``) asks again, in Unix seconds, and how many such answers
+    in a row had a ``retry_at`` already passed by this host's clock (``stale``: the count before
+    this one): at the earliest live reservation's deadline (``retry_at``), or, when that has
+    passed, after a pause of :data:`STALE_RETRY_FIRST` doubled for each earlier such answer;
+    never after ``give_up``."""
     if grant.retry_at <= 0:
-        return give_up
+        return give_up, 0
     if grant.retry_at > now:
-        return min(give_up, grant.retry_at)
-    pause: float = STALE_RETRY_FIRST * 2.0 ** max(0, stale - 1)
-    return min(give_up, now + min(STALE_RETRY_MAX, pause))
+        return min(give_up, grant.retry_at), 0
+    pause: float = STALE_RETRY_FIRST * 2.0**stale
+    return min(give_up, now + min(STALE_RETRY_MAX, pause)), stale + 1
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -259,9 +260,7 @@ class ReleaseWaits:
         self._enter(rollout_id)
         failures = self._failures
         try:
-            now = time.time()
-            stale = 1 if 0 < grant.retry_at <= now else 0
-            until = _park_until(grant, give_up, now, stale)
+            until, stale = _park_until(grant, give_up, time.time(), stale)
             while True:
                 if (
                     not self._confirmed(rollout_id)
@@ -293,8 +292,7 @@ class ReleaseWaits:
                     return Grant(0, grant.charged, grant.limit, Code.WAITED_OUT), parks, parked_seconds
                 if self._seen.get(rollout_id, 0) != seen:
                     continue  # woken while asking: ask again at once
-                stale = stale + 1 if 0 < grant.retry_at <= now else 0
-                until = _park_until(grant, give_up, now, stale)
+                until, stale = _park_until(grant, give_up, now, stale)
                 t0 = time.monotonic()
                 await self._park(rollout_id, max(0.001, until - now), grant.need)
                 parks += 1
