@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from rlmq.cli.demo import needle_rows
-from rlmq.cli.local import LocalFleet, ProcessGroup, child_env, start_mock_llm
-from tests.e2e.test_verifiers import VF_EVAL, RecordingProxy, Setup
+from rlmq.cli.local import child_env
+from tests.e2e.test_verifiers import VF_EVAL, Setup, proxied_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -31,24 +31,8 @@ TASKSET = Path(__file__).resolve().parent / "rlm_taskset"
 def setup(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     """The scripted model behind the recording proxy; two workers that also host child rollouts."""
     logs = tmp_path_factory.mktemp("rlm-taskset-logs")
-    group = ProcessGroup(str(logs))
-    try:
-        proxy = RecordingProxy(start_mock_llm(group)).start()
-        try:
-            with LocalFleet(
-                redis_url=redis_url,
-                model=f"rlm-keys-{uuid.uuid4().hex[:6]}",
-                base_url=proxy.url,
-                workers=2,
-                worker_concurrency=32,
-                repl_slots=4,
-                log_dir=str(logs),
-            ) as fleet:
-                yield Setup(fleet=fleet, proxy=proxy, redis_url=redis_url)
-        finally:
-            proxy.stop()
-    finally:
-        group.stop()
+    with proxied_fleet(redis_url, logs, f"rlm-keys-{uuid.uuid4().hex[:6]}", repl_slots=4) as made:
+        yield made
 
 
 def _config_for_rlmq(tmp: Path) -> Path:

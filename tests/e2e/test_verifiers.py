@@ -10,6 +10,7 @@ and the sub-calls (sent by the ``rlmq worker`` processes). These tests need the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import subprocess
@@ -146,27 +147,32 @@ class Setup:
     redis_url: str
 
 
-@pytest.fixture(scope="module")
-def setup(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    """The scripted model, the recording proxy in front of it, two workers calling the proxy."""
-    logs = tmp_path_factory.mktemp("vf-fleet-logs")
+@contextlib.contextmanager
+def proxied_fleet(redis_url: str, logs: Path, model: str, **fleet: Any) -> Iterator[Setup]:
+    """The scripted model (a process of its own), the recording proxy in front of it, and two
+    workers (32 calls each, ``fleet``: more :class:`LocalFleet` arguments) calling the proxy;
+    everything stopped on exit."""
     group = ProcessGroup(str(logs))
     try:
         proxy = RecordingProxy(start_mock_llm(group)).start()
         try:
             with LocalFleet(
-                redis_url=redis_url,
-                model=f"vf-sub-{uuid.uuid4().hex[:6]}",
-                base_url=proxy.url,
-                workers=2,
-                worker_concurrency=32,
-                log_dir=str(logs),
-            ) as fleet:
-                yield Setup(fleet=fleet, proxy=proxy, redis_url=redis_url)
+                redis_url=redis_url, model=model, base_url=proxy.url, workers=2, worker_concurrency=32,
+                log_dir=str(logs), **fleet,
+            ) as local:  # fmt: skip
+                yield Setup(fleet=local, proxy=proxy, redis_url=redis_url)
         finally:
             proxy.stop()
     finally:
         group.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    """The scripted model, the recording proxy in front of it, two workers calling the proxy."""
+    logs = tmp_path_factory.mktemp("vf-fleet-logs")
+    with proxied_fleet(redis_url, logs, f"vf-sub-{uuid.uuid4().hex[:6]}") as made:
+        yield made
 
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:

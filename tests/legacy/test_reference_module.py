@@ -26,8 +26,7 @@ from typing import Any
 import pytest
 
 from rlmq.cli.demo import needle_rows
-from rlmq.cli.local import LocalFleet, ProcessGroup, start_mock_llm
-from tests.e2e.test_verifiers import RecordingProxy
+from tests.e2e.test_verifiers import RecordingProxy, proxied_fleet
 from tests.legacy.conftest import BUILD_TIMEOUT, ROOT, legacy_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(BUILD_TIMEOUT + 600)]  # the first test may build the venv
@@ -53,24 +52,9 @@ class Fleet:
 def fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """The scripted model behind the recording proxy, two real workers serving the root's model name."""
     logs = tmp_path_factory.mktemp("legacy-fleet-logs")
-    group = ProcessGroup(str(logs))
     model = f"legacy-{uuid.uuid4().hex[:6]}"
-    try:
-        proxy = RecordingProxy(start_mock_llm(group)).start()
-        try:
-            with LocalFleet(
-                redis_url=redis_url,
-                model=model,
-                base_url=proxy.url,
-                workers=2,
-                worker_concurrency=32,
-                log_dir=str(logs),
-            ):
-                yield Fleet(redis_url=redis_url, proxy=proxy, model=model)
-        finally:
-            proxy.stop()
-    finally:
-        group.stop()
+    with proxied_fleet(redis_url, logs, model) as made:
+        yield Fleet(redis_url=redis_url, proxy=made.proxy, model=model)
 
 
 def _rows(path: Path, n: int, *, suffix: str = "", min_chars: int = 60_000) -> Path:
