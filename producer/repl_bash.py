@@ -46,9 +46,20 @@ program whose one environment string passes 128 KiB); a longer one is a shell va
 _STATE_MAX = 8 * 1024 * 1024  # bytes of a cell's state read back (answer content included)
 
 
+CANNOT_START = (2, 126, 127)
+"""Exit statuses of a command whose helper did not start (Python's "can't open file", a shell's
+"not executable" / "not found"); the helper itself exits 0 or 1 (``Error: ...``)."""
+
+
 def _functions(names: list[str]) -> str:
-    """One shell function per command; the helper runs with ``-S`` (no ``site``: stdlib only, ~60 ms less)."""
-    return "".join(f'{n}() {{ "$RLMQ_PYTHON" -I -S "$RLMQ_HELPER" --command {n} "$@"; }}\n' for n in names)
+    """One shell function per command; the helper runs with ``-S`` (no ``site``: stdlib only, ~60 ms
+    less). A helper that could not start (:data:`CANNOT_START`) is written to ``$__RLMQ_FAILED``."""
+    codes = "|".join(map(str, CANNOT_START))
+    return "".join(
+        f'{n}() {{ "$RLMQ_PYTHON" -I -S "$RLMQ_HELPER" --command {n} "$@"; local s=$?; '
+        f'case $s in {codes}) printf "%s %s\\n" {n} "$s" >> "$__RLMQ_FAILED";; esac; return $s; }}\n'
+        for n in names
+    )
 
 
 def _script(names: list[str]) -> str:
@@ -92,14 +103,17 @@ class BashRunner:
         self.content = ""
 
     def run(self, code: str) -> dict[str, Any]:
-        """Run one cell; returns ``{"type": "result", "answer_ready", "answer_content", "seconds"}``."""
+        """Run one cell; returns ``{"type": "result", "answer_ready", "answer_content", "seconds"}``,
+        plus ``"helper_error": str`` when a command's helper could not start (see :func:`_functions`)."""
         started = time.perf_counter()
         folder = tempfile.mkdtemp(prefix=".rlmq-cell-")
         state_path = os.path.join(folder, "state")
         content_path = os.path.join(folder, "content")
         with open(content_path, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write(self.content)
-        env = {**self.env, "ANSWER_READY": self.ready, "__RLMQ_STATE": state_path, "__RLMQ_CONTENT": content_path}
+        failed_path = os.path.join(folder, "failed")
+        env = {**self.env, "ANSWER_READY": self.ready, "__RLMQ_STATE": state_path, "__RLMQ_CONTENT": content_path,
+               "__RLMQ_FAILED": failed_path}  # fmt: skip
         cwd = self.cwd if os.path.isdir(self.cwd) else os.environ.get("HOME", "/")
         try:
             try:
@@ -118,9 +132,15 @@ class BashRunner:
                 pass  # bash is gone already: its state (if any) says how
             proc.wait()
             self._take(_read_bounded(state_path))
+            failed = _read_bounded(failed_path).decode("utf-8", "replace").split()
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        return self._result(started)
+        result = self._result(started)
+        if failed:
+            name, status = failed[0], failed[1] if len(failed) > 1 else "?"
+            result["helper_error"] = f"{name[:64]} could not start (exit status {status[:8]}; its error is in the output)"
+            self.note(f"[{result['helper_error']}]")
+        return result
 
     def _take(self, state: bytes) -> None:
         parts = state.split(b"\0", 3)

@@ -90,6 +90,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TextIO
 
 _HERE = os.path.abspath(__file__)
+_PROGRAMS = tuple(os.path.realpath(os.path.join(os.path.dirname(__file__), n)) for n in ("repl_child.py", "repl_bash.py"))
+"""This program and ``repl_bash.py`` as the host sees them: a bash cell's commands run them."""
 
 
 class _Channel:
@@ -340,6 +342,45 @@ def _under(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
+def _helper_python() -> str:
+    """The interpreter a bash cell's commands run: the base interpreter behind this one (the
+    helper runs ``-I -S``, stdlib only, so a venv's own ``bin/python`` and its pyvenv.cfg are
+    not needed), as a real path, so nothing it resolves through may be hidden by the sandbox."""
+    for candidate in (getattr(sys, "_base_executable", None), sys.executable):
+        if candidate and os.access(os.path.realpath(candidate), os.X_OK):
+            return os.path.realpath(candidate)
+    return sys.executable
+
+
+def _carried() -> list[str]:
+    """Host paths this child and its bash commands need that lie under a folder the sandbox
+    covers with its own tmpfs (:data:`_COVERED`: a checkout, venv or Python under ``/tmp``):
+    the two programs, the helper's interpreter, and the stdlib prefixes. Outermost paths only;
+    paths inside the sandbox's own folders are left out (they cannot be recreated there)."""
+    wanted = [*_PROGRAMS, _helper_python()]
+    wanted += [os.path.realpath(p) for p in {sys.base_prefix, sys.base_exec_prefix} if p]
+    wanted = sorted({p for p in wanted if _under(p, _COVERED) and not _under(p, (HOME, _PRIVATE))})
+    outer = [p for p in wanted if not any(p != q and _under(p, (q,)) for q in wanted)]
+    return [p for p in outer if os.path.exists(p)]
+
+
+def _carry(mount: Callable[..., None], fds: dict[str, int]) -> list[str]:
+    """Recreate each of ``fds`` (host path -> ``O_PATH`` descriptor opened before the tmpfs
+    covered it) at the same path inside the sandbox and bind the host's file or folder there
+    (read-only once the file system is made so). The folders made for it are root's (or the
+    producer's), 0755, in the sticky ``/tmp``: the REPL's uid can neither write nor move them."""
+    done = []
+    for path, fd in fds.items():
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        elif not os.path.exists(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444))
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        done.append(path)
+    return done
+
+
 def _contain(init: dict[str, Any]) -> dict[str, Any]:
     """Put this process (and all it will start) into namespaces of its own, where it can.
 
@@ -368,6 +409,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
         "ro_root": False,
         "hidden_sockets": 0,
         "proc_hidden": False,
+        "carried": [],
     }
     report["paths"] = {
         "context_path": init["context_path"],
@@ -401,6 +443,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
     report["net_isolated"] = want_net
     done: list[str] = []  # mount points of this namespace, to undo if a later step fails
     fds: dict[str, int] = {}
+    carried: dict[str, int] = {}
 
     def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
         _mount(libc, source, target, fstype, flags, data)
@@ -412,6 +455,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
         fds["work"] = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
         if sock:
             fds["ipc"] = os.open(os.path.dirname(sock), os.O_PATH | os.O_DIRECTORY)
+        carried = {path: os.open(path, os.O_PATH) for path in _carried()}
         scratch = int(init.get("scratch_bytes") or 256 * 1024**2)
         inodes = max(1024, scratch // 4096)  # an empty file is kernel memory too
         mount("rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes={inodes},mode=1777")
@@ -429,6 +473,7 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
                 mount(inner, target, None, MS_BIND)
         if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
             mount(os.path.join(_PRIVATE, "run"), "/var/run", None, MS_BIND)
+        report["carried"] = _carry(mount, carried)
         for path in host_sockets:
             if _under(path, _COVERED) or not os.path.exists(path):
                 continue
@@ -452,15 +497,20 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
             if target in done and not _read_only(libc, target, writable=True):
                 raise OSError(f"{target} could not be made writable again")
         os.chdir(HOME)
+        for fd in carried.values():
+            os.close(fd)
+        carried.clear()
     except OSError as exc:
         for fd in fds.values():
+            os.close(fd)
+        for fd in carried.values():
             os.close(fd)
         if report["ro_root"]:  # past the point of return: fail the start loudly
             raise
         # Back to the host's view (the namespace stays private; the REPL is then as without one).
         for target in reversed(done):
             libc.umount2(target.encode(), 2)  # MNT_DETACH
-        report.update(hidden_sockets=0, proc_hidden=False, fs_error=str(exc))
+        report.update(hidden_sockets=0, proc_hidden=False, carried=[], fs_error=str(exc))
         os.chdir(workdir)
         return report
     work = os.path.join(_PRIVATE, "work")
@@ -1087,7 +1137,7 @@ def _load_bash() -> Any:
     """``repl_bash.py`` beside this program (``-I`` puts no folder of ours on ``sys.path``)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("repl_bash", os.path.join(os.path.dirname(_HERE), "repl_bash.py"))
+    spec = importlib.util.spec_from_file_location("repl_bash", _PROGRAMS[1])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -1105,9 +1155,27 @@ def _helper_env(init: dict[str, Any], unix_socket: str | None) -> dict[str, str]
               init.get("max_tool_bytes") or 1024 * 1024)  # fmt: skip
     return {
         **dict(zip(_HELPER_ENV, map(str, values), strict=True)),
-        "RLMQ_PYTHON": sys.executable,
-        "RLMQ_HELPER": _HERE,
+        "RLMQ_PYTHON": _helper_python(),
+        "RLMQ_HELPER": _PROGRAMS[0],
     }
+
+
+def _probe_helper(env: dict[str, str]) -> str | None:
+    """Run a bash cell's command once as a cell would (this uid, these limits, this sandbox):
+    ``None`` when it started and loaded ``repl_bash.py``, else one line saying why not."""
+    import subprocess
+
+    argv = [env["RLMQ_PYTHON"], "-I", "-S", env["RLMQ_HELPER"], "--probe"]
+    try:
+        done = subprocess.run(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=120, check=False)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{argv[0]} could not run: {exc}"
+    if done.returncode == 0 and done.stdout.strip() == b"ok":
+        return None
+    lines = [line for line in done.stderr.decode("utf-8", "replace").splitlines() if line.strip()]
+    why = lines[-1].strip()[:500] if lines else f"exit status {done.returncode}"
+    return f"{argv[0]} -I -S {argv[3]} (exit status {done.returncode}): {why}"
 
 
 def _bash_runner(bash: Any, init: dict[str, Any], unix_socket: str | None, err: TextIO, max_answer: int) -> Any:
@@ -1142,6 +1210,10 @@ def _command(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) > 2 and argv[1] == "--command":
         return _command(argv[2:])
+    if argv[1:] == ["--probe"]:  # the child's check that its bash commands can start (see _probe_helper)
+        _load_bash()
+        print("ok")
+        return 0
     cmd_fd, reply_fd = int(argv[1]), int(argv[2])
     _close_other_descriptors((cmd_fd, reply_fd))  # first: before anything else runs here
     for fd in (cmd_fd, reply_fd):
@@ -1182,6 +1254,8 @@ def main(argv: list[str]) -> int:
         init.get("scratch_bytes"),
         init.get("max_open_files"),
     )
+    if bash is not None:  # as a cell's command will run: after containment, privileges and limits
+        contained["helper_error"] = _probe_helper(_helper_env(init, paths["unix_socket"]))
     for path in reversed(paths["sys_path"]):
         sys.path.insert(0, path)
 

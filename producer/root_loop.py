@@ -20,7 +20,7 @@ import json
 import time
 from typing import Any, Protocol
 
-from rlmq.common.errors import ModelError, PromptTooLongError, RootBudgetSpent
+from rlmq.common.errors import ModelError, PromptTooLongError, ReplError, RootBudgetSpent
 from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import StopReason
 from rlmq.producer.repl.cell import CellResult
@@ -193,6 +193,8 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
                 }
             )
             messages.append({"role": "tool", "tool_call_id": call_id, "content": cell.output})
+            if cell.helper_error:  # its llm_batch & co never ran: no answer of this rollout may stand
+                raise ReplError(f"in a cell of the bash REPL, {cell.helper_error}")
             if cell.answer_content:
                 last_answer = cell.answer_content
             if cell.answer_ready:

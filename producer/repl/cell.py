@@ -27,6 +27,8 @@ class CellResult:
         timed_out: the cell hit ``code_execution_timeout`` (the REPL was restarted).
         restarted: the REPL was restarted during or after this cell (timeout, crash, or a
             message over the size limit); its variables and imports are gone.
+        helper_error: bash only: a command of the cell (``llm_batch``, ...) could not start its
+            helper, so what the cell did is not what the model asked; ``None``: none failed so.
     """
 
     output: str
@@ -35,6 +37,7 @@ class CellResult:
     seconds: float
     timed_out: bool
     restarted: bool
+    helper_error: str | None = None
 
 
 class CellClock:

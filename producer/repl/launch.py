@@ -220,6 +220,8 @@ async def _handshake(child: ChildHandle, init: dict[str, Any]) -> dict[str, Any]
     if message is None or message.get("type") != "ready":
         status = await child.reap(REAP_GRACE)
         raise ReplStartupError(f"the child exited before it was ready (status {status})")
+    if message.get("helper_error"):  # bash: llm_batch & co would fail in every cell (repl_child._probe_helper)
+        raise ReplStartupError(f"the bash REPL's commands (llm_batch, ...) cannot start: {message['helper_error']}")
     return message
 
 

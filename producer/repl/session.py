@@ -412,6 +412,7 @@ class Repl:
                     seconds=seconds,
                     timed_out=False,
                     restarted=False,
+                    helper_error=str(reply["helper_error"])[:1000] if reply.get("helper_error") else None,
                 )
 
             self._child = None
