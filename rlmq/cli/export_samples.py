@@ -98,11 +98,25 @@ def branch_samples(trajectory: list[dict[str, Any]], *, depth: int = 1, path: st
                 yield from branch_samples(list(_dicts(child.get("trajectory"))), depth=depth + 1, path=f"{where}/")
 
 
+def _token_turns(trajectory: list[dict[str, Any]]) -> int:
+    """Turns of a trajectory (children's included) that carry served tokens, trainable or not."""
+    count = sum(1 for e in trajectory if e.get("type") == "root" and "trainable" in e)
+    for ev in trajectory:
+        for res in _dicts(ev.get("results")) if ev.get("type") in ("llm_batch", "rlm_batch") else ():
+            count += sum(1 for step in _dicts(res.get("steps")) if "trainable" in step)
+            child = res.get("child")
+            if isinstance(child, dict):
+                count += _token_turns(list(_dicts(child.get("trajectory"))))
+    return count
+
+
 def export_samples(run_dir: str | Path, output: str | Path | None = None) -> tuple[Path, int]:
     """Write ``samples.jsonl`` (or ``output``) from the run folder ``run_dir``; returns (path, samples).
 
     Raises:
-        ConfigError: the folder has no ``trajectories.jsonl`` or ``rows.jsonl``, or a line is not JSON.
+        ConfigError: the folder has no ``trajectories.jsonl`` or ``rows.jsonl``, or a line is not
+            JSON; or no sample came out (the run was made without ``--include-sub-llm-in-trajectory``,
+            or no turn was trainable): the line says which, and no file is left.
     """
     folder = Path(run_dir)
     rewards: dict[tuple[str, int], float | None] = {}
@@ -118,7 +132,7 @@ def export_samples(run_dir: str | Path, output: str | Path | None = None) -> tup
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{folder}/rows.jsonl: not result rows ({exc})") from exc
     out = Path(output) if output is not None else folder / "samples.jsonl"
-    count = 0
+    count = turns = 0
     with open(out, "w", encoding="utf-8") as fh:
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
@@ -128,8 +142,20 @@ def export_samples(run_dir: str | Path, output: str | Path | None = None) -> tup
             except ValueError as exc:
                 raise ConfigError(f"{folder}/trajectories.jsonl:{lineno}: not JSON ({exc})") from exc
             key = (record.get("id"), record.get("rollout") or 0)
+            turns += _token_turns(list(_dicts(record.get("trajectory"))))
             for sample in branch_samples(list(_dicts(record.get("trajectory")))):
                 meta = {"id": key[0], "rollout": key[1], "reward": rewards.get(key)}
                 fh.write(json.dumps({**meta, **sample}) + "\n")
                 count += 1
+    if count == 0:
+        out.unlink()
+        if turns == 0:
+            raise ConfigError(
+                f"{folder}: no sample: its trajectories carry no token ids (the run was made without "
+                "--include-sub-llm-in-trajectory); run it again with that flag"
+            )
+        raise ConfigError(
+            f"{folder}: no sample: none of the {turns} turn(s) with token ids was trainable (see "
+            "untrainable_turns_<reason> in rows.jsonl: a server that returns no token ids, or a frozen fleet)"
+        )
     return out, count

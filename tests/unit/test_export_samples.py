@@ -61,3 +61,23 @@ def test_the_command_writes_one_line_per_sample_with_the_reward(tmp_path: Path) 
     assert len(lines) == 4 and {x["reward"] for x in lines} == {1.0} and {x["id"] for x in lines} == {"q1"}
     with pytest.raises(ConfigError):
         export_samples(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["run-without-tokens", "only-untrainable-turns"])
+def test_no_sample_says_why_and_exits_non_zero(
+    tmp_path: Path, tokens: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    row = {"id": "q1", "final_answer": "a", "answer": "a", "correct": True, "stop_reason": "answer_ready",
+           "metrics": {}, "error": None}  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    trajectory = [{"type": "root", "content": "", "tool_calls": []}]
+    if tokens:  # a server that returned no ids: the turn is kept, marked untrainable
+        trajectory = [{"type": "root", "tokens": encoded([None])[0]}]
+    record = {"id": "q1", "messages": [], "trajectory": expand_trajectory(trajectory)}
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(record) + "\n")
+    assert main(["export-samples", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    why = "none of the 1 turn(s) with token ids was trainable" if tokens else "without --include-sub-llm-in-trajectory"
+    assert "no sample" in err and why in err, err
+    assert not (tmp_path / "samples.jsonl").exists()
