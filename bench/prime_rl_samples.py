@@ -26,8 +26,9 @@ Three traces go through it:
   serving (``GET /served``).
 
 Run: ``python -m bench.prime_rl_samples --prime-rl /path/to/prime-rl[.git] [--commit SHA]
-[--depth 2]``; prints the figures and saves ``bench/results/prime_rl_samples.json``. Without
-``--prime-rl`` it prints one line and exits 2.
+[--depth 2]``; prints the figures and saves them to a new file,
+``bench/results/prime_rl_samples_<UTC time>.json`` (or ``--out``; an existing file is never
+overwritten). Without ``--prime-rl``, or without ``msgspec``, it prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -410,10 +411,20 @@ def main() -> None:
     p.add_argument("--commit", default=DEFAULT_COMMIT, help=f"prime-rl commit (default {DEFAULT_COMMIT})")
     p.add_argument("--depth", type=int, default=2, help="levels of the needle tree, root included")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "prime_rl_samples"))
+    p.add_argument("--out", help="where the figures go, STEM.json (default: a new file, "
+                   "bench/results/prime_rl_samples_<UTC time>.json); an existing file is never overwritten")
     args = p.parse_args()
     if not args.prime_rl:
         print("prime-rl's source is not given: pass --prime-rl /path/to/prime-rl (a git clone or bare mirror)")
+        raise SystemExit(2)
+    try:
+        import msgspec  # noqa: F401 - prime-rl's TrainingSample is a msgspec Struct
+    except ImportError:
+        print("prime-rl's TrainingSample needs msgspec, which is not installed here: pip install msgspec")
+        raise SystemExit(2) from None
+    args.out = args.out or os.path.join(RESULTS_DIR, time.strftime("prime_rl_samples_%Y%m%dT%H%M%SZ", time.gmtime()))
+    if os.path.exists(f"{args.out}.json"):
+        print(f"{args.out}.json exists: pass a new --out (figures are never written over a kept file)")
         raise SystemExit(2)
     builder, source, info = load_builder(args.prime_rl, args.commit)
     api = api_check(source)

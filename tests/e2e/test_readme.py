@@ -1,23 +1,27 @@
-"""The README's shell blocks, run as a newcomer copies them: in order, into one fresh ``bash``, after
-the first command.
+"""The README's shell blocks, run as a newcomer copies them: in order, each in a fresh ``bash``,
+after the first command.
 
 The first block holds the two top commands (the demo with its install, and the test command that
 ``.ci/run`` runs, which is this suite): they are checked to stay as they are, not run. Every later
-``bash`` block runs, unchanged but for what would leave this machine or touch someone's Redis:
+``bash`` block runs alone, in a fresh ``bash`` of its own (a newcomer's new terminal: no export of
+another block, no process another block started), unchanged but for what would leave this machine
+or touch someone's Redis:
 
 * the real model server ``http://gpu-host:8000/v1`` is a scripted model (a test double) started
   here; it answers to any model name, so ``Qwen/Qwen3-8B`` stays;
 * the ports the README names (Redis 6379 and 6390, the scripted model's 8001) become free ports
   (a Redis on 127.0.0.1:6379 is never touched).
 
-Each substitution must find its text, so a README that drops one fails here. The shell runs in
+Each substitution must find its text, so a README that drops one fails here. Each shell runs in
 a temporary folder holding the venv of this test run as ``.venv`` (what the first command made)
-and ``rlmq/data/sample.jsonl`` (the checkout's sample dataset). It must exit 0 within
-:data:`DEADLINE` seconds; everything it started in the background is killed afterwards.
+and ``rlmq/data/sample.jsonl`` (the checkout's sample dataset). Each must exit 0, all within
+:data:`DEADLINE` seconds; what a block started in the background is killed after it, and no
+block may leave a Redis snapshot (``dump.rdb``) in the folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -83,15 +87,15 @@ def test_every_later_readme_block_works_as_copied(tmp_path: Path) -> None:
     group = ProcessGroup()
     try:
         model_url = start_mock_llm(group)
-        script = "\n".join(f'echo "== README block {i} at $SECONDS s"\n{b}' for i, b in enumerate(blocks, 2))
-        for old, new in (
+        subs = (
             ("http://gpu-host:8000/v1", model_url),
             ("6379", str(free_port())),
             ("6390", str(free_port())),
             ("8001", str(free_port())),
-        ):
-            assert old in script, f"the README no longer says {old!r}: update this test's substitutions"
-            script = script.replace(old, new)
+        )
+        joined = "\n".join(blocks)
+        for old, _new in subs:
+            assert old in joined, f"the README no longer says {old!r}: update this test's substitutions"
         (tmp_path / ".venv").symlink_to(sys.prefix, target_is_directory=True)
         (tmp_path / "rlmq" / "data").mkdir(parents=True)
         shutil.copy(REPO / "rlmq" / "data" / "sample.jsonl", tmp_path / "rlmq" / "data" / "sample.jsonl")
@@ -100,23 +104,33 @@ def test_every_later_readme_block_works_as_copied(tmp_path: Path) -> None:
             path += os.pathsep + str(Path(find_redis_server()).parent)
         env = child_env({"PATH": path, "HOME": str(tmp_path)})  # a fresh shell: no RLMQ_* or REDIS_URL
         log = tmp_path / "shell.log"  # a file, not a pipe: the background jobs keep their output open
-        with open(log, "w", encoding="utf-8") as out_file:
-            proc = subprocess.Popen(
-                ["bash", "-c", "set -eo pipefail\n" + script],
-                cwd=tmp_path, env=env, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-            try:
-                proc.wait(timeout=DEADLINE)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            finally:
-                stop_session(proc.pid)  # the workers, Redis servers and model the blocks left running
-        out = log.read_text(encoding="utf-8", errors="replace")
-        assert proc.returncode is not None and proc.returncode >= 0, (
-            f"the README's blocks did not finish in {DEADLINE:g} s:\n{out[-6000:]}"
-        )
-        assert proc.returncode == 0, out[-6000:]
+        deadline = time.monotonic() + DEADLINE
+        for i, block in enumerate(blocks, 2):
+            for old, new in subs:
+                block = block.replace(old, new)
+            with open(log, "a", encoding="utf-8") as out_file:
+                out_file.write(f"== README block {i}, in a fresh shell\n")
+                out_file.flush()
+                # each block alone in a fresh bash, as a newcomer pastes it into a new terminal
+                proc = subprocess.Popen(
+                    ["bash", "-c", "set -eo pipefail\n" + block],
+                    cwd=tmp_path, env=env, stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                finally:
+                    stop_session(proc.pid)  # the workers, Redis servers and model the block left running
+            out = log.read_text(encoding="utf-8", errors="replace")
+            assert proc.returncode is not None and proc.returncode >= 0, (
+                f"the README's blocks did not finish in {DEADLINE:g} s:\n{out[-6000:]}"
+            )
+            assert proc.returncode == 0, f"README block {i} failed alone in a fresh shell:\n{out[-6000:]}"
+        assert not (tmp_path / "dump.rdb").exists(), "a README block left a Redis snapshot in the checkout"
+        samples = (tmp_path / "runs" / "train" / "samples.jsonl").read_text().splitlines()
+        assert samples and all(json.loads(x)["token_ids"] for x in samples)  # the training block's samples
     finally:
         group.stop()
     # what each block shows a newcomer

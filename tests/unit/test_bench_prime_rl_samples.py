@@ -86,3 +86,27 @@ def test_without_prime_rl_source_it_prints_one_line_and_exits_2() -> None:
     assert done.stdout.splitlines() == [
         "prime-rl's source is not given: pass --prime-rl /path/to/prime-rl (a git clone or bare mirror)"
     ]
+
+
+def test_without_msgspec_it_says_so_in_one_line_and_exits_2(repo: Path) -> None:
+    code = ("import runpy, sys; sys.modules['msgspec'] = None; "
+            f"sys.argv = ['prime_rl_samples', '--prime-rl', {str(repo)!r}]; "
+            "runpy.run_module('bench.prime_rl_samples', run_name='__main__')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == "", done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "prime-rl's TrainingSample needs msgspec, which is not installed here: pip install msgspec"
+    ]
+
+
+def test_it_never_writes_over_a_kept_file(repo: Path, tmp_path: Path) -> None:
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    code = ("import runpy, sys, types; sys.modules['msgspec'] = types.ModuleType('msgspec'); "
+            f"sys.argv = ['prime_rl_samples', '--prime-rl', {str(repo)!r}, '--out', {str(tmp_path / 'kept')!r}]; "
+            "runpy.run_module('bench.prime_rl_samples', run_name='__main__')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "exists: pass a new --out" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert kept.read_text() == "{}"
+    source = (ROOT / "bench" / "prime_rl_samples.py").read_text()
+    assert 'prime_rl_samples_%Y%m%dT%H%M%SZ' in source  # the default: a new file per run
