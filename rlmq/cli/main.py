@@ -170,7 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (rows.jsonl, trajectories.jsonl)")
     export.add_argument("--output", metavar="FILE", help="where to write (default RUN_DIR/samples.jsonl)")
 
-    status = sub.add_parser("status", help="queues, workers and live rollouts of a fleet, from Redis")
+    status = sub.add_parser(
+        "status",
+        help="queues, workers and live rollouts of a fleet, from Redis",
+        description=(
+            "Prints three tables, read from Redis (never written): QUEUES (jobs waiting, the oldest's age, "
+            "started and failed jobs, live workers serving each), WORKERS (state, sub-calls in flight, "
+            "concurrency, last heartbeat) and LIVE ROLLOUTS (depth and parent, row, models, age, the sub-LLM "
+            "budget used/limit, a child rollout's being its tree's, and each top rollout's tree: live "
+            "children, model calls, tokens charged, refusals). --json prints the same snapshot as JSON."
+        ),
+    )
     status.add_argument(
         "--watch",
         nargs="?",

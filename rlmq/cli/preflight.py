@@ -83,18 +83,24 @@ def wait_for_worker(redis_url: str, queue: str, start: str, timeout: float, what
     """
     from rlmq.common.connection import sync_client
 
+    from rlmq.cli.exits import say
+
     client = sync_client(redis_url)
     deadline = time.monotonic() + timeout
+    said = False
+    base = queue.split("@", 1)[0]
     try:
         while True:
             live = int(client.zcount(K.serving(queue), time.time() - K.SERVING_CLOCK_SKEW, "+inf"))
             if live or time.monotonic() >= deadline:
                 break
+            if not said:
+                said = True  # at once, not after the wait: what it waits for and how to end the wait
+                say(f"rlmq: waiting up to {timeout:g} s for a live worker on the {what} {base} (`{start}`)")
             time.sleep(POLL_SECONDS)  # another process registers; bounded by the deadline
     finally:
         client.close()
     if not live:
-        base = queue.split("@", 1)[0]
         raise PreflightError(
             f"no live worker serves the {what} {base} (waited {timeout:g} s); start one with "
             f"`{start} --redis-url ...`; nothing was run"

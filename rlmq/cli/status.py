@@ -238,7 +238,13 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _budget(r: dict[str, Any]) -> str:
+def _budget(r: dict[str, Any], tops: dict[str, dict[str, Any]] | None = None) -> str:
+    """A rollout's budget cell; a child rollout spends its tree's (its top rollout's ledger)."""
+    if r["budget_limit"] is None and (r.get("depth") or 1) > 1:
+        top = (tops or {}).get(r["ledger"])
+        if top is None:
+            return f"the tree's ({r['ledger']})"
+        return "no budget" if top["budget_limit"] is None else f"the tree's: {_budget(top)}"
     if r["budget_limit"] is None:
         return "no budget"
     text = f"{r['budget_used']}/{r['budget_limit']}"
@@ -303,6 +309,7 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     shown = "" if len(rs) == snap["rollouts_total"] else f", {len(rs)} shown"
     out += ["", f"LIVE ROLLOUTS ({snap['rollouts_total']}{shown})"]
     if rs:
+        tops = {r["id"]: r for r in rs if (r.get("depth") or 1) == 1}
         out.append(
             table(
                 ["ROLLOUT", "DEPTH", "PARENT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT", "TREE"],
@@ -315,7 +322,7 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
                         r["model"] or "-",
                         r["sub_model"] or "-",
                         fmt_age(r["age"]),
-                        _budget(r),
+                        _budget(r, tops),
                         _tree(r),
                     ]
                     for r in rs

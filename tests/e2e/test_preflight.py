@@ -10,6 +10,7 @@ server is failing.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,6 +42,14 @@ def ds(tmp_path: Path) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in needle_rows(2, min_chars=5_000)))
     (tmp_path / "rows.jsonl").write_text(EARLIER)
     return path
+
+
+def waited_then_failed(res: subprocess.CompletedProcess[str]) -> tuple[str, str]:
+    """The preflight's two lines: what it waits for (said as the wait starts), then why it failed."""
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr
+    waiting, line = [x for x in res.stderr.splitlines() if x.strip()]
+    assert waiting.startswith("rlmq: waiting up to ") and line.startswith("rlmq: "), res.stderr
+    return waiting, line
 
 
 def dead_url() -> str:
@@ -77,7 +86,8 @@ def test_no_worker_on_the_queue_of_an_external_redis_is_exit_5(
     res = rlmq("run", "ds.jsonl", "--base-url", model, "--model", "scripted", "--sub-model", sub,
                "--redis-url", redis_url, "--preflight-timeout", "1", "--quiet", cwd=tmp_path)  # fmt: skip
     assert res.returncode == 5, res.stdout + res.stderr
-    line = one_line(res)
+    waiting, line = waited_then_failed(res)
+    assert "waiting up to 1 s for a live worker on the sub-LLM queue" in waiting and sub in waiting, waiting
     assert "no live worker serves the sub-LLM queue" in line and f"rlmq worker --model {sub}" in line, line
 
 
@@ -125,7 +135,8 @@ def test_recursive_rollouts_with_no_repl_host_on_an_external_redis_are_exit_5(
                    "--redis-url", redis_url, "--max-depth", "2", "--preflight-timeout", "1", "--quiet",
                    "--output", "rows.jsonl", cwd=tmp_path)  # fmt: skip
     assert res.returncode == 5, res.stdout + res.stderr
-    line = one_line(res)
+    waiting, line = waited_then_failed(res)
+    assert "waiting up to 1 s for a live worker on the child-rollout queue" in waiting, waiting
     assert "no live worker serves the child-rollout queue" in line and "--repl-slots N" in line, line
     assert (tmp_path / "rows.jsonl").read_text() == EARLIER
 

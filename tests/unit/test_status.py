@@ -205,8 +205,19 @@ def test_a_top_rollout_shows_its_trees_figures(r: fakeredis.FakeRedis) -> None:
     top_line = next(line for line in text.splitlines() if line.startswith("top "))
     assert "3 live children, 21 model calls, 1601 charged, 2 refused by the budget" in top_line
     assert "in top's tree" in next(line for line in text.splitlines() if line.startswith("c2 "))
+    child_line = next(line for line in text.splitlines() if line.startswith("c0 "))
+    assert "the tree's: 1500/5000" in child_line and "no budget" not in child_line, child_line  # not its own
     r.delete(K.RolloutKeys("top").budget)  # a tree without a budget: its ledger counts nothing
     r.hset(K.RolloutKeys("top").budget, mapping={"unlimited": 1, "ttl": 60})
     text = render(collect(r, now=NOW))
     top_line = next(line for line in text.splitlines() if line.startswith("top "))
     assert "3 live children (no budget: nothing charged)" in top_line and "model calls" not in top_line
+
+
+def test_status_help_says_what_it_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["status", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for table in ("QUEUES", "WORKERS", "LIVE ROLLOUTS"):
+        assert table in out, out
+    assert "budget used/limit" in out and "--json prints the same snapshot" in out, out
