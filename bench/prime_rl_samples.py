@@ -411,8 +411,11 @@ def main() -> None:
     p.add_argument("--commit", default=DEFAULT_COMMIT, help=f"prime-rl commit (default {DEFAULT_COMMIT})")
     p.add_argument("--depth", type=int, default=2, help="levels of the needle tree, root included")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--out", help="where the figures go, STEM.json (default: a new file, "
-                   "bench/results/prime_rl_samples_<UTC time>.json); an existing file is never overwritten")
+    p.add_argument(
+        "--out",
+        help="where the figures go, STEM.json (default: a new file, "
+        "bench/results/prime_rl_samples_<UTC time>.json); an existing file is never overwritten",
+    )
     args = p.parse_args()
     if not args.prime_rl:
         print("prime-rl's source is not given: pass --prime-rl /path/to/prime-rl (a git clone or bare mirror)")

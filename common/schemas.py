@@ -424,12 +424,16 @@ class ResultRow(BaseModel):
     rollout: int | None = Field(default=None, ge=0)
     """With ``rollouts_per_example`` > 1: which of the row's rollouts this is, ``0 .. n - 1``.
     ``None`` (one rollout per row) is left out of the JSON, so such rows keep the contract's keys."""
+    sub_llm_error: str | None = None
+    """The first error of a sub-LLM call of the rollout's tree that ended ``error`` (a model server
+    that is down, say), whatever the rollout's own end; ``None`` (none failed) is left out of the JSON."""
 
     @model_serializer(mode="wrap")
     def _without_unset_rollout(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data: dict[str, Any] = handler(self)
-        if data.get("rollout") is None:
-            data.pop("rollout", None)
+        for key in ("rollout", "sub_llm_error"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
     @property

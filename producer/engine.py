@@ -48,7 +48,7 @@ from rlmq.producer.root import RootClient
 from rlmq.producer.root_loop import CellRunner, root_loop
 from rlmq.producer.root_tools import RootToolbox, RootToolService
 from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt
-from rlmq.producer.tree_metrics import tree_metrics
+from rlmq.producer.tree_metrics import first_sub_call_error, tree_metrics
 from rlmq.producer.tree_node import TreeNode, chain_of, tree_position
 
 __all__ = [
@@ -445,7 +445,7 @@ class _RolloutRun:
         correct = None if row.answer is None else normalize_answer(final) == normalize_answer(row.answer)
         result_row = ResultRow(
             id=row.id, final_answer=final, answer=row.answer, correct=correct, stop_reason=stop,
-            metrics=metrics, error=error, rollout=rollout_index,
+            metrics=metrics, error=error, rollout=rollout_index, sub_llm_error=first_sub_call_error(ro.trajectory),
         )  # fmt: skip
         return RolloutResult(row=result_row, trajectory=ro.trajectory, messages=ro.messages)
 

@@ -138,7 +138,8 @@ class BashRunner:
         result = self._result(started)
         if failed:
             name, status = failed[0], failed[1] if len(failed) > 1 else "?"
-            result["helper_error"] = f"{name[:64]} could not start (exit status {status[:8]}; its error is in the output)"
+            why = f"exit status {status[:8]}; its error is in the output"
+            result["helper_error"] = f"{name[:64]} could not start ({why})"
             self.note(f"[{result['helper_error']}]")
         return result
 

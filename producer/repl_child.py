@@ -90,7 +90,9 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TextIO
 
 _HERE = os.path.abspath(__file__)
-_PROGRAMS = tuple(os.path.realpath(os.path.join(os.path.dirname(__file__), n)) for n in ("repl_child.py", "repl_bash.py"))
+_PROGRAMS = tuple(
+    os.path.realpath(os.path.join(os.path.dirname(__file__), n)) for n in ("repl_child.py", "repl_bash.py")
+)
 """This program and ``repl_bash.py`` as the host sees them: a bash cell's commands run them."""
 
 

@@ -213,3 +213,20 @@ def tree_metrics(
         r["root_completion_tokens"] for d, r in tree.by_depth.items() if d >= 2
     )
     return out
+
+
+def first_sub_call_error(trajectory: list[dict[str, Any]], depth: int = 1) -> str | None:
+    """The ``error`` of the first sub-LLM call that ended ``error`` in a rollout's tree (its own
+    ``llm_batch`` calls and those of its child rollouts, in trajectory order); ``None``: none did."""
+    for ev in _dicts(trajectory):
+        if ev.get("type") not in ("llm_batch", "rlm_batch"):
+            continue
+        for result in _dicts(ev.get("results")):
+            child = result.get("child")
+            if isinstance(child, dict) and depth < MAX_TREE_DEPTH:
+                found = first_sub_call_error(list(_dicts(child.get("trajectory"))), depth + 1)
+                if found:
+                    return found
+            elif result.get("status") == "error":
+                return str(result.get("error") or result.get("content") or "error")[:1000]
+    return None

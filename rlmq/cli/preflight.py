@@ -81,9 +81,8 @@ def wait_for_worker(redis_url: str, queue: str, start: str, timeout: float, what
     Raises:
         PreflightError: none registered in time (the message says which command starts one).
     """
-    from rlmq.common.connection import sync_client
-
     from rlmq.cli.exits import say
+    from rlmq.common.connection import sync_client
 
     client = sync_client(redis_url)
     deadline = time.monotonic() + timeout

@@ -204,7 +204,9 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         # In all, not as a mean, and over the whole tree of each rollout: a run whose sub-calls all
         # failed (no worker on the queue, say) must not look healthy because its rollouts answered.
         line = f"sub-LLM calls: {calls} in all, {failed} ended in error, {refused} rejected by the budget"
-        lines.append(line + ("  <- see the errors in the run folder's report" if failed else ""))
+        first = next((r["sub_llm_error"] for r in rows if r.get("sub_llm_error")), None)
+        cause = f"  <- the first: {first}" if first else "  <- see the errors in the run folder's report"
+        lines.append(line + (cause if failed else ""))
     rlm_calls = whole["rlm_tasks"]
     if rlm_calls:
         lines.append(
@@ -356,9 +358,11 @@ def exit_code(rows: list[dict[str, Any]], max_sub_call_error_rate: float) -> int
     calls, failed = whole["sub_calls"], whole["sub_failed"]
     if calls and failed / calls > max_sub_call_error_rate:
         what = "all" if failed == calls else f"{failed} of {calls} ({failed / calls:.0%})"
+        first = next((r["sub_llm_error"] for r in rows if r.get("sub_llm_error")), None)
         say(
             f"rlmq: {what} sub-LLM calls ended in error, above --max-sub-call-error-rate "
             f"{max_sub_call_error_rate:g}: the answers are not the sub-model's (exit code {EXIT_SUB_CALLS_FAILED})"
+            + (f"; the first: {first}" if first else "")
         )
         return EXIT_SUB_CALLS_FAILED
     if whole["budget_spent"]:

@@ -104,8 +104,10 @@ def test_sub_calls_failing_on_a_worker_whose_server_is_down_exit_6_and_the_worke
         worker_log = (logs / "worker-0.log").read_text()
     assert res.returncode == 6, res.stdout + res.stderr
     assert "sub-LLM calls ended in error, above --max-sub-call-error-rate 0.1" in res.stderr, res.stderr
+    assert "; the first: " in res.stderr and dead in res.stderr, res.stderr  # the cause, named
     rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["stop_reason"] != "error" for r in rows)  # the rollouts themselves finished
+    assert all(dead in r["sub_llm_error"] for r in rows), rows[0].get("sub_llm_error")  # each row says why
     assert all(r["metrics"]["sub_llm_error_count"] == r["metrics"]["sub_llm_call_count"] > 0 for r in rows)
     failing = [x for x in worker_log.splitlines() if "is failing" in x]
     assert failing and f"model server {dead} is failing" in failing[0], worker_log[-2000:]

@@ -147,7 +147,7 @@ async def test_a_bash_repl_whose_commands_cannot_start_refuses_to_start(
 async def test_a_command_that_cannot_start_in_a_cell_is_reported(icpt: InterceptionServer, broken: str) -> None:
     repl = make_repl(icpt, "bash")
     try:
-        cell = await repl.execute(f'{broken} llm_batch a; export ANSWER_CONTENT=x ANSWER_READY=1')
+        cell = await repl.execute(f"{broken} llm_batch a; export ANSWER_CONTENT=x ANSWER_READY=1")
         assert cell.helper_error is not None and "llm_batch could not start" in cell.helper_error, cell
         assert "llm_batch could not start" in cell.output
         ok = await repl.execute('export ANSWER_CONTENT="$(llm_batch a 2>/dev/null)"')
@@ -188,8 +188,9 @@ def test_rlmq_run_in_bash_from_a_checkout_and_venv_under_tmp(tmp_path: Path) -> 
     """``rlmq run --repl-language bash`` from an install under /tmp: the needle row's sub-LLM calls
     happen and it is right; the row whose command cannot start ends ``error`` and the run exits 1."""
     python = install_under(tmp_path)
-    where = subprocess.run([str(python), "-c", "import rlmq.producer.repl_child as c; print(c.__file__)"],
-                           capture_output=True, text=True, timeout=60, env=child_env(), check=True, cwd=tmp_path)  # fmt: skip
+    code = "import rlmq.producer.repl_child as c; print(c.__file__)"
+    where = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60, env=child_env(),
+                           check=True, cwd=tmp_path)  # fmt: skip
     assert where.stdout.startswith(str(tmp_path)), where.stdout
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in (NEEDLE_ROW, BROKEN_ROW)))
@@ -200,7 +201,8 @@ def test_rlmq_run_in_bash_from_a_checkout_and_venv_under_tmp(tmp_path: Path) -> 
         argv = [str(python), "-m", "rlmq", "run", str(data), "--base-url", base, "--model", "scripted",
                 "--repl-language", "bash", "--run-dir", str(run_dir), "--quiet", "--workers", "1",
                 "--max-startup-wait-seconds", "120"]  # fmt: skip
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=child_env(), check=False, cwd=tmp_path)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=child_env(), check=False,
+                              cwd=tmp_path)  # fmt: skip
     finally:
         group.stop()
     rows = {r["id"]: r for r in map(json.loads, (run_dir / "rows.jsonl").read_text().splitlines())}

@@ -109,4 +109,4 @@ def test_it_never_writes_over_a_kept_file(repo: Path, tmp_path: Path) -> None:
     assert done.returncode == 2 and "exists: pass a new --out" in done.stdout, done.stdout + done.stderr[-2000:]
     assert kept.read_text() == "{}"
     source = (ROOT / "bench" / "prime_rl_samples.py").read_text()
-    assert 'prime_rl_samples_%Y%m%dT%H%M%SZ' in source  # the default: a new file per run
+    assert "prime_rl_samples_%Y%m%dT%H%M%SZ" in source  # the default: a new file per run

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from rlmq.producer.tree_metrics import MAX_TREE_DEPTH, PER_DEPTH, TREE_KEYS, depth_key, is_tree_metric, tree_metrics
+from rlmq.producer.tree_metrics import (
+    MAX_TREE_DEPTH,
+    PER_DEPTH,
+    TREE_KEYS,
+    depth_key,
+    first_sub_call_error,
+    is_tree_metric,
+    tree_metrics,
+)
 from tests.trees import cell, child, leaf, llm_batch, rlm_batch, root, sub, three_levels
 
 EXPECTED = {
@@ -129,3 +137,17 @@ def test_nesting_past_the_limit_is_not_walked() -> None:
     m = tree_metrics(traj, {})
     assert m["tree_depth"] == MAX_TREE_DEPTH and m["tree_rollout_count"] == MAX_TREE_DEPTH
     assert depth_key(MAX_TREE_DEPTH + 1, "rollouts") not in m
+
+
+def test_the_first_failed_sub_call_of_a_tree_is_found_in_a_child() -> None:
+    ok = {"type": "llm_batch", "results": [{"status": "ok", "content": "a"}, {"status": "rejected", "error": "spent"}]}
+    child = {
+        "stop_reason": "answer_ready",
+        "trajectory": [
+            {"type": "llm_batch", "results": [{"status": "error", "error": "model server http://h/v1 is unreachable"}]}
+        ],
+    }
+    tree = [ok, {"type": "rlm_batch", "results": [{"status": "ok", "child": child}]},
+            {"type": "llm_batch", "results": [{"status": "error", "error": "later"}]}]  # fmt: skip
+    assert first_sub_call_error(tree) == "model server http://h/v1 is unreachable"
+    assert first_sub_call_error([ok]) is None
