@@ -69,14 +69,46 @@ def check_redis(url: str, *, timeout: float = CHECK_TIMEOUT) -> None:
         client.close()
 
 
+FIRST_CONNECT_WAIT = 15.0
+"""Seconds a command's first connection to Redis retries a connection the network dropped or that
+timed out (:func:`reach_redis`), as the clients retry a later drop, before the command gives up."""
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) is a refused TCP connection: nothing listens there."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def reach_redis(url: str, *, say: Callable[[str], None], max_wait: float = FIRST_CONNECT_WAIT) -> None:
+    """A command's first ``PING`` of the Redis at ``url``: a connection dropped or timed out is
+    retried with backoff for up to ``max_wait`` seconds (saying so), as a later drop is; a refused
+    connection (nothing listens) and refused credentials fail at once.
+
+    Raises:
+        RedisUnavailableError: refused, or not reached within ``max_wait`` seconds.
+        ConfigError: ``url`` is not a Redis URL.
+    """
+    wait_for_redis(url, say=say, max_wait=max_wait, max_backoff=2.0, retry_refused=False)
+
+
 def wait_for_redis(
-    url: str, *, say: Callable[[str], None], max_wait: float | None = None, max_backoff: float = 10.0
+    url: str,
+    *,
+    say: Callable[[str], None],
+    max_wait: float | None = None,
+    max_backoff: float = 10.0,
+    retry_refused: bool = True,
 ) -> None:
     """Block until the Redis at ``url`` answers, retrying with exponential backoff (tenacity:
     0.5 s doubling up to ``max_backoff`` seconds, with jitter), and ``say`` each retry.
 
     Args:
         max_wait: give up after this many seconds (``None``: wait as long as it takes).
+        retry_refused: also retry a refused connection (a Redis not started yet).
 
     Raises:
         RedisUnavailableError: the credentials were refused (waiting would not help), or
@@ -85,7 +117,7 @@ def wait_for_redis(
     from tenacity import Retrying, retry_if_exception, stop_after_delay, stop_never, wait_exponential, wait_random
 
     def retryable(exc: BaseException) -> bool:
-        return isinstance(exc, RedisUnavailableError) and not exc.auth
+        return isinstance(exc, RedisUnavailableError) and not exc.auth and (retry_refused or not _refused(exc))
 
     def before_sleep(state: object) -> None:
         outcome = getattr(state, "outcome", None)

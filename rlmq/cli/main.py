@@ -22,7 +22,7 @@ from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, help_group
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import current_latch, signal_latch
 from rlmq.common.aio import run as run_loop
-from rlmq.common.connection import check_redis, mask_url
+from rlmq.common.connection import mask_url, reach_redis
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import Settings
@@ -371,7 +371,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"({chars:,} characters of context in all)"
     )
     if settings0.redis_url:
-        check_redis(settings0.redis_url)
+        reach_redis(settings0.redis_url, say=lambda text: say(f"rlmq: {text}"))
     log_dir = tempfile.mkdtemp(prefix="rlmq-demo-logs-")
     fleet = LocalFleet(
         redis_url=settings0.redis_url,
@@ -428,7 +428,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         LiveRunFolder(args.resume).check_resume(public_settings(current), label=flag_label)  # as meta.json has them
     redis_url = settings.redis_url
     if redis_url:
-        check_redis(redis_url)
+        reach_redis(redis_url, say=lambda text: say(f"rlmq: {text}"))
     settings = settings.model_copy(update={"sub_model": sub_model, "redis_url": redis_url or "redis://embedded"})
     from rlmq.producer.root_tools import RootToolbox
 
@@ -466,7 +466,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     url = settings_from_flags(args, "status").redis_url
     if not url:
         raise ConfigError("rlmq status needs --redis-url or REDIS_URL")
-    check_redis(url)
+    reach_redis(url, say=lambda text: say(f"rlmq: {text}"))
     client = sync_client(url)
     try:
         return run_status(client, as_json=args.json, watch=args.watch, redis_label=mask_url(url))

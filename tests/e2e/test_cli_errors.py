@@ -7,8 +7,10 @@ workers missing (``test_preflight.py``), 6 sub-calls failed, 128+N a stop signal
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import socket
 import subprocess
 import threading
 import uuid
@@ -233,3 +235,51 @@ async def test_worker_sends_its_api_key(how: str, redis_url: str, tmp_path: Path
         server.shutdown()
     assert result.status == "error"  # the recorder answers 400
     assert _KeyRecorder.seen and set(_KeyRecorder.seen) == {f"Bearer sk-from-{how}"}
+
+
+class DroppingProxy:
+    """A TCP proxy to a Redis that closes its first ``drops`` connections as soon as they are made
+    (a connection the network dropped: "Connection closed by server"), then passes bytes through."""
+
+    def __init__(self, target_port: int, drops: int) -> None:
+        self.target_port, self.drops = target_port, drops
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.server.getsockname()[1])
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            self.accepted += 1
+            if self.accepted <= self.drops:
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+
+def test_a_first_redis_connection_dropped_by_the_network_is_retried(tmp_path: Path) -> None:
+    """As a later drop is: the command retries with backoff, says so, and goes on (exit 3 only
+    once the bounded wait is over); a refused connection (nothing listens) still fails at once."""
+    with EmbeddedRedis() as server:
+        proxy = DroppingProxy(server.port, drops=2)
+        try:
+            status = rlmq("status", "--redis-url", f"redis://127.0.0.1:{proxy.port}/0", "--json", cwd=tmp_path)
+        finally:
+            proxy.server.close()
+    assert status.returncode == 0, status.stderr
+    assert "retrying in" in status.stderr and "cannot reach Redis" in status.stderr, status.stderr
+    assert proxy.accepted >= 3 and "queues" in json.loads(status.stdout)

@@ -152,7 +152,7 @@ def test_rlmq_run_keeps_a_run_folder(
         return list(kw["sink"].results)
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
-    monkeypatch.setattr(cli, "check_redis", lambda url: None)
+    monkeypatch.setattr(cli, "reach_redis", lambda url, say: None)
     run_dir = tmp_path / "my-run"
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://:pw@r:6379/0",
             "--api-key", "sk-top-secret", "--run-dir", str(run_dir), "--quiet", "--no-preflight"]  # fmt: skip
@@ -178,7 +178,7 @@ def test_default_run_dir_is_under_runs(
         return list(kw["sink"].results)
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
-    monkeypatch.setattr(cli, "check_redis", lambda url: None)
+    monkeypatch.setattr(cli, "reach_redis", lambda url, say: None)
     monkeypatch.chdir(tmp_path)
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://r:6379/0"]
     assert cli.main([*argv, "--quiet", "--no-preflight", "--max-sub-call-error-rate", "0.5"]) == 0
@@ -210,7 +210,7 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(
         return list(kw["sink"].results)
 
     monkeypatch.setattr(cli, "evaluate", fake_evaluate)
-    monkeypatch.setattr(cli, "check_redis", lambda url: None)
+    monkeypatch.setattr(cli, "reach_redis", lambda url, say: None)
     monkeypatch.chdir(tmp_path)
     argv = ["run", str(dataset), "--base-url", "http://m/v1", "--model", "m", "--redis-url", "redis://r:6379/0"]
     for _ in range(3):
