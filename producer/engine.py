@@ -347,6 +347,7 @@ class _RolloutRun:
         task = asyncio.create_task(server.serve(), name=f"rlmq-hosted-tools-{self.ro.id}")
 
         async def stop() -> None:
+            server.close()  # ends it even where the cancel below is swallowed by the Redis client
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

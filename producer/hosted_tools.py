@@ -95,22 +95,32 @@ class HostedToolServer:
     ) -> None:
         self.redis, self.keys, self.tools = redis, RolloutKeys(rollout_id), tools
         self.answer_ttl, self.metrics = answer_ttl, metrics
+        self._closed = False
         self.calls = 0
         """Calls run (each request id once)."""
         self._seen: set[str] = set()
         self._running: set[asyncio.Task[None]] = set()
 
+    def close(self) -> None:
+        """Make :meth:`serve` return at its next read (within about a second, or one socket
+        timeout): call it before cancelling the task, since a cancel that lands in the Redis
+        client's own timeout may come back as a Redis error, which :meth:`serve` retries."""
+        self._closed = True
+
     async def serve(self) -> None:
-        """Read requests until cancelled; each new id runs in a task of its own. A Redis error is
-        retried (the stream is read again from the last entry seen)."""
+        """Read requests until cancelled or :meth:`close`; each new id runs in a task of its own. A
+        Redis error is retried (the stream is read again from the last entry seen)."""
         last = "0-0"
         try:
-            while True:
+            while not self._closed:
                 try:
                     got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
                         {self.keys.tool_requests: last}, count=64, block=_READ_BLOCK_MS
                     )  # type: ignore[assignment]
                 except RedisError as exc:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():  # a cancel the read turned into its error
+                        raise asyncio.CancelledError from exc  # (3.11's wait_for race): stop, as asked
                     log.warning("hosted tools of %s: reading requests failed: %s", self.keys.rollout_id, exc)
                     await asyncio.sleep(_RETRY_PAUSE)
                     continue

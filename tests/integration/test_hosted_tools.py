@@ -42,9 +42,12 @@ async def served(redis_url: str) -> AsyncIterator[tuple[object, str, HostedToolS
     try:
         yield redis, rid, server
     finally:
+        server.close()
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        # bounded: a cancel the Redis client swallowed (the server read on forever) held this for 600 s
+        done, _ = await asyncio.wait({task}, timeout=30)
         await redis.aclose()
+        assert done, "the hosted-tool server did not stop within 30 s of its cancellation"
 
 
 def request(text: str, tool: str = f"{__name__}.echo", index: int = 0) -> ToolCallRequest:
