@@ -76,3 +76,11 @@ def test_compose_commands_set_what_compose_yaml_requires() -> None:
         before = text[max(0, start - 400) : start]
         for var in required:
             assert f"export {var}=" in before or f" {var}=" in before, f"{var} is not set before: {text[start:][:80]}"
+
+
+def test_what_runs_leave_in_the_checkout_is_ignored_by_git() -> None:
+    """vf-eval's ``outputs/``, a Redis snapshot started in the checkout, run folders and rows."""
+    paths = ["outputs/evals/x.jsonl", "dump.rdb", "runs/20261122T072512Z-demo/rows.jsonl", "rows.jsonl"]
+    done = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert sorted(done.stdout.split()) == sorted(paths), done.stdout + done.stderr
