@@ -457,7 +457,11 @@ def _contain(init: dict[str, Any]) -> dict[str, Any]:
         fds["work"] = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
         if sock:
             fds["ipc"] = os.open(os.path.dirname(sock), os.O_PATH | os.O_DIRECTORY)
-        carried = {path: os.open(path, os.O_PATH) for path in _carried()}
+        for path in _carried():
+            try:
+                carried[path] = os.open(path, os.O_PATH)
+            except OSError:
+                pass  # not carried: a bash REPL's start check then says what cannot start
         scratch = int(init.get("scratch_bytes") or 256 * 1024**2)
         inodes = max(1024, scratch // 4096)  # an empty file is kernel memory too
         mount("rlmq-repl", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, f"size={scratch},nr_inodes={inodes},mode=1777")

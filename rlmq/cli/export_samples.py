@@ -133,22 +133,27 @@ def export_samples(run_dir: str | Path, output: str | Path | None = None) -> tup
         raise ConfigError(f"{folder}/rows.jsonl: not result rows ({exc})") from exc
     out = Path(output) if output is not None else folder / "samples.jsonl"
     count = turns = 0
-    with open(out, "w", encoding="utf-8") as fh:
-        for lineno, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ConfigError(f"{folder}/trajectories.jsonl:{lineno}: not JSON ({exc})") from exc
-            key = (record.get("id"), record.get("rollout") or 0)
-            turns += _token_turns(list(_dicts(record.get("trajectory"))))
-            for sample in branch_samples(list(_dicts(record.get("trajectory")))):
-                meta = {"id": key[0], "rollout": key[1], "reward": rewards.get(key)}
-                fh.write(json.dumps({**meta, **sample}) + "\n")
-                count += 1
+    part = out.with_name(out.name + ".part")  # renamed to ``out`` once there is a sample: never an empty file
+    try:
+        with open(part, "w", encoding="utf-8") as fh:
+            for lineno, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise ConfigError(f"{folder}/trajectories.jsonl:{lineno}: not JSON ({exc})") from exc
+                key = (record.get("id"), record.get("rollout") or 0)
+                turns += _token_turns(list(_dicts(record.get("trajectory"))))
+                for sample in branch_samples(list(_dicts(record.get("trajectory")))):
+                    meta = {"id": key[0], "rollout": key[1], "reward": rewards.get(key)}
+                    fh.write(json.dumps({**meta, **sample}) + "\n")
+                    count += 1
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     if count == 0:
-        out.unlink()
+        part.unlink()
         if turns == 0:
             raise ConfigError(
                 f"{folder}: no sample: its trajectories carry no token ids (the run was made without "
@@ -158,4 +163,5 @@ def export_samples(run_dir: str | Path, output: str | Path | None = None) -> tup
             f"{folder}: no sample: none of the {turns} turn(s) with token ids was trainable (see "
             "untrainable_turns_<reason> in rows.jsonl: a server that returns no token ids, or a frozen fleet)"
         )
+    part.replace(out)
     return out, count
