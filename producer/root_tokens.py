@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmq.common.token_wire import served_tokens, token_request_fields
+from rlmq.common.token_servers import sampled_with
+from rlmq.common.token_wire import served_tokens
 from rlmq.producer.rollout import Rollout
 
 __all__ = ["ask_for_tokens", "root_turn_tokens"]
@@ -25,7 +26,7 @@ def ask_for_tokens(rollout: Rollout, kwargs: dict[str, Any]) -> dict[str, Any]:
     the rollout's option is on (merged into ``extra_body``); unchanged when it is off."""
     if not rollout.options.include_sub_llm_in_trajectory or rollout.frozen:
         return kwargs
-    return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **token_request_fields()}}
+    return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **rollout.token_api.request_fields()}}
 
 
 def _body(resp: Any) -> dict[str, Any]:
@@ -51,8 +52,15 @@ def root_turn_tokens(
     """
     if not rollout.options.include_sub_llm_in_trajectory:
         return None
+    api = rollout.token_api
     sampling = {k: v for k, v in kwargs.items() if k not in _NOT_SAMPLING}
-    extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in token_request_fields()}
-    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(_body(resp), usage)
-    record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, {**extra, **sampling})
+    extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in api.request_fields()}
+    body = _body(resp)
+    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(body, usage, api)
+    if reason == "no_token_ids":
+        rollout.token_fields_log.missing_ids(body, api)
+    elif served is not None and api.weight_versions and served.versions is None:
+        rollout.token_fields_log.missing_versions()
+    sent = {**extra, **sampling}
+    record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, sent, sampled_with(sent, api))
     return rollout.token_cap.admit(record).model_dump()

@@ -154,6 +154,7 @@ class SubLLMWorker:
                 timeout=settings.model_timeout,
                 retries=settings.model_retries,
                 max_connections=max(100, self.concurrency),
+                token_api=settings.token_api(),
             )
         )
         self.jobs = InFlight(self.queue, self.capacity)

@@ -434,6 +434,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         worker_args = ["--queue", settings.queue] if settings.queue else []
         for tool in dict.fromkeys([*settings.sub_tools, *settings.tools]):
             worker_args += ["--allow-tool", tool]
+        worker_args += ["--token-ids-api", settings.token_ids_api]  # local workers: the same server's API
+        if settings.weight_versions:
+            worker_args.append("--weight-versions")
         fleet = LocalFleet(
             model=sub_model,
             base_url=settings.sub_base_url or settings.base_url,
