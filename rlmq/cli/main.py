@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency", type=bounded(float, 0), default=0.0, metavar="SECONDS", help="seconds per call (default 0)"
     )
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
+    mock.add_argument(
+        "--token-shape", choices=("vllm", "sglang"), default="vllm", help="whose token-id fields it answers (default vllm)"
+    )
 
     export = sub.add_parser(
         "export-samples", help="one training sample per branch of a run made with --include-sub-llm-in-trajectory"
@@ -472,7 +475,7 @@ def cmd_mock_llm(args: argparse.Namespace) -> int:
     from rlmq.scripted.server import serve
 
     try:
-        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all, token_shape=args.token_shape)
     except OSError as exc:  # the port is taken, or the address is not ours
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     return 0
