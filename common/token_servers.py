@@ -84,19 +84,19 @@ class TokenApi:
 
     Args:
         server: whose fields: ``"vllm"`` or ``"sglang"`` (the ``token_ids_api`` setting).
-        weight_versions: ask for the weight version of each completion token (vLLM's
+        versions: ask for the weight version of each completion token (vLLM's
             ``return_weight_versions``; the ``weight_versions`` setting); off, nothing is asked or kept.
     """
 
     server: TokenIdsApi = "vllm"
-    weight_versions: bool = False
+    versions: bool = False
 
     def request_fields(self) -> dict[str, Any]:
         """The request fields that ask this server for the served ids and logprobs (never ``stream``)."""
         if self.server == "sglang":
             return {"logprobs": True, "return_token_ids": True, "return_prompt_token_ids": True}
         fields: dict[str, Any] = {"logprobs": True, "return_token_ids": True}
-        if self.weight_versions:
+        if self.versions:
             fields["return_weight_versions"] = True
         return fields
 
@@ -106,7 +106,7 @@ class TokenApi:
         choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
         if self.server == "sglang":
             return TokenFields(choice.get("prompt_token_ids"), choice.get("response_token_ids"), choice)
-        versions = choice.get("weight_versions") if self.weight_versions else None
+        versions = choice.get("weight_versions") if self.versions else None
         return TokenFields(body.get("prompt_token_ids"), choice.get("token_ids"), choice, versions)
 
     @property

@@ -59,7 +59,7 @@ def root_turn_tokens(
     served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(body, usage, api)
     if reason == "no_token_ids":
         rollout.token_fields_log.missing_ids(body, api)
-    elif served is not None and api.weight_versions and served.versions is None:
+    elif served is not None and api.versions and served.versions is None:
         rollout.token_fields_log.missing_versions()
     sent = {**extra, **sampling}
     record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, sent, sampled_with(sent, api))

@@ -293,7 +293,7 @@ def _with_tokens(asked: _Asked | None, data: dict[str, Any], response: ChatRespo
         response.served, response.untrainable = served_tokens(data, usage, api)
         if response.untrainable == "no_token_ids":
             fields_log.missing_ids(data, api)
-        elif response.served is not None and api.weight_versions and response.served.versions is None:
+        elif response.served is not None and api.versions and response.served.versions is None:
             fields_log.missing_versions()
     return response
 

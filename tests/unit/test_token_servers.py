@@ -23,7 +23,7 @@ from rlmq.workers.subllm import SubLLMContext, run_sub_llm
 from rlmq.workers.tools import ToolRegistry
 
 SGLANG = TokenApi("sglang")
-VERSIONS = TokenApi("vllm", weight_versions=True)
+VERSIONS = TokenApi("vllm", versions=True)
 
 
 def request(prompt: str, *, temperature: float | None = 0.6, sampling: dict[str, Any] | None = None) -> SubLLMRequest:
