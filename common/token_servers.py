@@ -133,7 +133,7 @@ def check_versions(value: Any, completion_length: int) -> list[VersionSpan] | No
         label, start, end = item.get("version"), item.get("start"), item.get("end")
         if not isinstance(label, str) or not 0 < len(label) <= MAX_VERSION_LABEL:
             return None
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in (start, end)):
+        if not isinstance(start, int) or not isinstance(end, int) or isinstance(start, bool) or isinstance(end, bool):
             return None
         if start != at or end <= start:
             return None

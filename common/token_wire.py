@@ -254,7 +254,9 @@ class TurnEncoder:
         drawn = dict(sampled_with or {})
         if served is None:
             self._previous = []
-            return TurnTokens(turn=turn, sampling=dict(sampling), sampled_with=drawn, untrainable=reason or "no_token_ids")
+            return TurnTokens(
+                turn=turn, sampling=dict(sampling), sampled_with=drawn, untrainable=reason or "no_token_ids"
+            )
         prev, ids = self._previous, served.prompt_ids
         shared = 0
         for a, b in zip(prev, ids, strict=False):
@@ -332,6 +334,11 @@ def _untrainable(
     return out
 
 
+def _stripped(record: TurnTokens, reason: str) -> TurnTokens:
+    """``record`` without its payload (ids, logprobs, versions), untrainable for ``reason``."""
+    return TurnTokens(turn=record.turn, sampling=record.sampling, sampled_with=record.sampled_with, untrainable=reason)
+
+
 class TokenCap:
     """A rollout's byte cap on the token payloads it records (``trajectory_token_max_bytes``):
     past it, a turn keeps its place, loses its tokens and is marked ``payload_cap``.
@@ -347,12 +354,11 @@ class TokenCap:
     def admit(self, record: TurnTokens) -> TurnTokens:
         """``record`` as it may be kept: itself while the cap holds, else stripped (``payload_cap``).
         An untrainable record keeps no payload, whatever it came with (a worker's is not trusted)."""
-        kept = {"turn": record.turn, "sampling": record.sampling, "sampled_with": record.sampled_with}
         if record.untrainable is not None:
-            return TurnTokens(**kept, untrainable=record.untrainable[:64])
+            return _stripped(record, record.untrainable[:64])
         if self.limit is not None and self.used + record.nbytes > self.limit:
             self.limit = 0  # past the cap once, every later turn too: a branch never resumes mid-way
-            return TurnTokens(**kept, untrainable="payload_cap")
+            return _stripped(record, "payload_cap")
         self.used += record.nbytes
         return record
 

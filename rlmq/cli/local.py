@@ -131,7 +131,12 @@ class ProcessGroup:
 
 
 def start_mock_llm(
-    group: ProcessGroup, *, latency: float = 0.0, spend_all: bool = False, timeout: float = 20.0, token_shape: str = "vllm"
+    group: ProcessGroup,
+    *,
+    latency: float = 0.0,
+    spend_all: bool = False,
+    timeout: float = 20.0,
+    token_shape: str = "vllm",
 ) -> str:
     """Start ``rlmq mock-llm --port 0`` and return its base URL (``http://127.0.0.1:P/v1``);
     ``token_shape``: the server whose token fields it answers in (``--token-shape``).
@@ -244,7 +249,10 @@ class LocalFleet:
                 self.redis_url = self._redis.url
             if self.base_url is None:
                 self.base_url = start_mock_llm(
-                    self.group, latency=self.mock_latency, spend_all=self.mock_spend_all, token_shape=self.mock_token_shape
+                    self.group,
+                    latency=self.mock_latency,
+                    spend_all=self.mock_spend_all,
+                    token_shape=self.mock_token_shape,
                 )
             for i in range(self.n_workers):
                 self.start_worker(f"worker-{i}")

@@ -164,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
     mock.add_argument(
-        "--token-shape", choices=("vllm", "sglang"), default="vllm", help="whose token-id fields it answers (default vllm)"
+        "--token-shape",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="whose token-id fields it answers (default vllm)",
     )
 
     export = sub.add_parser(

@@ -113,7 +113,9 @@ def _versions(log: ServedLog, users: str, length: int) -> list[dict[str, Any]]:
         return [{"version": old, "start": 0, "end": length}] if length else []
     cut = min(int(match.group(1)), length)
     log.weight_version = new = next_label(old)
-    spans = [{"version": old, "start": 0, "end": cut}, {"version": new, "start": cut, "end": length}]
+    spans: list[dict[str, Any]] = [
+        {"version": old, "start": 0, "end": cut}, {"version": new, "start": cut, "end": length}
+    ]  # fmt: skip
     return [sp for sp in spans if sp["end"] > sp["start"]]
 
 

@@ -80,8 +80,9 @@ def run_folder(tmp_path: Path, subs: list[list[dict[str, Any]]]) -> Path:
 
 
 def test_a_sample_carries_its_weight_versions_at_its_own_positions() -> None:
+    turns = versioned([[("step-7", 0, 2)], [("step-8", 0, 1)]])
     traj = expand_trajectory([{"type": "llm_batch", "batch_id": "b1", "results": [
-        {"status": "ok", "index": 0, "turn_tokens": versioned([[("step-7", 0, 2)], [("step-8", 0, 1)]])}]}])  # fmt: skip
+        {"status": "ok", "index": 0, "turn_tokens": turns}]}])  # fmt: skip
     (sample,) = branch_samples(traj)
     assert sample["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert sample["weight_versions"] == [
@@ -117,7 +118,10 @@ def test_the_staleness_filters_drop_a_sample_sampled_across_an_update(tmp_path: 
 
 def test_a_turn_sampled_at_another_temperature_starts_another_sample() -> None:
     enc = TurnEncoder()
-    at = [{"temperature": 1.0, "temperature_source": "server_default"}, {"temperature": 0.5, "temperature_source": "request"}]
+    at = [
+        {"temperature": 1.0, "temperature_source": "server_default"},
+        {"temperature": 0.5, "temperature_source": "request"},
+    ]
     recs = [enc.encode(i + 1, t, None, {}, s).model_dump() for i, (t, s) in enumerate(zip((T1, T2), at, strict=True))]
     traj = expand_trajectory([{"type": "llm_batch", "batch_id": "b1", "results": [
         {"status": "ok", "index": 0, "turn_tokens": recs}]}])  # fmt: skip

@@ -40,9 +40,9 @@ async def call(client: ChatClient, req: SubLLMRequest) -> SubLLMResult:
 
 
 def steps(res: SubLLMResult) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = expand_trajectory([{"type": "llm_batch", "results": [res.model_dump()]}])[0][
-        "results"
-    ][0]["steps"]
+    out: list[dict[str, Any]] = expand_trajectory([{"type": "llm_batch", "results": [res.model_dump()]}])[0]["results"][
+        0
+    ]["steps"]
     return out
 
 
@@ -81,7 +81,9 @@ async def test_the_old_sglang_field_alone_is_untrainable_and_said_once_per_worke
     caplog.set_level(logging.WARNING, logger="rlmq.model")
     async with ScriptedModelServer(token_shape="sglang") as server:
         async with ChatClient(server.url, retries=0, token_api=SGLANG) as client:
-            results = [await call(client, request(f"say hello {i} [[mock:token-ids:sglang-token-ids]]")) for i in range(3)]
+            results = [
+                await call(client, request(f"say hello {i} [[mock:token-ids:sglang-token-ids]]")) for i in range(3)
+            ]
         async with ChatClient(server.url, retries=0, token_api=SGLANG) as other:  # another worker says it too
             await call(other, request("say hi [[mock:token-ids:sglang-token-ids]]"))
     for res in results:

@@ -150,7 +150,9 @@ def test_a_turn_verifiers_refuses_costs_the_tree_nodes_not_the_rollout() -> None
 def test_each_committed_call_keeps_the_sampling_its_tokens_were_drawn_at_and_their_weight_versions() -> None:
     step = {
         **turn(list(range(100, 110)), [1, 2, 3]), "sampling": {"max_tokens": 64},
-        "sampled_with": {"temperature": 1.0, "temperature_source": "server_default", "top_p": 0.9, "top_p_source": "request"},
+        "sampled_with": {
+            "temperature": 1.0, "temperature_source": "server_default", "top_p": 0.9, "top_p_source": "request"
+        },
         "weight_versions": [{"version": "step-7", "start": 0, "end": 2}, {"version": "step-8", "start": 2, "end": 3}],
     }  # fmt: skip
     trajectory = [{"type": "llm_batch", "batch_id": "b1", "results": [{"status": "ok", "index": 0, "steps": [step]}]}]
