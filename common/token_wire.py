@@ -41,7 +41,7 @@ from rlmq.common.token_servers import TokenApi, VersionSpan, check_versions
 __all__ = [
     "UNTRAINABLE_REASONS", "ServedTokens", "TokenCap", "TurnDecoder", "TurnEncoder", "TurnTokens",
     "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs", "expand_trajectory", "served_tokens",
-    "token_request_fields", "turn_counts",
+    "turn_counts",
 ]  # fmt: skip
 
 UNTRAINABLE_REASONS: tuple[str, ...] = (
@@ -57,13 +57,6 @@ the weight-version spans the server sent do not cover its completion ids (``vers
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the wire carries (int32)."""
-
-
-def token_request_fields(api: TokenApi | None = None) -> dict[str, Any]:
-    """The request fields that ask a server for the served token ids and logprobs: ``api``'s
-    (:meth:`TokenApi.request_fields`; default vLLM >= 0.10.2: ``logprobs`` and ``return_token_ids``).
-    Sent only with ``include_sub_llm_in_trajectory`` on."""
-    return (api or TokenApi()).request_fields()
 
 
 # ---------------------------------------------------------------------------- binary forms

@@ -1,8 +1,8 @@
 """The root model's turns as trainable steps (``include_sub_llm_in_trajectory``).
 
-With the option on, each root call asks the server for the served token ids and logprobs
-(:func:`~rlmq.common.token_wire.token_request_fields`, in the request body beside the sampling
-arguments) and each ``root`` trajectory event keeps them as a
+With the option on, each root call asks the server for the served token ids and logprobs with
+its server's fields (:meth:`~rlmq.common.token_servers.TokenApi.request_fields`, in the request
+body beside the sampling arguments) and each ``root`` trajectory event keeps them as a
 :class:`~rlmq.common.token_wire.TurnTokens` (``tokens``), prefix-shared with the rollout's
 previous root turn and under its byte cap. The same code runs a top rollout's root turns
 (``rlmq run``) and a child rollout's, on its REPL host.
