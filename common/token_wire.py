@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlmq.common.token_servers import TokenApi, VersionSpan, check_versions
 
@@ -220,6 +220,19 @@ class TurnTokens(BaseModel):
     sampled_with: dict[str, Any] = Field(default_factory=dict)
     versions: list[tuple[str, int, int]] | None = None
     untrainable: str | None = None
+
+    @field_validator("sampled_with")
+    @classmethod
+    def _sampled_with(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Only what :func:`~rlmq.common.token_servers.sampled_with` writes: a worker's record is not trusted."""
+        for key, item in value.items():
+            if key in ("temperature", "top_p"):
+                ok = isinstance(item, (int, float)) and not isinstance(item, bool)
+            else:
+                ok = key in ("temperature_source", "top_p_source") and item in ("request", "server_default")
+            if not ok:
+                raise ValueError(f"sampled_with: {key!r} is not a sampling value rlmq records")
+        return value
 
     @property
     def nbytes(self) -> int:

@@ -170,3 +170,10 @@ async def test_the_scripted_weights_take_a_label_as_vllms_dev_endpoint_sets_it()
         async with session.post(f"{server.url}/chat/completions", json=body) as r:
             choice = (await r.json())["choices"][0]
     assert choice["weight_versions"] == [{"version": "ckpt-3", "start": 0, "end": len(choice["token_ids"])}]
+
+
+def test_a_workers_record_with_a_forged_sampled_with_is_bad_payload() -> None:
+    rec = TurnEncoder().encode(1, ServedTokens([1], [3], [-1.0]), None, {}, {"temperature": 0.7}).model_dump()
+    assert TurnDecoder().decode(rec)["sampled_with"] == {"temperature": 0.7}
+    for forged in ({"temperature": "hot"}, {"temperature_source": "trust me"}, {"note": "x" * 10_000}):
+        assert TurnDecoder().decode({**rec, "sampled_with": forged})["untrainable_reason"] == "bad_payload"
