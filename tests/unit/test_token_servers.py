@@ -177,3 +177,35 @@ def test_a_workers_record_with_a_forged_sampled_with_is_bad_payload() -> None:
     assert TurnDecoder().decode(rec)["sampled_with"] == {"temperature": 0.7}
     for forged in ({"temperature": "hot"}, {"temperature_source": "trust me"}, {"note": "x" * 10_000}):
         assert TurnDecoder().decode({**rec, "sampled_with": forged})["untrainable_reason"] == "bad_payload"
+
+
+def test_root_turns_are_asked_and_read_with_the_hosts_api_and_a_missing_field_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from rlmq.common.schemas import DatasetRow
+    from rlmq.common.settings import RolloutOptions
+    from rlmq.common.token_servers import TokenFieldsLog
+    from rlmq.producer.rollout import Rollout
+    from rlmq.producer.root_tokens import ask_for_tokens, root_turn_tokens
+
+    caplog.set_level(logging.WARNING, logger="rlmq.model")
+    log = TokenFieldsLog()  # the host's: one for all its rollouts
+    rollouts = [
+        Rollout(id=f"r{i}", row=DatasetRow(id="1", question="q", context="c"), model="m", sub_model="m", queue="q",
+                options=RolloutOptions(include_sub_llm_in_trajectory=True), token_api=SGLANG, token_fields_log=log)
+        for i in range(2)
+    ]  # fmt: skip
+    kwargs = ask_for_tokens(rollouts[0], {"model": "m", "messages": [], "extra_body": {"top_p": 0.5}})
+    assert kwargs["extra_body"] == {"top_p": 0.5, **SGLANG.request_fields()}
+    lp = {"content": [{"logprob": -0.5}]}
+    now = {"choices": [{"prompt_token_ids": [1, 2], "response_token_ids": [3], "logprobs": lp}]}
+    old = {"choices": [{"prompt_token_ids": [1, 2], "token_ids": [3], "logprobs": lp}]}
+    rollouts[0].stats.root_turns = 1
+    record = root_turn_tokens(rollouts[0], now, kwargs, (2, 1))
+    assert record is not None and record["untrainable"] is None
+    assert record["sampling"] == {"top_p": 0.5} and record["sampled_with"]["top_p_source"] == "request"
+    for ro in rollouts:
+        ro.stats.root_turns = 1
+        bad = root_turn_tokens(ro, old, kwargs, (2, 1))
+        assert bad is not None and bad["untrainable"] == "no_token_ids"
+    assert len([r for r in caplog.records if "token fields of sglang" in r.getMessage()]) == 1
