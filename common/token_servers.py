@@ -191,6 +191,14 @@ class TokenFieldsLog:
     ids_warned: bool = False
     versions_warned: bool = False
 
+    def note(self, body: Mapping[str, Any], api: TokenApi, reason: str | None, versions_sent: bool) -> None:
+        """Say what a reply read with ``api`` lacked, once each: its ids (``reason`` is
+        ``no_token_ids``), or, of a trainable turn, the weight versions asked for."""
+        if reason == "no_token_ids":
+            self.missing_ids(body, api)
+        elif reason is None and api.versions and not versions_sent:
+            self.missing_versions()
+
     def missing_ids(self, body: Mapping[str, Any], api: TokenApi) -> None:
         """Log, the first time only, that a reply asked for ids had none where ``api`` reads them."""
         if self.ids_warned:

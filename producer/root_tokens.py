@@ -57,10 +57,7 @@ def root_turn_tokens(
     extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in api.request_fields()}
     body = _body(resp)
     served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(body, usage, api)
-    if reason == "no_token_ids":
-        rollout.token_fields_log.missing_ids(body, api)
-    elif served is not None and api.versions and served.versions is None:
-        rollout.token_fields_log.missing_versions()
+    rollout.token_fields_log.note(body, api, reason, served is not None and served.versions is not None)
     sent = {**extra, **sampling}
     record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, sent, sampled_with(sent, api))
     return rollout.token_cap.admit(record).model_dump()

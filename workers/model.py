@@ -291,10 +291,8 @@ def _with_tokens(asked: _Asked | None, data: dict[str, Any], response: ChatRespo
         api, fields_log = asked
         usage = (response.prompt_tokens, response.completion_tokens) if response.usage_reported else None
         response.served, response.untrainable = served_tokens(data, usage, api)
-        if response.untrainable == "no_token_ids":
-            fields_log.missing_ids(data, api)
-        elif response.served is not None and api.versions and response.served.versions is None:
-            fields_log.missing_versions()
+        sent = response.served is not None and response.served.versions is not None
+        fields_log.note(data, api, response.untrainable, sent)
     return response
 
 

@@ -21,6 +21,8 @@ reply. Its weights carry a label (``step-0`` at start; ``POST /update_weight_ver
 * ``[[mock:token-ids:mismatch]]``: one logprob fewer than completion ids;
 * ``[[mock:token-ids:usage]]``: one completion id more than ``usage.completion_tokens``;
 * ``[[mock:token-ids:sglang]]`` / ``[[mock:token-ids:vllm]]``: that server's shape for this reply;
+* ``[[mock:token-ids:vllm-no-weight-versions]]``: a vLLM that answers ids but has no weight versions
+  (it ignores ``return_weight_versions``);
 * ``[[mock:token-ids:sglang-token-ids]]``: the shape of an SGLang release from before its chat choice
   answered ``response_token_ids``: ``choices[0].prompt_token_ids`` and ``choices[0].token_ids``;
 * ``[[mock:weight-update:K]]``: the weights are updated after the reply's first ``K`` completion
@@ -42,7 +44,7 @@ from typing import Any
 
 __all__ = ["TOKEN_SHAPES", "ServedLog", "next_label", "served_fields", "word_id"]
 
-_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang-token-ids|sglang|vllm)\]\]")
+_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang-token-ids|sglang|vllm-no-weight-versions|vllm)\]\]")
 _UPDATE_RE = re.compile(r"\[\[mock:weight-update:(\d{1,6})\]\]")
 TOKEN_SHAPES = ("vllm", "sglang")
 """The servers whose token fields the scripted model answers in."""
@@ -154,7 +156,7 @@ def served_fields(
     else:
         result["prompt_token_ids"] = prompt
         choice["token_ids"] = completion
-        if body.get("return_weight_versions") is True:
+        if body.get("return_weight_versions") is True and mode != "vllm-no-weight-versions":
             choice["weight_versions"] = record["weight_versions"] = _versions(log, users, len(completion))
     if body.get("logprobs") is True or not sglang:
         choice["logprobs"] = {

@@ -209,3 +209,15 @@ def test_root_turns_are_asked_and_read_with_the_hosts_api_and_a_missing_field_sa
         bad = root_turn_tokens(ro, old, kwargs, (2, 1))
         assert bad is not None and bad["untrainable"] == "no_token_ids"
     assert len([r for r in caplog.records if "token fields of sglang" in r.getMessage()]) == 1
+
+
+async def test_a_vllm_without_weight_versions_keeps_its_turns_trainable_and_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rlmq.model")
+    async with ScriptedModelServer() as server:
+        async with ChatClient(server.url, retries=0, token_api=VERSIONS) as client:
+            prompts = [f"say hi {i} [[mock:token-ids:vllm-no-weight-versions]]" for i in range(2)]
+            results = [await call(client, request(p)) for p in prompts]
+    assert all(steps(r)[0]["trainable"] and "weight_versions" not in steps(r)[0] for r in results)
+    assert len([r for r in caplog.records if "without weight_versions" in r.getMessage()]) == 1
