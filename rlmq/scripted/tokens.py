@@ -44,7 +44,8 @@ from typing import Any
 
 __all__ = ["TOKEN_SHAPES", "ServedLog", "next_label", "served_fields", "word_id"]
 
-_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang-token-ids|sglang|vllm-no-weight-versions|vllm)\]\]")
+_MODES = "none|mismatch|usage|sglang-token-ids|sglang|vllm-no-weight-versions|vllm"
+_MODE_RE = re.compile(rf"\[\[mock:token-ids:({_MODES})\]\]")
 _UPDATE_RE = re.compile(r"\[\[mock:weight-update:(\d{1,6})\]\]")
 TOKEN_SHAPES = ("vllm", "sglang")
 """The servers whose token fields the scripted model answers in."""
