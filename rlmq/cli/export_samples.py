@@ -31,9 +31,10 @@ most ``k`` versions older than the newest; a sample whose versions are unknown i
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,21 @@ class Staleness:
     version: str | None = None
     max_lag: int | None = None
     current: str | None = None
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, count: Callable[[str], int]) -> None:
+        """The flags of ``rlmq export-samples`` that build one (``count``: the parser of ``--max-version-lag``)."""
+        parser.add_argument(
+            "--weight-version", metavar="LABEL", help="keep only samples sampled wholly by this weight version"
+        )
+        parser.add_argument(
+            "--max-version-lag", type=count, metavar="K",
+            help="keep only samples at most K weight versions older than the current one (labels ordered by their "
+            "trailing number); a sample without versions is dropped",
+        )  # fmt: skip
+        parser.add_argument(
+            "--current-version", metavar="LABEL", help="the current weight version (default: the newest in the run)"
+        )
 
     @property
     def active(self) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
 from rlmq.cli.exits import EXIT_INTERNAL, explain, say
+from rlmq.cli.export_samples import Staleness
 from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, help_group, settings_from_flags
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import current_latch, signal_latch
@@ -175,17 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (rows.jsonl, trajectories.jsonl)")
     export.add_argument("--output", metavar="FILE", help="where to write (default RUN_DIR/samples.jsonl)")
-    export.add_argument(
-        "--weight-version", metavar="LABEL", help="keep only samples sampled wholly by this weight version"
-    )
-    export.add_argument(
-        "--max-version-lag", type=bounded(int, 0), metavar="K",
-        help="keep only samples at most K weight versions older than the current one (labels ordered by their "
-        "trailing number); a sample without versions is dropped",
-    )  # fmt: skip
-    export.add_argument(
-        "--current-version", metavar="LABEL", help="the current weight version (default: the newest in the run)"
-    )
+    Staleness.add_arguments(export, bounded(int, 0))
 
     status = sub.add_parser("status", help="queues, workers and live rollouts of a fleet, from Redis")
     status.add_argument(
@@ -507,7 +498,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         return cmd_status(args)
     if args.command == "export-samples":
-        from rlmq.cli.export_samples import Staleness, export_samples
+        from rlmq.cli.export_samples import export_samples
 
         staleness = Staleness(args.weight_version, args.max_version_lag, args.current_version)
         path, count, dropped = export_samples(args.run_dir, args.output, staleness)
