@@ -15,7 +15,8 @@ with a GPU and vLLM installed:
 4. compares every turn of ``trajectories.jsonl`` (top root turns, child root turns at every depth,
    every sub-call turn) with the replies the proxy logged, element by element (:func:`compare`):
    every served reply must be in the trajectories exactly once, with every prompt id, completion id
-   and logprob equal; the figures go to ``bench/results/real_vllm.json``.
+   and logprob equal (and, with ``--weight-versions``, the weight-version spans vLLM sent); the
+   figures go to ``bench/results/real_vllm.json``.
 
 How deep the tree goes is the model's doing (it must call ``call_python_repl`` and ``rlm_batch``):
 the report says which depths and roles it reached. Exit codes: 0 the comparison passed (or, without
@@ -144,7 +145,8 @@ class Comparison:
     """What :func:`compare` found. ``served``: replies with token ids the proxy logged; ``turns``:
     trainable turns in the trajectories; ``matched``: turns equal, element by element, to a served
     reply; ``elements``: ids and logprobs compared; ``logprob_mismatches``: turns whose ids match a
-    reply and whose logprobs do not (each listed in ``problems``); ``not_served``: turns no reply has;
+    reply and whose logprobs do not (each listed in ``problems``); ``version_mismatches``: turns whose
+    ids and logprobs match and whose weight-version spans are not the reply's; ``not_served``: turns no reply has;
     ``not_kept``: served replies no turn has; ``twice``: replies kept more than once; ``roles``: turns
     by where they were (``root@1``, ``sub@2``, ...); ``untrainable``: turns without tokens, by reason."""
 
@@ -153,6 +155,7 @@ class Comparison:
     matched: int = 0
     elements: int = 0
     logprob_mismatches: int = 0
+    version_mismatches: int = 0
     not_served: int = 0
     not_kept: int = 0
     twice: int = 0
@@ -163,13 +166,18 @@ class Comparison:
     @property
     def ok(self) -> bool:
         """Every served reply kept once and every trainable turn equal to its reply."""
-        bad = self.logprob_mismatches or self.not_served or self.not_kept or self.twice
+        bad = self.logprob_mismatches or self.version_mismatches or self.not_served or self.not_kept or self.twice
         return self.served > 0 and not bad and self.matched == self.turns == self.served
 
 
-def served_turns(log: Path) -> list[tuple[Key, list[float]]]:
-    """The (prompt ids, completion ids) and logprobs of each 2xx reply in the proxy's ``log`` that has
-    vLLM's token fields (``prompt_token_ids``, ``choices[0].token_ids``, ``choices[0].logprobs``)."""
+Served = tuple[list[float], Any]
+"""A reply's logprobs and its ``weight_versions`` (``None`` when it sent none)."""
+
+
+def served_turns(log: Path) -> list[tuple[Key, Served]]:
+    """The (prompt ids, completion ids), logprobs and weight versions of each 2xx reply in the proxy's
+    ``log`` that has vLLM's token fields (``prompt_token_ids``, ``choices[0].token_ids``,
+    ``choices[0].logprobs``; ``choices[0].weight_versions`` when sent)."""
     out = []
     for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
         entry = json.loads(line)
@@ -180,7 +188,8 @@ def served_turns(log: Path) -> list[tuple[Key, list[float]]]:
         prompt, completion = reply.get("prompt_token_ids"), choice.get("token_ids")
         content = (choice.get("logprobs") or {}).get("content")
         if isinstance(prompt, list) and isinstance(completion, list) and isinstance(content, list):
-            out.append(((tuple(prompt), tuple(completion)), [float(c["logprob"]) for c in content]))
+            logprobs = [float(c["logprob"]) for c in content]
+            out.append(((tuple(prompt), tuple(completion)), (logprobs, choice.get("weight_versions"))))
     return out
 
 
@@ -203,9 +212,9 @@ def trajectory_turns(trajectory: list[Any], depth: int = 1) -> list[tuple[str, d
 def compare(trajectories: Path, log: Path) -> Comparison:
     """Compare every turn of ``trajectories.jsonl`` with the replies of the proxy's ``log``."""
     result = Comparison()
-    served: dict[Key, list[list[float]]] = {}
-    for key, logprobs in served_turns(log):
-        served.setdefault(key, []).append(logprobs)
+    served: dict[Key, list[Served]] = {}
+    for key, reply in served_turns(log):
+        served.setdefault(key, []).append(reply)
         result.served += 1
     kept: Counter[Key] = Counter()
     for line in trajectories.read_text(encoding="utf-8").splitlines():
@@ -223,7 +232,7 @@ def compare(trajectories: Path, log: Path) -> Comparison:
 
 
 def _check_turn(
-    result: Comparison, served: dict[Key, list[list[float]]], kept: Counter[Key], role: str, turn: dict[str, Any]
+    result: Comparison, served: dict[Key, list[Served]], kept: Counter[Key], role: str, turn: dict[str, Any]
 ) -> None:
     key = (tuple(turn["prompt_token_ids"]), tuple(turn["completion_token_ids"]))
     candidates = served.get(key)
@@ -234,10 +243,15 @@ def _check_turn(
     got = [float(v) for v in turn["completion_logprobs"]]
     kept[key] += 1
     result.elements += len(key[0]) + 2 * len(key[1])
-    if any(got == want for want in candidates):  # exact: rlmq keeps float32 values exactly, others as float64
+    versions = turn.get("weight_versions")
+    if (got, versions) in candidates:  # exact: rlmq keeps float32 values exactly, others as float64
         result.matched += 1
         return
-    want = candidates[0]
+    if any(got == lp for lp, _ in candidates):
+        result.version_mismatches += 1
+        result.problems.append(f"{role} turn {turn.get('turn')}: weight versions {versions} kept, not as served")
+        return
+    want = candidates[0][0]
     first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     result.logprob_mismatches += 1
     result.problems.append(f"{role} turn {turn.get('turn')}: logprob {first} differs ({got[first:first + 1]} "
@@ -330,6 +344,7 @@ async def _proxied_run(args: argparse.Namespace, model: Path | str, work: Path, 
         url = await proxy.start()
         data = write_rows(work, args.rows)
         extra = ["--allow-uncontained-repl"] if args.allow_uncontained_repl else []
+        extra += ["--weight-versions"] if args.weight_versions else []
         code = await asyncio.to_thread(run_tree, data, url, work / "run", args.depth, extra, run_log)
         if code != 0 or not (work / "run" / "trajectories.jsonl").exists():
             print(f"bench.real_vllm: rlmq run exited {code}; its log ends:\n{_tail(run_log)}")
@@ -355,7 +370,8 @@ def report(result: Comparison, args: argparse.Namespace, model: Path | str, card
     print(f"bench.real_vllm: {'PASS' if result.ok else 'FAIL'} on {card}, vLLM {doc['vllm']}, {model}")
     print(f"  served replies {result.served}, trainable turns {result.turns} {result.roles}, matched {result.matched}, "
           f"elements compared {result.elements}")  # fmt: skip
-    print(f"  logprob mismatches {result.logprob_mismatches}, turns not served {result.not_served}, replies not "
+    print(f"  logprob mismatches {result.logprob_mismatches}, weight-version mismatches {result.version_mismatches}, "
+          f"turns not served {result.not_served}, replies not "
           f"kept {result.not_kept}, kept twice {result.twice}, untrainable {result.untrainable}")  # fmt: skip
     for line in result.problems[:10]:
         print(f"  {line}")
@@ -371,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2, help="needle rows (default 2)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds vLLM may take to start")
     parser.add_argument("--allow-uncontained-repl", action="store_true", help="passed to rlmq run")
+    parser.add_argument("--weight-versions", action="store_true", help="ask for weight versions and compare them too")
     parser.add_argument("--out", default=str(RESULTS), help=f"the result JSON (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     card = gpu_name()
