@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
 from rlmq.cli.exits import EXIT_INTERNAL, explain, say
+from rlmq.cli.export_samples import Staleness
 from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, help_group, settings_from_flags
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import current_latch, signal_latch
@@ -163,12 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency", type=bounded(float, 0), default=0.0, metavar="SECONDS", help="seconds per call (default 0)"
     )
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
+    mock.add_argument(
+        "--token-shape",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="whose token-id fields it answers (default vllm)",
+    )
 
     export = sub.add_parser(
         "export-samples", help="one training sample per branch of a run made with --include-sub-llm-in-trajectory"
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (rows.jsonl, trajectories.jsonl)")
     export.add_argument("--output", metavar="FILE", help="where to write (default RUN_DIR/samples.jsonl)")
+    Staleness.add_arguments(export, bounded(int, 0))
 
     status = sub.add_parser("status", help="queues, workers and live rollouts of a fleet, from Redis")
     status.add_argument(
@@ -434,6 +442,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         worker_args = ["--queue", settings.queue] if settings.queue else []
         for tool in dict.fromkeys([*settings.sub_tools, *settings.tools]):
             worker_args += ["--allow-tool", tool]
+        worker_args += ["--token-ids-api", settings.token_ids_api]  # local workers: the same server's API
+        if settings.weight_versions:
+            worker_args.append("--weight-versions")
         fleet = LocalFleet(
             model=sub_model,
             base_url=settings.sub_base_url or settings.base_url,
@@ -469,7 +480,7 @@ def cmd_mock_llm(args: argparse.Namespace) -> int:
     from rlmq.scripted.server import serve
 
     try:
-        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all, token_shape=args.token_shape)
     except OSError as exc:  # the port is taken, or the address is not ours
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     return 0
@@ -489,8 +500,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export-samples":
         from rlmq.cli.export_samples import export_samples
 
-        path, count = export_samples(args.run_dir, args.output)
-        say(f"rlmq: {count} sample(s) written to {path}")
+        staleness = Staleness(args.weight_version, args.max_version_lag, args.current_version)
+        path, count, dropped = export_samples(args.run_dir, args.output, staleness)
+        note = f" ({dropped} dropped by the weight-version filter)" if staleness.active else ""
+        say(f"rlmq: {count} sample(s) written to {path}{note}")
         return 0
     return 2
 
