@@ -155,8 +155,12 @@ class SubLLMWorker:
                 timeout=settings.model_timeout,
                 retries=settings.model_retries,
                 transport=model_transport(  # fleet-wide provider limits, when declared
-                    settings, self.queue, self.redis, name=self.name,
-                    max_connections=max(100, self.concurrency), metrics=self.metrics,
+                    settings,
+                    self.queue,
+                    self.redis,
+                    name=self.name,
+                    max_connections=max(100, self.concurrency),
+                    metrics=self.metrics,
                 ),  # fmt: skip
             )
         )

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -130,13 +130,20 @@ class ProcessGroup:
             self._unhook = None
 
 
-def start_mock_llm(group: ProcessGroup, *, latency: float = 0.0, spend_all: bool = False, timeout: float = 20.0) -> str:
-    """Start ``rlmq mock-llm --port 0`` and return its base URL (``http://127.0.0.1:P/v1``).
+def start_mock_llm(
+    group: ProcessGroup,
+    *,
+    latency: float = 0.0,
+    spend_all: bool = False,
+    timeout: float = 20.0,
+    extra: Sequence[str] = (),
+) -> str:
+    """Start ``rlmq mock-llm --port 0 [extra...]`` and return its base URL (``http://127.0.0.1:P/v1``).
 
     Raises:
         RlmqError: the server did not report its port within ``timeout`` seconds.
     """
-    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency))
+    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency), *extra)
     if spend_all:
         argv.append("--spend-all")
     proc = subprocess.Popen(

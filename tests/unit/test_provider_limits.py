@@ -14,6 +14,7 @@ import pytest
 
 from rlmq.common import keys as K
 from rlmq.common.provider_limits import Permit, ProviderLimiter, ProviderLimits, snapshot
+from rlmq.scripted.quota import ProviderQuota
 from rlmq.workers.provider_transport import LimitedTransport, request_tokens, spent_tokens
 from rlmq.workers.transport import HttpReply
 
@@ -170,3 +171,18 @@ def test_a_request_counts_its_body_and_its_cap() -> None:
     assert spent_tokens(reply(200, {"usage": {"prompt_tokens": 3, "completion_tokens": 4}})) == 7
     assert spent_tokens(reply(200, {"choices": []})) is None
     assert spent_tokens(reply(500)) == 0
+
+
+def test_the_scripted_quota_refuses_past_its_limits_and_says_when_to_come_back() -> None:
+    now = [1000.0]
+    quota = ProviderQuota(rpm=2, tpm=100, window=10, clock=lambda: now[0])
+    first, _ = quota.admit(30)
+    assert first is not None and quota.admit(30)[0] is not None
+    assert quota.admit(1) == (None, 10)  # a third request in the window: 429, Retry-After 10
+    now[0] += 10.5
+    entry, _ = quota.admit(90)
+    assert entry is not None
+    assert quota.admit(20)[0] is None  # 90 + 20 > 100 tokens
+    quota.settle(entry, 40)  # it spent 40
+    assert quota.admit(20)[0] is not None
+    assert (quota.accepted, quota.refused) == (4, 2)

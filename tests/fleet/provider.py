@@ -1,0 +1,86 @@
+"""The main job against a provider with a hard quota (the scripted model's ``--quota-*``), driven
+by several worker processes with or without the fleet-wide provider limits.
+
+:func:`provider_run` counts what the provider saw (its own ``/stats``): requests it accepted, the
+429s it answered, and the share of its requests-per-window limit used while the fleet had work:
+``accepted / (rpm * (span / window + 1))``, where ``span`` runs from the first to the last accepted
+request (a sliding window admits at most ``rpm * (span / window + 1)`` requests in that span).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rlmq.cli.local import LocalFleet, ProcessGroup, start_mock_llm
+from tests.fleet.harness import Outcome, main_job, model_stats
+
+
+@dataclass
+class ProviderRun:
+    """What :func:`provider_run` measured."""
+
+    limited: bool
+    accepted: int
+    refused: int
+    share: float
+    seconds: float
+    outcome: Outcome
+
+    def summary(self) -> dict[str, Any]:
+        sent = self.accepted + self.refused
+        return {
+            "fleet_limits": self.limited, "accepted": self.accepted, "answered_429": self.refused,
+            "share_429": round(self.refused / sent, 4) if sent else 0.0, "share_of_rpm_used": round(self.share, 3),
+            "seconds": round(self.seconds, 2), **self.outcome.summary(),
+        }  # fmt: skip
+
+
+def rpm_share(accepted_at: list[float], rpm: int, window: float) -> float:
+    """The share of a sliding ``rpm`` per ``window`` limit that requests accepted at ``accepted_at``
+    (seconds) used (see the module docstring)."""
+    if not accepted_at:
+        return 0.0
+    span = max(accepted_at) - min(accepted_at)
+    return len(accepted_at) / (rpm * (span / window + 1))
+
+
+async def provider_run(
+    redis_url: str,
+    *,
+    limited: bool,
+    rpm: int,
+    window: float,
+    tpm: int | None = None,
+    workers: int = 3,
+    rollouts: int = 3,
+    calls: int = 50,
+    margin: float = 0.1,
+    log_dir: str | None = None,
+) -> ProviderRun:
+    """Run the main job (``rollouts`` x ``calls`` sub-calls of 10 tokens) through ``workers`` worker
+    processes against a scripted model answering 429 past ``rpm`` requests (and ``tpm`` tokens) per
+    ``window`` seconds; with ``limited`` the workers declare the same limits (``--provider-*``)."""
+    group = ProcessGroup(log_dir)
+    quota = ["--quota-rpm", str(rpm), "--quota-window", f"{window:g}"]
+    limits = ["--provider-rpm", str(rpm), "--provider-window", f"{window:g}", "--provider-window-margin", f"{margin:g}"]
+    if tpm is not None:
+        quota += ["--quota-tpm", str(tpm)]
+        limits += ["--provider-tpm", str(tpm)]
+    try:
+        base_url = start_mock_llm(group, extra=quota)
+        model = f"quota-{uuid.uuid4().hex[:6]}"
+        args = limits if limited else []
+        with LocalFleet(redis_url=redis_url, model=model, base_url=base_url, workers=workers, worker_args=args,
+                        log_dir=log_dir):  # fmt: skip
+            started = time.monotonic()
+            out = await main_job(redis_url, base_url, model, rollouts=rollouts, calls=calls, budget=calls * 40,
+                                 tokens=10, sleep=0.02, timeout=120)  # fmt: skip
+            seconds = time.monotonic() - started
+        stats = model_stats(base_url)["quota"]
+    finally:
+        group.stop()
+    share = rpm_share(stats["accepted_at"], rpm, window)
+    return ProviderRun(limited, int(stats["accepted"]), int(stats["refused"]), share, seconds, out)
