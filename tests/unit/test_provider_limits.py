@@ -14,6 +14,7 @@ import pytest
 
 from rlmq.common import keys as K
 from rlmq.common.provider_limits import Permit, ProviderLimiter, ProviderLimits, snapshot
+from rlmq.cli.status import collect, render
 from rlmq.scripted.quota import ProviderQuota
 from rlmq.workers.provider_transport import LimitedTransport, request_tokens, spent_tokens
 from rlmq.workers.transport import HttpReply
@@ -186,3 +187,17 @@ def test_the_scripted_quota_refuses_past_its_limits_and_says_when_to_come_back()
     quota.settle(entry, 40)  # it spent 40
     assert quota.admit(20)[0] is not None
     assert (quota.accepted, quota.refused) == (4, 2)
+
+
+async def test_rlmq_status_shows_what_is_used_of_each_limit() -> None:
+    server = fakeredis.FakeServer()
+    lim = limiter(server, rpm=600, tpm=100_000, max_concurrent=8)
+    permits = [await lim.acquire(300, lease=30, timeout=2) for _ in range(3)]
+    await lim.finish(permits[0], 120)
+    await lim.pause(5)
+    text = render(collect(fakeredis.FakeRedis(server=server)))
+    row = next(line for line in text.splitlines() if line.startswith("up "))
+    assert "PROVIDER LIMITS (1)" in text
+    cells = row.split()
+    assert cells[:6] == ["up", "60", "s", "3/600", "720/100000", "2/8"], row  # 300 + 300 + 120 spent
+    assert cells[6] in ("4.9", "5.0") and cells[7] == "s", row
