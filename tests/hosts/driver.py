@@ -1,0 +1,106 @@
+"""What a trainer host of the test fleet runs (``python -m tests.hosts.driver COMMAND ...``, on a host).
+
+Commands, each printing one JSON line:
+
+* ``wait-workers --redis-url U --model M --n N``: until ``N`` workers serve the model's queue (30 s);
+* ``main-job --redis-url U --base-url B --model M [--rollouts R --calls C --budget T --tokens K
+  --sleep S --label L]``: :func:`tests.fleet.harness.main_job`; prints ``go`` first, then its counts
+  and ``seconds``;
+* ``tree-job ... [--max-depth D --parts P --rollout-key-ttl T]``: :func:`tests.fleet.harness.tree_job`;
+* ``drained --redis-url U --model M --timeout T``: until no job of the model's queues waits or runs and
+  no worker has one in flight; prints how long it took (``seconds``, ``None`` past the timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import redis
+
+from rlmq.cli.status import collect
+from rlmq.common import keys as K
+from tests.fleet.harness import main_job, tree_job
+
+
+def _wait_workers(args: argparse.Namespace) -> dict[str, Any]:
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    queue = K.queue_name_for_model(args.model)
+    deadline = time.monotonic() + 30
+    while client.scard(K.rq_workers_of_queue(queue)) < args.n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{args.n} workers did not register on {queue} within 30 s")
+        time.sleep(0.05)  # polling other hosts' registration, bounded by the deadline
+    return {"workers": int(client.scard(K.rq_workers_of_queue(queue)))}
+
+
+def _drained(args: argparse.Namespace) -> dict[str, Any]:
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    base = K.queue_name_for_model(args.model)
+    started = time.monotonic()
+    while time.monotonic() - started < args.timeout:
+        snap = collect(client)
+        mine = [q for q in snap["queues"] if q["name"].startswith(base)]
+        busy = sum(w["inflight"] for w in snap["workers"] if w.get("live", True))
+        if all(q["depth"] == 0 and q["started"] == 0 for q in mine) and busy == 0:
+            return {"seconds": round(time.monotonic() - started, 2), "rollouts": snap["rollouts_total"]}
+        time.sleep(0.2)  # polling the fleet's state, bounded by --timeout
+    return {"seconds": None, "queues": mine, "inflight": busy}
+
+
+async def _main_job(args: argparse.Namespace) -> dict[str, Any]:
+    print("go", flush=True)
+    started = time.monotonic()
+    out = await main_job(
+        args.redis_url, args.base_url, args.model, rollouts=args.rollouts, calls=args.calls, budget=args.budget,
+        tokens=args.tokens, sleep=args.sleep, timeout=args.timeout, label=args.label,
+    )  # fmt: skip
+    return {**out.summary(), "seconds": round(time.monotonic() - started, 3)}
+
+
+async def _tree_job(args: argparse.Namespace) -> dict[str, Any]:
+    print("go", flush=True)
+    out = await tree_job(
+        args.redis_url, args.base_url, args.model, max_depth=args.max_depth, rollouts=args.rollouts,
+        parts=args.parts, label=args.label, timeout=args.timeout, rollout_key_ttl=args.rollout_key_ttl,
+    )  # fmt: skip
+    return out.summary()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command (see the module docstring)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["wait-workers", "main-job", "tree-job", "drained"])
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--base-url", default="")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--rollouts", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=16)
+    parser.add_argument("--budget", type=int, default=4000)
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--sleep", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--label", default="job")
+    parser.add_argument("--max-depth", type=int, default=2)
+    parser.add_argument("--parts", type=int, default=2)
+    parser.add_argument("--rollout-key-ttl", type=int, default=3600)
+    args = parser.parse_args(argv)
+    if args.command == "wait-workers":
+        answer = _wait_workers(args)
+    elif args.command == "drained":
+        answer = _drained(args)
+    elif args.command == "main-job":
+        answer = asyncio.run(_main_job(args))
+    else:
+        answer = asyncio.run(_tree_job(args))
+    print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
