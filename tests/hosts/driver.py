@@ -3,7 +3,7 @@
 Commands, each printing one JSON line:
 
 * ``wait-workers --redis-url U --model M --n N``: until ``N`` workers serve the model's queue (30 s);
-* ``main-job --redis-url U --base-url B --model M [--rollouts R --calls C --budget T --tokens K
+* ``main-job --redis-url U --base-url B --model M [--rollouts R --calls C --budget T --cap G --tokens K
   --sleep S --label L]``: :func:`tests.fleet.harness.main_job`; prints ``go`` first, then its counts
   and ``seconds``;
 * ``tree-job ... [--max-depth D --parts P --rollout-key-ttl T]``: :func:`tests.fleet.harness.tree_job`;
@@ -57,7 +57,7 @@ async def _main_job(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     out = await main_job(
         args.redis_url, args.base_url, args.model, rollouts=args.rollouts, calls=args.calls, budget=args.budget,
-        tokens=args.tokens, sleep=args.sleep, timeout=args.timeout, label=args.label,
+        tokens=args.tokens, sleep=args.sleep, timeout=args.timeout, label=args.label, cap=args.cap,
     )  # fmt: skip
     return {**out.summary(), "seconds": round(time.monotonic() - started, 3)}
 
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--budget", type=int, default=4000)
     parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--cap", type=int, default=None)
     parser.add_argument("--sleep", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--label", default="job")

@@ -34,6 +34,7 @@ class HostFleet:
         rtt_ms: round trip added between hosts (milliseconds).
         worker_flags: flags of every worker.
         log_dir: where each process's log goes.
+        model_latency: seconds the scripted model takes per call.
     """
 
     def __init__(
@@ -45,7 +46,9 @@ class HostFleet:
         rtt_ms: float = 1.0,
         worker_flags: tuple[str, ...] = ("--concurrency", "64", "--heartbeat-ttl", "3"),
         log_dir: str | None = None,
+        model_latency: float = 0.0,
     ) -> None:
+        self.model_latency = model_latency
         self.workers, self.trainers, self.model, self.rtt_ms = workers, trainers, model, rtt_ms
         self.worker_flags = list(worker_flags)
         self.group = ProcessGroup(log_dir)
@@ -79,7 +82,9 @@ class HostFleet:
         redis_argv = [find_redis_server(), "--port", str(REDIS_PORT), "--bind", "127.0.0.1", "--save", "",
                       "--appendonly", "no"]  # fmt: skip
         self.spawn("redis", redis_argv, "redis")
-        self.spawn("model", rlmq_command("mock-llm", "--host", "127.0.0.1", "--port", str(MODEL_PORT)), "model")
+        self.spawn("model", rlmq_command(
+            "mock-llm", "--host", "127.0.0.1", "--port", str(MODEL_PORT), "--latency", f"{self.model_latency:g}"
+        ), "model")
         self._proxy("redis", REDIS_PORT)
         self._proxy("model", MODEL_PORT)
         for host, port in (("redis", REDIS_PORT), ("model", MODEL_PORT)):

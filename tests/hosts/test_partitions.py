@@ -32,7 +32,7 @@ def test_a_worker_host_cut_off_mid_job_and_back_loses_nothing(tmp_path: Any) -> 
     logs = str(tmp_path / "logs")
     with HostFleet(workers={"w1": [], "w2": [], "w3": []}, rtt_ms=5, log_dir=logs) as f:
         proc = f.start_driver("trainer1", "main-job", *job_args(f), "--rollouts", "3", "--calls", "24",
-                              "--budget", "12000", "--tokens", "200", "--sleep", "3")  # fmt: skip
+                              "--budget", "12000", "--cap", "400", "--tokens", "200", "--sleep", "3")  # fmt: skip
         wait_go(proc)
         time.sleep(1.5)  # the first calls are running on every worker host (3 s each)
         f.net.down("w1")
@@ -42,5 +42,28 @@ def test_a_worker_host_cut_off_mid_job_and_back_loses_nothing(tmp_path: Any) -> 
     print(out)
     text = log_text(logs)
     assert (out["lost"], out["duplicated"], out["overshoot"]) == (0, 0, 0), (out, text[-3000:])
-    assert out["wasted"] >= 1, out  # w1 had calls at the model when it was cut off: they were run again
+    assert out["rejected"] == 0 and out["wasted"] >= 1, out  # w1 had calls at the model when it was cut off: they were run again
+    assert "took back" in text
     assert out["seconds"] < 40, out
+
+
+def test_a_repl_host_cut_off_for_good_mid_tree_loses_no_tree(tmp_path: Any) -> None:
+    """The only REPL host runs the trees' child rollouts when it drops off for good; a REPL host
+    started then on another host runs them again, and every tree answers."""
+    logs = str(tmp_path / "logs")
+    with HostFleet(workers={"w1": [], "repl": ["--repl-slots", "4"], "w2": []}, rtt_ms=1, model_latency=1.0,
+                   log_dir=logs) as f:  # fmt: skip
+        proc = f.start_driver("trainer1", "tree-job", *job_args(f), "--rollouts", "2", "--parts", "2",
+                              "--max-depth", "2", "--timeout", "120")  # fmt: skip
+        wait_go(proc)
+        time.sleep(3.5)  # the top rollouts' first turn (1 s), then their children on the REPL host
+        f.net.down("repl")
+        f.start_worker("w2", ["--repl-slots", "4"])
+        out = driver_answer(proc, 120)
+    print(out)
+    text = log_text(logs)
+    assert out["stop_reasons"] == ["answer_ready", "answer_ready"], (out, text[-3000:])
+    assert out["correct"] == 2 and out["errors"] == [] and out["depths"] == [2, 2], out
+    assert "took back" in text  # the cut host's child rollouts were taken back...
+    with open(f"{logs}/w2.log", errors="replace") as log:
+        assert "hosted child rollouts" in log.read()  # ...and run again on the new REPL host
