@@ -7,8 +7,11 @@ Commands, each printing one JSON line:
   --sleep S --label L]``: :func:`tests.fleet.harness.main_job`; prints ``go`` first, then its counts
   and ``seconds``;
 * ``tree-job ... [--max-depth D --parts P --rollout-key-ttl T]``: :func:`tests.fleet.harness.tree_job`;
-* ``drained --redis-url U --model M --timeout T``: until no job of the model's queues waits or runs and
-  no worker has one in flight; prints how long it took (``seconds``, ``None`` past the timeout).
+* ``wait-children --redis-url U --model M --label L --n N --timeout T``: until ``N`` child rollouts of
+  the trees labelled ``L`` run (listed by ``rlmq status``);
+* ``drained --redis-url U --model M --timeout T``: until no job of the model's queues waits or runs,
+  no worker has one in flight and ``rlmq status`` lists no live rollout; prints how long it took
+  (``seconds``, ``None`` past the timeout) and how many reservations are still open in any ledger.
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ def _wait_workers(args: argparse.Namespace) -> dict[str, Any]:
     return {"workers": int(client.scard(K.rq_workers_of_queue(queue)))}
 
 
+def _wait_children(args: argparse.Namespace) -> dict[str, Any]:
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        rollouts = collect(client)["rollouts"]
+        children = [r for r in rollouts if r["depth"] >= 2 and str(r["parent"] or "").startswith(f"t_{args.label}")]
+        if len(children) >= args.n:
+            return {"children": [r["id"] for r in children]}
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{args.n} child rollouts of {args.label} did not start within {args.timeout:g} s")
+        time.sleep(0.1)  # polling the fleet's state, bounded by --timeout
+
+
 def _drained(args: argparse.Namespace) -> dict[str, Any]:
     client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
     base = K.queue_name_for_model(args.model)
@@ -46,10 +62,12 @@ def _drained(args: argparse.Namespace) -> dict[str, Any]:
         snap = collect(client)
         mine = [q for q in snap["queues"] if q["name"].startswith(base)]
         busy = sum(w["inflight"] for w in snap["workers"] if w.get("live", True))
-        if all(q["depth"] == 0 and q["started"] == 0 for q in mine) and busy == 0:
-            return {"seconds": round(time.monotonic() - started, 2), "rollouts": snap["rollouts_total"]}
+        idle = all(q["depth"] == 0 and q["started"] == 0 for q in mine) and busy == 0
+        if idle and snap["rollouts_total"] == 0:
+            live = sum(int(client.zcard(k)) for k in client.scan_iter(match="rlmq:{*}:live", count=1000))
+            return {"seconds": round(time.monotonic() - started, 2), "open_reservations": live}
         time.sleep(0.2)  # polling the fleet's state, bounded by --timeout
-    return {"seconds": None, "queues": mine, "inflight": busy}
+    return {"seconds": None, "queues": mine, "inflight": busy, "rollouts": snap["rollouts"]}
 
 
 async def _main_job(args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +92,7 @@ async def _tree_job(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Run one command (see the module docstring)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["wait-workers", "main-job", "tree-job", "drained"])
+    parser.add_argument("command", choices=["wait-workers", "wait-children", "main-job", "tree-job", "drained"])
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--base-url", default="")
     parser.add_argument("--model", required=True)
@@ -93,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "wait-workers":
         answer = _wait_workers(args)
+    elif args.command == "wait-children":
+        answer = _wait_children(args)
     elif args.command == "drained":
         answer = _drained(args)
     elif args.command == "main-job":

@@ -67,3 +67,36 @@ def test_a_repl_host_cut_off_for_good_mid_tree_loses_no_tree(tmp_path: Any) -> N
     assert "took back" in text  # the cut host's child rollouts were taken back...
     with open(f"{logs}/w2.log", errors="replace") as log:
         assert "hosted child rollouts" in log.read()  # ...and run again on the new REPL host
+
+
+def test_a_trainer_host_cut_off_for_good_mid_tree_frees_the_fleet(tmp_path: Any) -> None:
+    """trainer2's trees (children on the REPL host) lose their trainer for good while their children
+    run: the children finish or end (their tree's node lapses with the rollouts' lease), their jobs
+    drain, no worker holds a call of theirs, no ledger a reservation, and ``rlmq status`` drops them;
+    trainer1's trees, running beside them on the same workers, all answer."""
+    logs = str(tmp_path / "logs")
+    ttl = ["--rollout-key-ttl", "10"]
+    with HostFleet(workers={"w1": [], "repl": ["--repl-slots", "4"]}, rtt_ms=1,
+                   trainers=("trainer1", "trainer2"), model_latency=1.0, log_dir=logs) as f:  # fmt: skip
+        doomed = f.start_driver("trainer2", "tree-job", *job_args(f), "--rollouts", "2", "--parts", "2",
+                                "--max-depth", "3", "--label", "doomed", *ttl)  # fmt: skip
+        wait_go(doomed)
+        other = f.start_driver("trainer1", "tree-job", *job_args(f), "--rollouts", "2", "--parts", "2",
+                               "--max-depth", "2", "--label", "other", "--timeout", "120", *ttl)  # fmt: skip
+        wait_go(other)
+        f.driver("trainer1", "wait-children", "--redis-url", f.redis_url, "--model", f.model, "--label", "doomed",
+                 "--n", "2", "--timeout", "40")  # fmt: skip
+        f.net.down("trainer2")  # while its children run on the REPL host
+        cut = time.monotonic()
+        out = driver_answer(other, 120)
+        drained = f.driver("trainer1", "drained", "--redis-url", f.redis_url, "--model", f.model, "--timeout", "40")
+        freed = time.monotonic() - cut
+        doomed.kill()
+        doomed.communicate()
+    print(out, drained, freed)
+    text = log_text(logs)
+    assert out["stop_reasons"] == ["answer_ready", "answer_ready"] and out["correct"] == 2, (out, text[-3000:])
+    # nothing of trainer2's left running or listed in rlmq status
+    assert drained["seconds"] is not None, (drained, text[-3000:])
+    assert drained["open_reservations"] == 0, drained  # no ledger holds a reservation of the lost trees
+    assert freed < 60, freed
