@@ -61,9 +61,13 @@ class HostNet:
         self._ports: dict[str, str] = {}
         self._made: list[str] = []
         atexit.register(self.close)
-        self._add_ns(self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
+        try:
+            self._add_ns(self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
 
     def _add_ns(self, name: str) -> None:
         _ip("netns", "add", name)
@@ -78,7 +82,7 @@ class HostNet:
         """Add a host on the bridge; returns its address (``10.213.<subnet>.<n>``)."""
         n = len(self.hosts) + 1
         ns, port = self.ns(host), f"p{n}"
-        self._add_ns(ns)
+        self._add_ns(ns)  # a failure from here on leaves it to close(), which the caller's `with` runs
         _ip("link", "add", "name", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
         _ip("-n", self.switch, "link", "set", port, "master", "br0")
         _ip("-n", self.switch, "link", "set", port, "up")
