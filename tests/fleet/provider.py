@@ -3,8 +3,8 @@ by several worker processes with or without the fleet-wide provider limits.
 
 :func:`provider_run` counts what the provider saw (its own ``/stats``): requests it accepted, the
 429s it answered, and the share of its requests-per-window limit used while the fleet had work:
-``accepted / (rpm * (span / window + 1))``, where ``span`` runs from the first to the last accepted
-request (a sliding window admits at most ``rpm * (span / window + 1)`` requests in that span).
+the requests accepted in the whole windows from the first accepted request while the fleet still
+had work, over what the limit allows in them (:func:`rpm_share`).
 """
 
 from __future__ import annotations
@@ -39,12 +39,17 @@ class ProviderRun:
 
 
 def rpm_share(accepted_at: list[float], rpm: int, window: float) -> float:
-    """The share of a sliding ``rpm`` per ``window`` limit that requests accepted at ``accepted_at``
-    (seconds) used (see the module docstring)."""
+    """The share of a ``rpm`` per ``window`` limit that requests accepted at ``accepted_at`` (seconds)
+    used while the fleet had work: the requests accepted in the whole windows from the first one
+    (``k`` windows, ending before the last request: the fleet still had work through them), over
+    ``k * rpm``; with less than a window of work, the requests over ``rpm``."""
     if not accepted_at:
         return 0.0
-    span = max(accepted_at) - min(accepted_at)
-    return len(accepted_at) / (rpm * (span / window + 1))
+    first, last = min(accepted_at), max(accepted_at)
+    k = int((last - first) // window)
+    if k == 0:
+        return len(accepted_at) / rpm
+    return sum(1 for t in accepted_at if t < first + k * window) / (k * rpm)
 
 
 async def provider_run(

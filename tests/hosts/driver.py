@@ -9,6 +9,9 @@ Commands, each printing one JSON line:
 * ``tree-job ... [--max-depth D --parts P --rollout-key-ttl T]``: :func:`tests.fleet.harness.tree_job`;
 * ``wait-children --redis-url U --model M --label L --n N --timeout T``: until ``N`` child rollouts of
   the trees labelled ``L`` run (listed by ``rlmq status``);
+* ``latency --redis-url U --model M --n N``: ``N`` batches of one sub-call, one after the other:
+  the median and p90 of their seconds;
+* ``model-stats --base-url B --model M``: the scripted model's counters (and its quota's);
 * ``drained --redis-url U --model M --timeout T``: until no job of the model's queues waits or runs,
   no worker has one in flight and ``rlmq status`` lists no live rollout; prints how long it took
   (``seconds``, ``None`` past the timeout) and how many reservations are still open in any ledger.
@@ -80,6 +83,43 @@ async def _main_job(args: argparse.Namespace) -> dict[str, Any]:
     return {**out.summary(), "seconds": round(time.monotonic() - started, 3)}
 
 
+async def _latency(args: argparse.Namespace) -> dict[str, Any]:
+    """``--n`` batches of one sub-call, one after the other: seconds of each (median, p90)."""
+    import statistics
+    import uuid
+
+    from rlmq.common.connection import async_client
+    from rlmq.common.ledger import BudgetLedger
+    from rlmq.common.schemas import SubCallOptions
+    from rlmq.producer.dispatch import BatchSpec, Dispatcher
+
+    client = async_client(args.redis_url)
+    rid = f"t_{args.label}{uuid.uuid4().hex[:6]}"
+    queue = K.tenant_queue(K.queue_name_for_model(args.model), "t")
+    times: list[float] = []
+    try:
+        await BudgetLedger(client).open(rid, 10**7, cap=100)
+        dispatcher = Dispatcher(client)
+        for i in range(args.n):
+            spec = BatchSpec(rollout_id=rid, batch_id=f"b{i}", queue=queue, sub_call_timeout=args.timeout,
+                             parallelism=1, call=SubCallOptions(model=args.model, budgeted=True))  # fmt: skip
+            started = time.monotonic()
+            results = await dispatcher.run_batch(spec, [f"Ping {i}. [[mock:tokens:10]]"])
+            times.append(time.monotonic() - started)
+            assert results[0].status == "ok", results[0]
+    finally:
+        await client.aclose()
+    times.sort()
+    return {"n": len(times), "median": statistics.median(times), "p90": times[int(0.9 * (len(times) - 1))]}
+
+
+def _model_stats(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.fleet.harness import model_stats
+
+    stats = model_stats(args.base_url)
+    return {k: stats[k] for k in ("requests", "completions", "faults", "quota") if k in stats}
+
+
 async def _tree_job(args: argparse.Namespace) -> dict[str, Any]:
     print("go", flush=True)
     out = await tree_job(
@@ -92,7 +132,9 @@ async def _tree_job(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Run one command (see the module docstring)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["wait-workers", "wait-children", "main-job", "tree-job", "drained"])
+    parser.add_argument(
+        "command", choices=["wait-workers", "wait-children", "main-job", "tree-job", "drained", "latency", "model-stats"]
+    )
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--base-url", default="")
     parser.add_argument("--model", required=True)
@@ -111,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "wait-workers":
         answer = _wait_workers(args)
+    elif args.command == "latency":
+        answer = asyncio.run(_latency(args))
+    elif args.command == "model-stats":
+        answer = _model_stats(args)
     elif args.command == "wait-children":
         answer = _wait_children(args)
     elif args.command == "drained":

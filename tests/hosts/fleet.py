@@ -35,6 +35,7 @@ class HostFleet:
         worker_flags: flags of every worker.
         log_dir: where each process's log goes.
         model_latency: seconds the scripted model takes per call.
+        model_args: more ``rlmq mock-llm`` flags (``--quota-rpm``, ...).
     """
 
     def __init__(
@@ -47,8 +48,9 @@ class HostFleet:
         worker_flags: tuple[str, ...] = ("--concurrency", "64", "--heartbeat-ttl", "3"),
         log_dir: str | None = None,
         model_latency: float = 0.0,
+        model_args: tuple[str, ...] = (),
     ) -> None:
-        self.model_latency = model_latency
+        self.model_latency, self.model_args = model_latency, list(model_args)
         self.workers, self.trainers, self.model, self.rtt_ms = workers, trainers, model, rtt_ms
         self.worker_flags = list(worker_flags)
         self.group = ProcessGroup(log_dir)
@@ -83,7 +85,8 @@ class HostFleet:
                       "--appendonly", "no"]  # fmt: skip
         self.spawn("redis", redis_argv, "redis")
         self.spawn("model", rlmq_command(
-            "mock-llm", "--host", "127.0.0.1", "--port", str(MODEL_PORT), "--latency", f"{self.model_latency:g}"
+            "mock-llm", "--host", "127.0.0.1", "--port", str(MODEL_PORT), "--latency", f"{self.model_latency:g}",
+            *self.model_args,
         ), "model")
         self._proxy("redis", REDIS_PORT)
         self._proxy("model", MODEL_PORT)

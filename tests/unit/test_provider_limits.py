@@ -201,3 +201,13 @@ async def test_rlmq_status_shows_what_is_used_of_each_limit() -> None:
     cells = row.split()
     assert cells[:6] == ["up", "60", "s", "3/600", "720/100000", "2/8"], row  # 300 + 300 + 120 spent
     assert cells[6] in ("4.9", "5.0") and cells[7] == "s", row
+
+
+def test_the_share_of_the_limit_counts_whole_windows_while_there_was_work() -> None:
+    from tests.fleet.provider import rpm_share
+
+    bursts = [0.0] * 10 + [1.05] * 10 + [2.1] * 4  # 10 per 1 s window, then the work ran out
+    assert rpm_share(bursts, 10, 1.0) == 1.0
+    paced = [i * 0.2 for i in range(24)]  # half the limit's pace
+    assert rpm_share(paced, 10, 1.0) == 0.5
+    assert rpm_share([0.0, 0.1], 10, 1.0) == 0.2
