@@ -37,7 +37,7 @@ from tests.fleet.provider import rpm_share
 from tests.hosts.fleet import ROOT, HostFleet, driver_answer
 
 RESULTS = Path(__file__).parent / "results"
-WORKERS = {"w1": [], "w2": [], "w3": []}
+WORKERS: dict[str, list[str]] = {"w1": [], "w2": [], "w3": []}
 
 
 def _job(redis_url: str, base_url: str, model: str, rollouts: int, calls: int, label: str) -> list[str]:

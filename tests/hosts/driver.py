@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command (see the module docstring)."""
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "command", choices=["wait-workers", "wait-children", "main-job", "tree-job", "drained", "latency", "model-stats"]
+        "command",
+        choices=["wait-workers", "wait-children", "main-job", "tree-job", "drained", "latency", "model-stats"],
     )
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--base-url", default="")

@@ -69,7 +69,9 @@ class HostFleet:
             self.close()
             raise
 
-    def spawn(self, host: str, argv: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, host: str, argv: list[str], name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host`` (logged as ``name``)."""
         proc = self.group.spawn(self.net.argv(host, argv), name, env=child_env(env))
         self.procs[name] = proc
@@ -84,10 +86,20 @@ class HostFleet:
         redis_argv = [find_redis_server(), "--port", str(REDIS_PORT), "--bind", "127.0.0.1", "--save", "",
                       "--appendonly", "no"]  # fmt: skip
         self.spawn("redis", redis_argv, "redis")
-        self.spawn("model", rlmq_command(
-            "mock-llm", "--host", "127.0.0.1", "--port", str(MODEL_PORT), "--latency", f"{self.model_latency:g}",
-            *self.model_args,
-        ), "model")
+        self.spawn(
+            "model",
+            rlmq_command(
+                "mock-llm",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(MODEL_PORT),
+                "--latency",
+                f"{self.model_latency:g}",
+                *self.model_args,
+            ),
+            "model",
+        )
         self._proxy("redis", REDIS_PORT)
         self._proxy("model", MODEL_PORT)
         for host, port in (("redis", REDIS_PORT), ("model", MODEL_PORT)):

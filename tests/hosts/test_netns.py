@@ -33,13 +33,15 @@ def test_hosts_reach_each_other_until_a_link_goes_down_and_a_proxy_adds_its_roun
     with HostNet(subnet=9) as net:
         a, b = net.add("a"), net.add("b")
         assert (a, b) == ("10.213.9.1", "10.213.9.2")
-        echo = subprocess.Popen(net.argv("b", [sys.executable, "-c", (
+        echo_code = (
             "import socket\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
             "s.bind(('127.0.0.1', 7000)); s.listen()\n"
             "while True:\n c,_=s.accept(); c.sendall(c.recv(1)); c.close()"
-        )]))  # fmt: skip
-        proxy = subprocess.Popen(net.argv("b", [sys.executable, "-m", "tests.hosts.delay_proxy", "--listen",
-                                 f"{b}:7001", "--to", "127.0.0.1:7000", "--rtt-ms", "40"]), stdout=subprocess.PIPE)  # fmt: skip
+        )
+        echo = subprocess.Popen(net.argv("b", [sys.executable, "-c", echo_code]))
+        proxy_argv = [sys.executable, "-m", "tests.hosts.delay_proxy", "--listen", f"{b}:7001", "--to",
+                      "127.0.0.1:7000", "--rtt-ms", "40"]  # fmt: skip
+        proxy = subprocess.Popen(net.argv("b", proxy_argv), stdout=subprocess.PIPE)
         try:
             assert proxy.stdout is not None and b"listening" in proxy.stdout.readline()
             deadline = time.monotonic() + 10

@@ -42,7 +42,9 @@ def test_a_worker_host_cut_off_mid_job_and_back_loses_nothing(tmp_path: Any) -> 
     print(out)
     text = log_text(logs)
     assert (out["lost"], out["duplicated"], out["overshoot"]) == (0, 0, 0), (out, text[-3000:])
-    assert out["rejected"] == 0 and out["wasted"] >= 1, out  # w1 had calls at the model when it was cut off: they were run again
+    assert out["rejected"] == 0 and out["wasted"] >= 1, (
+        out
+    )  # w1 had calls at the model when it was cut off: they were run again
     assert "took back" in text
     assert out["seconds"] < 40, out
 

@@ -12,9 +12,9 @@ from typing import Any
 import fakeredis
 import pytest
 
+from rlmq.cli.status import collect, render
 from rlmq.common import keys as K
 from rlmq.common.provider_limits import Permit, ProviderLimiter, ProviderLimits, snapshot
-from rlmq.cli.status import collect, render
 from rlmq.scripted.quota import ProviderQuota
 from rlmq.workers.provider_transport import LimitedTransport, request_tokens, spent_tokens
 from rlmq.workers.transport import HttpReply
@@ -26,8 +26,10 @@ def limiter(server: fakeredis.FakeServer, name: str = "w1", **limits: Any) -> Pr
 
 
 def grant_times(server: fakeredis.FakeServer) -> list[float]:
+    """The grant times (Redis's clock) in the upstream's window log."""
     r = fakeredis.FakeRedis(server=server)
-    return sorted(float(s) for _, s in r.zrange(K.ProviderKeys("up").requests, 0, -1, withscores=True))
+    entries: list[Any] = r.zrange(K.ProviderKeys("up").requests, 0, -1, withscores=True)
+    return sorted(float(entry[1]) for entry in entries)
 
 
 async def test_two_workers_share_one_requests_per_window_limit() -> None:
