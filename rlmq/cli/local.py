@@ -270,12 +270,11 @@ class LocalFleet:
         Raises:
             RlmqError: they did not register within ``timeout`` seconds (a worker died).
         """
-        import redis
-
         from rlmq.common import keys as K
+        from rlmq.common.connection import sync_client
 
         queue = K.queue_name_for_model(self.model)
-        client = redis.Redis.from_url(str(self.redis_url))
+        client = sync_client(str(self.redis_url))  # a Sentinel URL too
         deadline = time.monotonic() + timeout
         try:
             while client.scard(K.rq_workers_of_queue(queue)) < n:
