@@ -14,6 +14,9 @@ the model adding ``rtt`` milliseconds per round trip. Needs root and ``ip`` (ipr
   declaring the same limits (``--provider-rpm`` ...), once without (each worker retrying its own
   429s, as before), in the same run: share of the requests-per-window limit used, 429s answered,
   sub-calls lost.
+* **Failover** (``--failovers 3``): a Redis master, its replica and a Sentinel on this host; the
+  master killed (``kill -9``) one second into a main job on two workers that reach Redis through
+  the Sentinel URL: seconds without service, sub-calls answered, lost, duplicated, budget overshoot.
 
     python -m bench.fleet_hosts                  # both parts, about 8 minutes on 2 cores
     python -m bench.fleet_hosts --quick          # a scaled-down run (window 10 s), about 2 minutes
@@ -111,6 +114,24 @@ def quota_run(args: argparse.Namespace, limited: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def failovers(n: int) -> list[dict[str, Any]]:
+    """``n`` Sentinel failovers mid-job (:func:`tests.fleet.sentinel.failover_run`)."""
+    import asyncio
+    import tempfile
+
+    from tests.fleet.sentinel import failover_run
+
+    rows = []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory(prefix="rlmq-failover-") as folder:
+            run = asyncio.run(failover_run(Path(folder)))
+        out = run.pop("out")
+        rows.append({**run, "subcalls": out.slots, "ok": out.ok, "rejected": out.rejected, "lost": out.lost,
+                     "duplicated": out.duplicated, "overshoot": out.overshoot, "errors": dict(out.errors)})  # fmt: skip
+        print("failover:", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rtts", default="0,1,5,20", help="round trips between hosts, milliseconds (comma-separated)")
@@ -125,6 +146,7 @@ def main() -> None:
     p.add_argument("--quota-calls", type=int, default=250, help="sub-calls per rollout")
     p.add_argument("--skip-rtt", action="store_true")
     p.add_argument("--skip-quota", action="store_true")
+    p.add_argument("--failovers", type=int, default=3, help="Sentinel failovers mid-job (0: none)")
     p.add_argument("--quick", action="store_true", help="window 10 s (rpm, tpm scaled), fewer calls")
     p.add_argument("--output", default=None, help="default bench/results/fleet_hosts.json")
     args = p.parse_args()
@@ -145,6 +167,8 @@ def main() -> None:
         out["provider_quota"] = [quota_run(args, True), quota_run(args, False)]
         for row in out["provider_quota"]:
             print("provider quota:", json.dumps(row), flush=True)
+    if args.failovers:
+        out["failover"] = failovers(args.failovers)
     path = Path(args.output) if args.output else RESULTS / "fleet_hosts.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"saved {path}")

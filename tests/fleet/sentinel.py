@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from rlmq.cli.local import LocalFleet
+from rlmq.common.connection import async_client
 from rlmq.common.redis_server import find_redis_server
+from tests.fleet.harness import main_job
 
 SERVICE = "rlmqm"
 
@@ -98,3 +103,49 @@ class SentinelSet:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+
+
+async def probe(url: str, stop: asyncio.Event, ok_at: list[float]) -> None:
+    """INCR a key every 20 ms through ``url`` until ``stop``, noting when each answered (monotonic s)."""
+    client = async_client(url)
+    try:
+        while not stop.is_set():
+            try:
+                await client.incr("rlmq-failover-probe")
+                ok_at.append(time.monotonic())
+            except Exception:  # noqa: BLE001 - a failover: the next try reconnects
+                pass
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+
+
+async def failover_run(folder: Path, *, kill_after: float = 1.0, calls: int = 16, budget: int = 1200) -> dict[str, Any]:
+    """The main job (3 rollouts x ``calls`` sub-calls of 100 tokens, 2 s each, ``budget`` each) on two
+    workers through a Sentinel URL, the master killed ``kill_after`` seconds in. Returns the job's
+    counts (``out``: :class:`~tests.fleet.harness.Outcome`), ``no_service_s`` (the longest time a
+    client's ``INCR`` every 20 ms got no answer), ``job_after_kill_s``, and the master's port
+    before and after (``promoted``: they differ)."""
+    s = SentinelSet(folder / "redis")
+    try:
+        before = s.master_port()
+        with LocalFleet(redis_url=s.url, model="failover", workers=2, worker_concurrency=64,
+                        log_dir=str(folder / "logs")) as f:  # fmt: skip
+            stop, ok_at = asyncio.Event(), []
+            prober = asyncio.create_task(probe(s.url, stop, ok_at))
+            job = asyncio.create_task(main_job(s.url, str(f.base_url), "failover", rollouts=3, calls=calls,
+                                               budget=budget, tokens=100, sleep=2, timeout=30))  # fmt: skip
+            await asyncio.sleep(kill_after)
+            killed = time.monotonic()
+            s.kill_master()
+            out = await asyncio.wait_for(job, 90)
+            finished = time.monotonic() - killed
+            stop.set()
+            await prober
+        gaps = [b - a for a, b in zip(ok_at, ok_at[1:], strict=False) if b > killed - 1]
+        return {
+            "out": out, "no_service_s": round(max(gaps, default=0.0), 2), "job_after_kill_s": round(finished, 1),
+            "promoted": s.master_port() != before,
+        }  # fmt: skip
+    finally:
+        s.close()
