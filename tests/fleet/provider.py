@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlmq.cli.local import LocalFleet, ProcessGroup, start_mock_llm
-from tests.fleet.harness import Outcome, main_job, model_stats
+from tests.fleet.harness import Outcome, main_job, model_stats, skewed_env
 
 
 @dataclass
@@ -64,10 +64,12 @@ async def provider_run(
     calls: int = 50,
     margin: float = 0.1,
     log_dir: str | None = None,
+    skewed: float = 0.0,
 ) -> ProviderRun:
     """Run the main job (``rollouts`` x ``calls`` sub-calls of 10 tokens) through ``workers`` worker
     processes against a scripted model answering 429 past ``rpm`` requests (and ``tpm`` tokens) per
-    ``window`` seconds; with ``limited`` the workers declare the same limits (``--provider-*``)."""
+    ``window`` seconds; with ``limited`` the workers declare the same limits (``--provider-*``).
+    ``skewed``: the wall clock of the last worker runs this many seconds ahead (libfaketime)."""
     group = ProcessGroup(log_dir)
     quota = ["--quota-rpm", str(rpm), "--quota-window", f"{window:g}"]
     limits = ["--provider-rpm", str(rpm), "--provider-window", f"{window:g}", "--provider-window-margin", f"{margin:g}"]
@@ -78,8 +80,12 @@ async def provider_run(
         base_url = start_mock_llm(group, extra=quota)
         model = f"quota-{uuid.uuid4().hex[:6]}"
         args = limits if limited else []
-        with LocalFleet(redis_url=redis_url, model=model, base_url=base_url, workers=workers, worker_args=args,
-                        log_dir=log_dir):  # fmt: skip
+        with LocalFleet(redis_url=redis_url, model=model, base_url=base_url, workers=workers - bool(skewed),
+                        worker_args=args, log_dir=log_dir) as fleet:  # fmt: skip
+            if skewed:
+                fleet.worker_env = skewed_env(skewed)
+                fleet.start_worker("skewed")
+                fleet.wait_for_workers(workers)
             started = time.monotonic()
             out = await main_job(redis_url, base_url, model, rollouts=rollouts, calls=calls, budget=calls * 40,
                                  tokens=10, sleep=0.02, timeout=120)  # fmt: skip
