@@ -135,7 +135,7 @@ class ProviderLimiter:
         self._waiting: collections.OrderedDict[str, collections.deque[_Waiter]] = collections.OrderedDict()
         self._pump: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._announced = False
+        self._announce_at = 0.0  # when to write the limits for rlmq status next (monotonic s)
         self.refusals: collections.Counter[str] = collections.Counter()
         self.pauses = 0
 
@@ -209,7 +209,7 @@ class ProviderLimiter:
             batch = self._batch()
             if not batch:
                 return
-            if not self._announced:
+            if time.monotonic() >= self._announce_at:
                 await self._announce()
             try:
                 granted, wait_ms, reason = await self._ask(batch)
@@ -248,11 +248,13 @@ class ProviderLimiter:
             waiter.future.set_result(permit)
 
     async def _announce(self) -> None:
-        """Write this upstream's limits where ``rlmq status`` reads them (once per process)."""
+        """Write this upstream's limits where ``rlmq status`` reads them (again every 5 minutes, so a
+        Redis that restarted shows them; after a failure, in 30 s)."""
+        self._announce_at = time.monotonic() + 300.0
         try:
             await self.redis.hset(K.PROVIDER_LIMITS, self.limits.upstream, self.limits.as_json())
-            self._announced = True
         except RedisError as exc:
+            self._announce_at = time.monotonic() + 30.0
             log.warning("could not announce the provider limits of %s (%s)", self.limits.upstream, exc)
 
     def _background(self, coro: Any) -> None:
