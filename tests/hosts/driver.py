@@ -4,8 +4,8 @@ Commands, each printing one JSON line:
 
 * ``wait-workers --redis-url U --model M --n N``: until ``N`` workers serve the model's queue (30 s);
 * ``main-job --redis-url U --base-url B --model M [--rollouts R --calls C --budget T --cap G --tokens K
-  --sleep S --label L]``: :func:`tests.fleet.harness.main_job`; prints ``go`` first, then its counts
-  and ``seconds``;
+  --sleep S --label L --busy N]``: :func:`tests.fleet.harness.main_job`; prints ``go`` first, ``busy``
+  once the model has ``N`` calls in flight, then its counts and ``seconds``;
 * ``tree-job ... [--max-depth D --parts P --rollout-key-ttl T]``: :func:`tests.fleet.harness.tree_job`;
 * ``wait-children --redis-url U --model M --label L --n N --timeout T``: until ``N`` child rollouts of
   the trees labelled ``L`` run (listed by ``rlmq status``);
@@ -73,13 +73,25 @@ def _drained(args: argparse.Namespace) -> dict[str, Any]:
     return {"seconds": None, "queues": mine, "inflight": busy, "rollouts": snap["rollouts"]}
 
 
+async def _say_busy(base_url: str, n: int) -> None:
+    """Print ``busy`` once the scripted model has ``n`` requests in flight (polled every 50 ms)."""
+    from tests.fleet.harness import model_stats
+
+    while (await asyncio.to_thread(model_stats, base_url))["in_flight"] < n:
+        await asyncio.sleep(0.05)
+    print("busy", flush=True)
+
+
 async def _main_job(args: argparse.Namespace) -> dict[str, Any]:
     print("go", flush=True)
     started = time.monotonic()
+    busy = asyncio.create_task(_say_busy(args.base_url, args.busy)) if args.busy else None
     out = await main_job(
         args.redis_url, args.base_url, args.model, rollouts=args.rollouts, calls=args.calls, budget=args.budget,
         tokens=args.tokens, sleep=args.sleep, timeout=args.timeout, label=args.label, cap=args.cap,
     )  # fmt: skip
+    if busy is not None:
+        busy.cancel()
     return {**out.summary(), "seconds": round(time.monotonic() - started, 3)}
 
 
@@ -145,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4000)
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--cap", type=int, default=None)
+    parser.add_argument("--busy", type=int, default=0, help="main-job: say busy at this many model calls in flight")
     parser.add_argument("--sleep", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--label", default="job")
