@@ -61,7 +61,7 @@ async def _handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         await asyncio.gather(_pump(client_r, server_w, delay), _pump(server_r, client_w, delay))
-    except (OSError, asyncio.IncompleteReadError):
+    except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):  # closed, or the proxy stops
         pass
     finally:
         for w in (client_w, server_w):
