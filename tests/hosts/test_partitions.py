@@ -5,6 +5,7 @@ TTL is 3 s and the rollouts' key TTL 10 s, so a host's loss is noticed as fast a
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from typing import Any
@@ -76,13 +77,13 @@ def test_a_repl_host_cut_off_for_good_mid_tree_loses_no_tree(tmp_path: Any) -> N
 
 def test_a_trainer_host_cut_off_for_good_mid_tree_frees_the_fleet(tmp_path: Any) -> None:
     """trainer2's trees (children on the REPL host) lose their trainer for good while their children
-    run: the children finish or end (their tree's node lapses with the rollouts' lease), their jobs
-    drain, no worker holds a call of theirs, no ledger a reservation, and ``rlmq status`` drops them;
-    trainer1's trees, running beside them on the same workers, all answer."""
+    run (3 s per model call, so they need grants after the tree's 10 s lease): the children end (their
+    tree's node lapsed), their jobs drain, no worker holds a call of theirs, no ledger a reservation,
+    and ``rlmq status`` drops them; trainer1's trees, beside them on the same workers, all answer."""
     logs = str(tmp_path / "logs")
     ttl = ["--rollout-key-ttl", "10"]
     with HostFleet(workers={"w1": [], "repl": ["--repl-slots", "4"]}, rtt_ms=1,
-                   trainers=("trainer1", "trainer2"), model_latency=1.0, log_dir=logs) as f:  # fmt: skip
+                   trainers=("trainer1", "trainer2"), model_latency=3.0, log_dir=logs) as f:  # fmt: skip
         doomed = f.start_driver("trainer2", "tree-job", *job_args(f), "--rollouts", "2", "--parts", "2",
                                 "--max-depth", "3", "--label", "doomed", *ttl)  # fmt: skip
         wait_go(doomed)
@@ -105,3 +106,7 @@ def test_a_trainer_host_cut_off_for_good_mid_tree_frees_the_fleet(tmp_path: Any)
     assert drained["seconds"] is not None, (drained, text[-3000:])
     assert drained["open_reservations"] == 0, drained  # no ledger holds a reservation of the lost trees
     assert freed < 60, freed
+    # trainer2's children outlived their tree's lease on the REPL host: they ended without an answer
+    with open(f"{logs}/repl.log", errors="replace") as log:
+        hosted = re.search(r"hosted child rollouts: (\d+) finished \(answer_ready=(\d+)", log.read())
+    assert hosted is not None and int(hosted[2]) < int(hosted[1]), hosted
