@@ -136,8 +136,8 @@ Directives in the prompt:
 Server-wide options: ``latency`` (seconds slept before every chat completion),
 ``spend_all`` (sub-LLM calls only) and ``quota`` (a provider's hard quota over all callers:
 requests and tokens per window answered 429 with ``Retry-After`` past it, ``rlmq mock-llm
---quota-rpm R --quota-tpm T --quota-window W``; :mod:`rlmq.scripted.quota`). Directives are removed from a prompt before it is
-answered. The handler uses ``json`` and precompiled regexes only, to stay cheap under
+--quota-rpm R --quota-tpm T --quota-window W``; :mod:`rlmq.scripted.quota`). Directives are
+removed from a prompt before it is answered. The handler uses ``json`` and precompiled regexes only, to stay cheap under
 benchmarks.
 
 Run it alone with ``rlmq mock-llm --port P`` or ``python -m rlmq.scripted.server --port 0``
