@@ -61,6 +61,7 @@ from rlmq.workers.fetch import Fetcher
 from rlmq.workers.inflight import InFlight
 from rlmq.workers.kinds import JobKind, KindRegistry, Outcome, check_slot
 from rlmq.workers.model import ChatClient
+from rlmq.workers.provider_transport import model_transport
 from rlmq.workers.subllm import SubLLMContext
 from rlmq.workers.subllm_kind import SubLLMKind
 from rlmq.workers.tools import ToolRegistry
@@ -157,7 +158,14 @@ class SubLLMWorker:
                 settings.api_key.get_secret_value(),
                 timeout=settings.model_timeout,
                 retries=settings.model_retries,
-                max_connections=max(100, self.concurrency),
+                transport=model_transport(  # fleet-wide provider limits, when declared
+                    settings,
+                    self.queue,
+                    self.redis,
+                    name=self.name,
+                    max_connections=max(100, self.concurrency),
+                    metrics=self.metrics,
+                ),  # fmt: skip
                 token_api=settings.token_api(),
             )
         )

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -137,14 +137,15 @@ def start_mock_llm(
     spend_all: bool = False,
     timeout: float = 20.0,
     token_shape: str = "vllm",
+    extra: Sequence[str] = (),
 ) -> str:
-    """Start ``rlmq mock-llm --port 0`` and return its base URL (``http://127.0.0.1:P/v1``);
+    """Start ``rlmq mock-llm --port 0 [extra...]`` and return its base URL (``http://127.0.0.1:P/v1``);
     ``token_shape``: the server whose token fields it answers in (``--token-shape``).
 
     Raises:
         RlmqError: the server did not report its port within ``timeout`` seconds.
     """
-    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency), "--token-shape", token_shape)
+    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency), "--token-shape", token_shape, *extra)
     if spend_all:
         argv.append("--spend-all")
     proc = subprocess.Popen(
@@ -279,12 +280,11 @@ class LocalFleet:
         Raises:
             RlmqError: they did not register within ``timeout`` seconds (a worker died).
         """
-        import redis
-
         from rlmq.common import keys as K
+        from rlmq.common.connection import sync_client
 
         queue = K.queue_name_for_model(self.model)
-        client = redis.Redis.from_url(str(self.redis_url))
+        client = sync_client(str(self.redis_url))  # a Sentinel URL too
         deadline = time.monotonic() + timeout
         try:
             while client.scard(K.rq_workers_of_queue(queue)) < n:

@@ -170,6 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="vllm",
         help="whose token-id fields it answers (default vllm)",
     )
+    mock.add_argument(
+        "--quota-rpm",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="a provider's hard quota: answer 429 past N requests per --quota-window, all callers",
+    )
+    mock.add_argument(
+        "--quota-tpm",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="a provider's hard quota: answer 429 past N tokens (words) per --quota-window",
+    )
+    mock.add_argument("--quota-window", type=bounded(float, 0.01), default=60.0, metavar="SECONDS",
+                      help="the quota's window (default 60)")  # fmt: skip
 
     export = sub.add_parser(
         "export-samples", help="one training sample per branch of a run made with --include-sub-llm-in-trajectory"
@@ -477,10 +493,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
     from rlmq.common.errors import ConfigError
+    from rlmq.scripted.quota import ProviderQuota
     from rlmq.scripted.server import serve
 
+    quota = None
+    if args.quota_rpm is not None or args.quota_tpm is not None:
+        quota = ProviderQuota(args.quota_rpm, args.quota_tpm, args.quota_window)
     try:
-        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all, token_shape=args.token_shape)
+        serve(
+            args.host,
+            args.port,
+            latency=args.latency,
+            spend_all=args.spend_all,
+            token_shape=args.token_shape,
+            quota=quota,
+        )
     except OSError as exc:  # the port is taken, or the address is not ours
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     return 0
