@@ -3,7 +3,9 @@
 Timeouts: ``socket_timeout`` must exceed every blocking command's own timeout (rlmq's
 blocking waits are at most 2 s), so a slow network shows up as a reconnect, not as a
 spurious error. Reconnects use redis-py's own retry with exponential backoff. ``rediss://``
-URLs (TLS) and passwords in the URL work as redis-py parses them.
+URLs (TLS) and passwords in the URL work as redis-py parses them; a Sentinel URL
+(``redis+sentinel://host:port[,host:port]/<service>[/<db>]``, :mod:`rlmq.common.sentinel`) works
+wherever a Redis URL goes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from rlmq.common import sentinel
 from rlmq.common.errors import ConfigError, RedisUnavailableError
 
 SOCKET_TIMEOUT = 15.0
@@ -47,7 +50,11 @@ def check_redis(url: str, *, timeout: float = CHECK_TIMEOUT) -> None:
     """
     where = mask_url(url)
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+        sentinels = sentinel.parse(url)
+        if sentinels is not None:
+            client = sentinel.sync_client(sentinels, socket_connect_timeout=timeout, socket_timeout=timeout)
+        else:
+            client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     except ValueError as exc:
         raise ConfigError(f"not a Redis URL: {where} ({exc})") from exc
     try:
@@ -63,7 +70,7 @@ def check_redis(url: str, *, timeout: float = CHECK_TIMEOUT) -> None:
     except redis.ResponseError as exc:  # NOAUTH on servers redis-py does not map, and the like
         auth = "auth" in str(exc).lower()
         raise RedisUnavailableError(f"Redis at {where} refused the connection: {exc}", auth=auth) from exc
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:  # MasterNotFoundError included
         raise RedisUnavailableError(f"cannot reach Redis at {where}: {exc}") from exc
     finally:
         client.close()
@@ -142,26 +149,31 @@ def async_client(url: str, *, max_connections: int = 1024) -> Redis:
     Its pool blocks (up to ``SOCKET_TIMEOUT`` seconds) when ``max_connections`` are in use
     instead of failing, so hundreds of concurrent sub-calls share it safely.
     """
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=SOCKET_TIMEOUT,
-        decode_responses=False,
-        socket_timeout=SOCKET_TIMEOUT,
-        socket_connect_timeout=CONNECT_TIMEOUT,
-        health_check_interval=30,
-        retry=AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 5),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
-    )
+    kwargs = {
+        "timeout": SOCKET_TIMEOUT,
+        "decode_responses": False,
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "health_check_interval": 30,
+        "retry": AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 5),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError, ConnectionResetError],
+    }
+    sentinels = sentinel.parse(url)
+    if sentinels is not None:
+        return sentinel.async_client(sentinels, max_connections=max_connections, **kwargs)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, **kwargs)
     return Redis.from_pool(pool)
 
 
 def sync_client(url: str) -> redis.Redis:
     """A blocking client on ``url`` (bytes responses), for RQ's own classes."""
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=SOCKET_TIMEOUT,
-        socket_connect_timeout=CONNECT_TIMEOUT,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+    kwargs = {
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": CONNECT_TIMEOUT,
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), 5),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+    sentinels = sentinel.parse(url)
+    if sentinels is not None:
+        return sentinel.sync_client(sentinels, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)

@@ -317,6 +317,59 @@ def lane(queue: str) -> str:
     return namespace("lane", queue.split("@", 1)[0])
 
 
+class ProviderKeys:
+    """Key names of one upstream's fleet-wide provider limits (all share the hash tag ``{upstream}``).
+
+    An upstream is what a provider counts a quota against: a model queue, or one API key that
+    several queues share (:mod:`rlmq.common.provider_limits`). Every key has a TTL of a few
+    windows, renewed by each grant, so an upstream nobody calls leaves nothing behind.
+
+    Args:
+        upstream: the upstream's name, 1-64 characters of ``[A-Za-z0-9._@+-]``.
+
+    Raises:
+        ConfigError: another name.
+    """
+
+    __slots__ = ("tag", "upstream")
+
+    def __init__(self, upstream: str) -> None:
+        if not _UPSTREAM.fullmatch(upstream):
+            raise ConfigError(f"invalid provider upstream {upstream!r}: use 1-64 characters of [A-Za-z0-9._@+-]")
+        self.upstream = upstream
+        self.tag = "{" + upstream + "}"
+
+    @property
+    def requests(self) -> str:
+        """Sorted set: request id -> when it was granted (Unix seconds, Redis's clock): the window's log."""
+        return namespace("plimit", self.tag, "req")
+
+    @property
+    def tokens(self) -> str:
+        """Hash: request id -> tokens it counts in the window; field ``_sum``: their sum."""
+        return namespace("plimit", self.tag, "tok")
+
+    @property
+    def running(self) -> str:
+        """Sorted set: request id -> when its lease ends (Unix seconds): the requests in flight."""
+        return namespace("plimit", self.tag, "run")
+
+    @property
+    def paused(self) -> str:
+        """String: until when (Unix seconds, Redis's clock) the upstream is paused after a 429."""
+        return namespace("plimit", self.tag, "pause")
+
+    def all(self) -> list[str]:
+        """The upstream's keys, in the order the limiter's scripts take them."""
+        return [self.requests, self.tokens, self.running, self.paused]
+
+
+_UPSTREAM = re.compile(r"[A-Za-z0-9._@+-]{1,64}")
+
+PROVIDER_LIMITS = namespace("plimits")
+"""Hash: upstream name -> the limits its workers declared (JSON), for ``rlmq status``."""
+
+
 # ---------------------------------------------------------------------------
 # RQ's keys (RQ 2.x / 3.x layout)
 
@@ -472,6 +525,11 @@ KEY_USES: tuple[KeyUse, ...] = (
     KeyUse("LIVE_ROLLOUTS", "rlmq:rollouts", "rw", "rw", "r"),
     KeyUse("wake_channel", "rlmq:wake:*", "rw", "rw", "", channel=True),
     KeyUse("lane", "rlmq:lane:*", "rw", "rw", "r"),
+    KeyUse("ProviderKeys.requests", "rlmq:plimit:{*}:req", "", "rw", "r"),
+    KeyUse("ProviderKeys.tokens", "rlmq:plimit:{*}:tok", "", "rw", "r"),
+    KeyUse("ProviderKeys.running", "rlmq:plimit:{*}:run", "", "rw", "r"),
+    KeyUse("ProviderKeys.paused", "rlmq:plimit:{*}:pause", "", "rw", "r"),
+    KeyUse("PROVIDER_LIMITS", "rlmq:plimits", "", "rw", "r"),
     KeyUse("rq_queue", "rq:queue:*", "rw", "rw", "r", tenant_pattern="rq:queue:*@{t}"),
     KeyUse("RQ_QUEUES", "rq:queues", "rw", "rw", "r"),
     KeyUse("RQ_WORKERS", "rq:workers", "", "rw", "r"),

@@ -137,6 +137,20 @@ class Metrics:
             ["depth"],
             registry=r,
         )
+        self.provider_waits = Counter(
+            "rlmq_provider_limit_waits",
+            "Model requests that waited for a fleet-wide provider limit (requests, tokens, concurrency, a 429 pause)",
+            ["upstream"],
+            registry=r,
+        )
+        self.provider_wait_seconds = Counter(
+            "rlmq_provider_limit_wait_seconds", "Seconds model requests waited for provider limits", ["upstream"],
+            registry=r,
+        )  # fmt: skip
+        self.provider_429 = Counter(
+            "rlmq_provider_429", "Model requests the provider answered 429 (each pauses its upstream fleet-wide)",
+            ["upstream"], registry=r,
+        )  # fmt: skip
         for outcome in OUTCOMES:  # export zeros, so rate() works from the first scrape
             self.subcalls.labels(outcome=outcome, error_kind="")
         for kind in TOKEN_KINDS:

@@ -20,6 +20,7 @@ from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
 from rlmq.common.settings_fields import field_env_vars, meta, validated
 from rlmq.common.settings_worker import WorkerOptions
+from rlmq.common.token_servers import TokenApi, TokenIdsApi
 from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
 Verbosity = Literal["light", "medium", "heavy"]
@@ -439,6 +440,19 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         "started just before, say in the background of the same shell, takes seconds to register)",
         json_schema_extra=meta(commands=("run",), unit="seconds"),
     )
+    token_ids_api: TokenIdsApi = Field(
+        default="vllm",
+        description="the model server's API for served token ids (include_sub_llm_in_trajectory): vllm (vLLM "
+        ">= 0.10.2) or sglang (SGLang's chat shape since it answers response_token_ids); which fields are asked "
+        "for and read: of the root model (run), of the model served (worker)",
+        json_schema_extra=meta(commands=("run", "worker"), metavar="API"),
+    )
+    weight_versions: bool = Field(
+        default=False,
+        description="with include_sub_llm_in_trajectory, ask the model server which weight version sampled each "
+        "completion token (vLLM's return_weight_versions) and keep the spans with each trainable turn",
+        json_schema_extra=meta(commands=("run", "worker")),
+    )
     max_sub_call_error_rate: float = Field(
         default=0.1,
         ge=0,
@@ -446,6 +460,10 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         description="fraction of sub-LLM calls (0..1) that may end in error before rlmq run exits 6",
         json_schema_extra=meta(commands=("run", "demo"), unit="fraction of sub-calls", metavar="FRACTION"),
     )
+
+    def token_api(self) -> TokenApi:
+        """How this process asks its model server for served tokens (``token_ids_api``, ``weight_versions``)."""
+        return TokenApi(self.token_ids_api, self.weight_versions)
 
     def rollout_options(self) -> RolloutOptions:
         """This process's rollout options: the :class:`RolloutOptions` fields of these settings."""

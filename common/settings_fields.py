@@ -32,6 +32,7 @@ HELP_GROUPS: dict[str, str] = {
     "repl": "REPL, tools, prompts and trajectories",
     "limits": "limits and timeouts",
     "worker": "worker tuning",
+    "provider": "provider limits (shared by the whole fleet)",
     "fleet": "Redis, local workers, queues, metrics and checks",
 }
 """The groups a command's ``--help`` shows its flags in, in this order (key: the name a field's

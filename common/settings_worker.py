@@ -76,6 +76,48 @@ class WorkerOptions(BaseModel):
         ),
         json_schema_extra=meta(unit="seconds"),
     )
+    provider_rpm: int | None = Field(
+        default=None,
+        ge=1,
+        description="requests per window (--provider-window, a minute by default) the upstream allows this whole "
+        "fleet: every worker of the upstream on every host shares it, counted in Redis by Redis's clock",
+        json_schema_extra=meta(group="provider", unit="requests per window", default_text="no limit"),
+    )
+    provider_tpm: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens per window the upstream allows this whole fleet: a call counts its prompt (estimated, "
+        "characters / 4) and its max_tokens before it starts, corrected to the usage it reported after",
+        json_schema_extra=meta(group="provider", unit="tokens per window", default_text="no limit"),
+    )
+    provider_max_concurrent: int | None = Field(
+        default=None,
+        ge=1,
+        description="requests the upstream runs at once for this whole fleet",
+        json_schema_extra=meta(group="provider", unit="requests", default_text="no limit"),
+    )
+    provider_upstream: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9._@+-]{1,64}$",
+        description="the name the limits are counted under: give the same name to the workers of several queues "
+        "that share one API key or deployment",
+        json_schema_extra=meta(group="provider", metavar="NAME", default_text="the worker's model queue"),
+    )
+    provider_window: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="the window of --provider-rpm and --provider-tpm (a minute for per-minute limits)",
+        json_schema_extra=meta(group="provider", unit="seconds"),
+    )
+    provider_window_margin: float = Field(
+        default=0.5,
+        ge=0,
+        le=60,
+        description="how much longer than the window a grant is counted, so that the provider (whose clock and "
+        "arrival times differ by network delays) never sees more than its limit in its own window",
+        json_schema_extra=meta(group="provider", unit="seconds"),
+    )
     allowed_sub_tools: list[str] = Field(
         default_factory=list,
         description="a sub-tool this worker may run, a dotted import path (repeatable; a job asking for others fails)",

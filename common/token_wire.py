@@ -4,9 +4,9 @@ With ``include_sub_llm_in_trajectory`` on (the meaning of verifiers' ``RLMEnv``,
 every sub-LLM turn is a trajectory step with its prompt ids, completion ids and logprobs), every
 model turn of a tree carries what the server returned:
 
-* **Asked for** with :func:`token_request_fields` (vLLM >= 0.10.2: ``logprobs: true`` and
-  ``return_token_ids: true``; its reply has ``prompt_token_ids``, ``choices[0].token_ids`` and
-  ``choices[0].logprobs.content[i].logprob``). Nothing is asked for with the option off.
+* **Asked for** with the fields of the process's server (:class:`~rlmq.common.token_servers.TokenApi`:
+  vLLM's ``logprobs: true`` and ``return_token_ids: true``, SGLang's, and vLLM's
+  ``return_weight_versions`` when weight versions are on). Nothing is asked for with the option off.
 * **Read and checked** by :func:`served_tokens`: the three lists must be there, the completion's
   ids and logprobs must be as long as each other, and both lists as long as ``usage`` says. A
   turn that fails is kept, marked untrainable with a reason (:data:`UNTRAINABLE_REASONS`), and
@@ -34,31 +34,29 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rlmq.common.token_servers import TokenApi, VersionSpan, check_versions
 
 __all__ = [
     "UNTRAINABLE_REASONS", "ServedTokens", "TokenCap", "TurnDecoder", "TurnEncoder", "TurnTokens",
     "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs", "expand_trajectory", "served_tokens",
-    "token_request_fields", "turn_counts",
+    "turn_counts",
 ]  # fmt: skip
 
 UNTRAINABLE_REASONS: tuple[str, ...] = (
     "no_token_ids", "length_mismatch", "usage_mismatch", "payload_cap", "bad_payload", "spill_lost", "frozen_fleet",
+    "version_mismatch",
 )  # fmt: skip
 """Why a turn carries no tokens: the server returned none (``no_token_ids``: llama.cpp, OpenAI),
 its completion ids and logprobs differ in length (``length_mismatch``), a list disagrees with
 ``usage`` (``usage_mismatch``), the rollout's byte cap was passed (``payload_cap``), a worker's
 payload did not decode (``bad_payload``), a spilled payload expired before it was read
-(``spill_lost``), or the queue's servers declare that they are not the policy (``frozen_fleet``)."""
+(``spill_lost``), the queue's servers declare that they are not the policy (``frozen_fleet``), or
+the weight-version spans the server sent do not cover its completion ids (``version_mismatch``)."""
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the wire carries (int32)."""
-
-
-def token_request_fields() -> dict[str, Any]:
-    """The request fields that ask a server for the served token ids and logprobs (vLLM >= 0.10.2:
-    ``logprobs`` and ``return_token_ids``). Sent only with ``include_sub_llm_in_trajectory`` on."""
-    return {"logprobs": True, "return_token_ids": True}
 
 
 # ---------------------------------------------------------------------------- binary forms
@@ -129,11 +127,13 @@ def decode_logprobs(text: str, dtype: Literal["f4", "f8"]) -> list[float]:
 @dataclass
 class ServedTokens:
     """One turn's tokens as a server served them: prompt ids, completion ids, one logprob per
-    completion id (natural log, as the server reported)."""
+    completion id (natural log, as the server reported), and the weight-version spans over the
+    completion ids when asked for and sent (``None`` otherwise)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]
+    versions: list[VersionSpan] | None = None
 
 
 def _id_list(value: Any) -> list[int] | None:
@@ -159,33 +159,39 @@ def _logprob_list(choice: Mapping[str, Any]) -> list[float] | None:
     return out
 
 
-def served_tokens(body: Mapping[str, Any], usage: tuple[int, int] | None) -> tuple[ServedTokens | None, str | None]:
+def served_tokens(
+    body: Mapping[str, Any], usage: tuple[int, int] | None, api: TokenApi | None = None
+) -> tuple[ServedTokens | None, str | None]:
     """Read and check the token fields of a chat completion ``body`` (a parsed JSON object).
 
     Args:
-        body: the whole completion: ``prompt_token_ids``, ``choices[0].token_ids``,
-            ``choices[0].logprobs.content[i].logprob`` (vLLM's names; SGLang puts
-            ``prompt_token_ids`` on ``choices[0]``, where it is read when the top has none).
+        body: the whole completion, its fields where ``api``'s server writes them
+            (:meth:`TokenApi.fields`: vLLM's ``prompt_token_ids``, ``choices[0].token_ids``;
+            SGLang's ``choices[0].prompt_token_ids``, ``choices[0].response_token_ids``; both
+            ``choices[0].logprobs.content[i].logprob``).
         usage: ``(prompt_tokens, completion_tokens)`` the server reported, ``None`` when it sent none.
+        api: the server's API (default vLLM, no weight versions).
 
     Returns:
         ``(tokens, None)`` for a trainable turn, else ``(None, reason)``: ``no_token_ids`` (a list
         is missing or not a list of int32 ids / numbers), ``length_mismatch`` (completion ids and
-        logprobs differ in length), ``usage_mismatch`` (a list's length is not ``usage``'s count).
+        logprobs differ in length), ``usage_mismatch`` (a list's length is not ``usage``'s count),
+        ``version_mismatch`` (weight-version spans were sent that do not cover the completion ids).
+        A turn asked for weight versions and sent none is trainable without them.
     """
-    choices = body.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    prompt_ids = body.get("prompt_token_ids")
-    prompt_ids = choice.get("prompt_token_ids") if prompt_ids is None else prompt_ids
-    prompt, completion = _id_list(prompt_ids), _id_list(choice.get("token_ids"))
-    logprobs = _logprob_list(choice)
+    fields = (api or TokenApi()).fields(body)
+    prompt, completion = _id_list(fields.prompt), _id_list(fields.completion)
+    logprobs = _logprob_list(fields.choice)
     if prompt is None or completion is None or logprobs is None:
         return None, "no_token_ids"
     if len(completion) != len(logprobs):
         return None, "length_mismatch"
     if usage is not None and (len(prompt), len(completion)) != usage:
         return None, "usage_mismatch"
-    return ServedTokens(prompt, completion, logprobs), None
+    versions = None if fields.versions is None else check_versions(fields.versions, len(completion))
+    if fields.versions is not None and versions is None:
+        return None, "version_mismatch"
+    return ServedTokens(prompt, completion, logprobs, versions), None
 
 
 # ---------------------------------------------------------------------------- the wire record
@@ -197,7 +203,9 @@ class TurnTokens(BaseModel):
     A turn of a conversation (a sub-call's turns; a rollout's root turns) shares the prompt ids
     of its previous turn's prompt and completion up to ``prefix``; only the rest travels.
     ``sampling`` is what the request sent (``max_tokens``, ``temperature``, the sampling
-    arguments): the trainer needs the temperature the tokens were sampled at.
+    arguments); ``sampled_with`` the ``temperature`` and ``top_p`` the tokens were sampled at, each
+    with its source (:func:`rlmq.common.token_servers.sampled_with`); ``versions`` the weight-version
+    spans ``[label, start, end]`` over the completion ids, when asked for and sent.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -209,12 +217,28 @@ class TurnTokens(BaseModel):
     logprobs: str = ""
     dtype: Literal["f4", "f8"] = "f4"
     sampling: dict[str, Any] = Field(default_factory=dict)
+    sampled_with: dict[str, Any] = Field(default_factory=dict)
+    versions: list[tuple[str, int, int]] | None = None
     untrainable: str | None = None
+
+    @field_validator("sampled_with")
+    @classmethod
+    def _sampled_with(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Only what :func:`~rlmq.common.token_servers.sampled_with` writes: a worker's record is not trusted."""
+        for key, item in value.items():
+            if key in ("temperature", "top_p"):
+                ok = isinstance(item, (int, float)) and not isinstance(item, bool)
+            else:
+                ok = key in ("temperature_source", "top_p_source") and item in ("request", "server_default")
+            if not ok:
+                raise ValueError(f"sampled_with: {key!r} is not a sampling value rlmq records")
+        return value
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its payload on the wire: the base64 texts and its sampling's JSON."""
-        return len(self.prompt) + len(self.completion) + len(self.logprobs) + len(json.dumps(self.sampling))
+        """Bytes of its payload on the wire: the base64 texts, its sampling's and versions' JSON."""
+        extra = json.dumps(self.sampling) + json.dumps(self.sampled_with) + json.dumps(self.versions)
+        return len(self.prompt) + len(self.completion) + len(self.logprobs) + len(extra)
 
 
 class TurnEncoder:
@@ -224,12 +248,21 @@ class TurnEncoder:
         self._previous: list[int] = []
 
     def encode(
-        self, turn: int, served: ServedTokens | None, reason: str | None, sampling: Mapping[str, Any]
+        self,
+        turn: int,
+        served: ServedTokens | None,
+        reason: str | None,
+        sampling: Mapping[str, Any],
+        sampled_with: Mapping[str, Any] | None = None,
     ) -> TurnTokens:
-        """The record of turn ``turn`` (1-based): ``served``, or no tokens and ``reason``."""
+        """The record of turn ``turn`` (1-based): ``served``, or no tokens and ``reason``;
+        ``sampled_with``: the temperature and top-p its tokens were sampled at."""
+        drawn = dict(sampled_with or {})
         if served is None:
             self._previous = []
-            return TurnTokens(turn=turn, sampling=dict(sampling), untrainable=reason or "no_token_ids")
+            return TurnTokens(
+                turn=turn, sampling=dict(sampling), sampled_with=drawn, untrainable=reason or "no_token_ids"
+            )
         prev, ids = self._previous, served.prompt_ids
         shared = 0
         for a, b in zip(prev, ids, strict=False):
@@ -240,7 +273,7 @@ class TurnEncoder:
         self._previous = ids + served.completion_ids
         return TurnTokens(
             turn=turn, prefix=shared, prompt=encode_ids(ids[shared:]), completion=encode_ids(served.completion_ids),
-            logprobs=logprobs, dtype=dtype, sampling=dict(sampling),
+            logprobs=logprobs, dtype=dtype, sampling=dict(sampling), sampled_with=drawn, versions=served.versions,
         )  # fmt: skip
 
 
@@ -262,7 +295,7 @@ class TurnDecoder:
             return _untrainable(turn if isinstance(turn, int) else 0, {}, "bad_payload")
         if rec.untrainable is not None:
             self._previous = []
-            return _untrainable(rec.turn, rec.sampling, rec.untrainable)
+            return _untrainable(rec.turn, rec.sampling, rec.untrainable, rec.sampled_with)
         try:
             if rec.prefix > len(self._previous):
                 raise ValueError("prefix past the previous turn")
@@ -271,18 +304,45 @@ class TurnDecoder:
             logprobs = decode_logprobs(rec.logprobs, rec.dtype)
             if len(completion) != len(logprobs):
                 raise ValueError("completion ids and logprobs differ in length")
+            versions = _versions_out(rec.versions, len(completion))
         except (ValueError, binascii.Error):
             self._previous = []
-            return _untrainable(rec.turn, rec.sampling, "bad_payload")
+            return _untrainable(rec.turn, rec.sampling, "bad_payload", rec.sampled_with)
         self._previous = prompt + completion
-        return {
+        out = {
             "turn": rec.turn, "prompt_token_ids": prompt, "completion_token_ids": completion,
             "completion_logprobs": logprobs, "sampling": rec.sampling, "trainable": True,
         }  # fmt: skip
+        if rec.sampled_with:
+            out["sampled_with"] = rec.sampled_with
+        if versions is not None:
+            out["weight_versions"] = versions
+        return out
 
 
-def _untrainable(turn: int, sampling: dict[str, Any], reason: str) -> dict[str, Any]:
-    return {"turn": turn, "sampling": sampling, "trainable": False, "untrainable_reason": reason}
+def _versions_out(versions: list[tuple[str, int, int]] | None, completion_length: int) -> list[dict[str, Any]] | None:
+    """A record's weight-version spans as ``trajectories.jsonl`` keeps them (vLLM's shape: ``version``,
+    ``start``, ``end``), checked again. Raises ValueError when they do not cover the completion ids."""
+    if versions is None:
+        return None
+    spans = [{"version": v, "start": a, "end": b} for v, a, b in versions]
+    if check_versions(spans, completion_length) is None:
+        raise ValueError("weight-version spans do not cover the completion ids")
+    return spans
+
+
+def _untrainable(
+    turn: int, sampling: dict[str, Any], reason: str, sampled_with: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    out = {"turn": turn, "sampling": sampling, "trainable": False, "untrainable_reason": reason}
+    if sampled_with:
+        out["sampled_with"] = sampled_with
+    return out
+
+
+def _stripped(record: TurnTokens, reason: str) -> TurnTokens:
+    """``record`` without its payload (ids, logprobs, versions), untrainable for ``reason``."""
+    return TurnTokens(turn=record.turn, sampling=record.sampling, sampled_with=record.sampled_with, untrainable=reason)
 
 
 class TokenCap:
@@ -301,10 +361,10 @@ class TokenCap:
         """``record`` as it may be kept: itself while the cap holds, else stripped (``payload_cap``).
         An untrainable record keeps no payload, whatever it came with (a worker's is not trusted)."""
         if record.untrainable is not None:
-            return TurnTokens(turn=record.turn, sampling=record.sampling, untrainable=record.untrainable[:64])
+            return _stripped(record, record.untrainable[:64])
         if self.limit is not None and self.used + record.nbytes > self.limit:
             self.limit = 0  # past the cap once, every later turn too: a branch never resumes mid-way
-            return TurnTokens(turn=record.turn, sampling=record.sampling, untrainable="payload_cap")
+            return _stripped(record, "payload_cap")
         self.used += record.nbytes
         return record
 
@@ -320,7 +380,8 @@ def _dicts(items: Any) -> Iterator[dict[str, Any]]:
 def expand_trajectory(trajectory: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A copy of a rollout's trajectory with every token record as JSON lists, for
     ``trajectories.jsonl``: a root event's ``tokens`` becomes its ``prompt_token_ids``,
-    ``completion_token_ids``, ``completion_logprobs`` (+ ``sampling``, ``trainable``); a sub-call
+    ``completion_token_ids``, ``completion_logprobs`` (+ ``sampling``, ``sampled_with``,
+    ``weight_versions`` when asked for, ``trainable``); a sub-call
     result's ``turn_tokens`` becomes ``steps`` (one such dict per model turn, as verifiers names a
     trajectory's steps); a child's
     trajectory (``rlm_batch`` results' ``child.trajectory``) is expanded the same way. A trajectory

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from redis.asyncio import Redis
@@ -32,6 +32,7 @@ from rlmq.common.metrics import Metrics
 from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
 from rlmq.common.settings import RolloutOptions, setting_default
+from rlmq.common.token_servers import TokenApi, TokenFieldsLog
 from rlmq.common.token_wire import turn_counts
 from rlmq.common.tool_wire import HostedTool
 from rlmq.common.tree import TreePosition
@@ -172,6 +173,10 @@ class RolloutHost:
     frozen: bool = False
     """Its root model server is not the policy being trained (``frozen_fleet``): with
     ``include_sub_llm_in_trajectory`` its rollouts' root turns are marked ``frozen_fleet``."""
+    token_api: TokenApi = field(default_factory=TokenApi)
+    """How its root model server is asked for served tokens (``token_ids_api``, ``weight_versions``)."""
+    token_fields_log: TokenFieldsLog = field(default_factory=TokenFieldsLog)
+    """Says once for all its rollouts that the root model server answers no token field rlmq reads."""
 
     @classmethod
     def build(
@@ -276,6 +281,7 @@ async def run_rollout(
     ro = Rollout(
         id=rid, row=row, model=model, sub_model=sub_model, queue=queue, options=options,
         ledger_id=pos.ledger_id, nodes=chain_of(rid, pos), frozen=host.frozen, hosted_tools=tuple(hosted_tools),
+        token_api=host.token_api, token_fields_log=host.token_fields_log,
     )  # fmt: skip
     run = _RolloutRun(host, ro, pos)
     stop, final, error = await run.run()

@@ -82,4 +82,5 @@ async def start_host(
         raise
     host = RolloutHost.build(redis, root, server, metrics=metrics, result_ttl=settings.result_ttl, toolbox=toolbox)
     host.frozen = settings.frozen_fleet  # a frozen fleet's REPL host: its child root turns are untrainable
+    host.token_api = settings.token_api()  # the fields its root model server takes and answers for tokens
     return StartedHost(host, server)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMResult
 from rlmq.common.settings import RolloutOptions
+from rlmq.common.token_servers import TokenApi, TokenFieldsLog
 from rlmq.common.token_wire import TokenCap, TurnEncoder
 from rlmq.common.tool_wire import HostedTool
 from rlmq.producer.child_trajectory import KeptChildren
@@ -156,6 +157,10 @@ class Rollout:
     frozen: bool = False
     """Its root model is served by a frozen fleet (:attr:`RolloutHost.frozen
     <rlmq.producer.engine.RolloutHost.frozen>`): its root turns are untrainable (``frozen_fleet``)."""
+    token_api: TokenApi = field(default_factory=TokenApi)
+    """How its root model server is asked for served tokens and read (its host's)."""
+    token_fields_log: TokenFieldsLog = field(default_factory=TokenFieldsLog)
+    """Its host's: says once that the root model server answers no token field rlmq reads."""
     kept_children: KeptChildren = field(default_factory=KeptChildren)
     """What is left of its allowance of child trajectories (:mod:`rlmq.producer.child_trajectory`)."""
     inflight: RolloutInFlight = field(init=False)

@@ -1,8 +1,8 @@
 """The root model's turns as trainable steps (``include_sub_llm_in_trajectory``).
 
-With the option on, each root call asks the server for the served token ids and logprobs
-(:func:`~rlmq.common.token_wire.token_request_fields`, in the request body beside the sampling
-arguments) and each ``root`` trajectory event keeps them as a
+With the option on, each root call asks the server for the served token ids and logprobs with
+its server's fields (:meth:`~rlmq.common.token_servers.TokenApi.request_fields`, in the request
+body beside the sampling arguments) and each ``root`` trajectory event keeps them as a
 :class:`~rlmq.common.token_wire.TurnTokens` (``tokens``), prefix-shared with the rollout's
 previous root turn and under its byte cap. The same code runs a top rollout's root turns
 (``rlmq run``) and a child rollout's, on its REPL host.
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmq.common.token_wire import served_tokens, token_request_fields
+from rlmq.common.token_servers import sampled_with
+from rlmq.common.token_wire import served_tokens
 from rlmq.producer.rollout import Rollout
 
 __all__ = ["ask_for_tokens", "root_turn_tokens"]
@@ -25,7 +26,7 @@ def ask_for_tokens(rollout: Rollout, kwargs: dict[str, Any]) -> dict[str, Any]:
     the rollout's option is on (merged into ``extra_body``); unchanged when it is off."""
     if not rollout.options.include_sub_llm_in_trajectory or rollout.frozen:
         return kwargs
-    return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **token_request_fields()}}
+    return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **rollout.token_api.request_fields()}}
 
 
 def _body(resp: Any) -> dict[str, Any]:
@@ -51,8 +52,12 @@ def root_turn_tokens(
     """
     if not rollout.options.include_sub_llm_in_trajectory:
         return None
+    api = rollout.token_api
     sampling = {k: v for k, v in kwargs.items() if k not in _NOT_SAMPLING}
-    extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in token_request_fields()}
-    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(_body(resp), usage)
-    record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, {**extra, **sampling})
+    extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in api.request_fields()}
+    body = _body(resp)
+    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(body, usage, api)
+    rollout.token_fields_log.note(body, api, reason, served is not None and served.versions is not None)
+    sent = {**extra, **sampling}
+    record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, sent, sampled_with(sent, api))
     return rollout.token_cap.admit(record).model_dump()

@@ -151,6 +151,7 @@ class ChildHost:
         try:
             started = await start_host(s, self.w.redis, self.root, metrics=self.w.metrics)
             self.server, self._host = started.server, started.host
+            self._host.token_fields_log = self.w.token_fields_log  # the worker's: it says so once
             self.containment = c = await probe_containment(self.server, s.rollout_options())
             if not fully_contained(c):
                 missing = "; ".join(c.not_contained) or "see the REPL's containment report"

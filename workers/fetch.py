@@ -223,7 +223,7 @@ class Fetcher:
                 backoff = min(backoff * 2, 5.0)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()
 
     # ------------------------------------------------------------------ fetch
 

@@ -62,7 +62,10 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
     async def go() -> dict[str, Any]:
         kwargs = job.connection.connection_pool.connection_kwargs
         redis = Redis(**{k: v for k, v in kwargs.items() if k in ("host", "port", "db", "password", "username")})
-        client = ChatClient(str(settings.base_url), settings.api_key.get_secret_value(), retries=settings.model_retries)
+        client = ChatClient(
+            str(settings.base_url), settings.api_key.get_secret_value(), retries=settings.model_retries,
+            token_api=settings.token_api(),
+        )  # fmt: skip
         try:
             ctx = SubLLMContext(
                 client=client,

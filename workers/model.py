@@ -52,7 +52,8 @@ from tenacity.wait import wait_base, wait_random_exponential
 from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError, ModelError
 from rlmq.common.settings import setting_default
-from rlmq.common.token_wire import ServedTokens, served_tokens, token_request_fields
+from rlmq.common.token_servers import TokenApi, TokenFieldsLog
+from rlmq.common.token_wire import ServedTokens, served_tokens
 from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
 log = logging.getLogger("rlmq.model")
@@ -211,7 +212,11 @@ def _snippet(body: bytes) -> str:
     return text + ("..." if len(body) > _SNIPPET else "")
 
 
-def _parse(body: bytes, status: int, messages: list[dict[str, Any]], tokens: bool = False) -> ChatResponse:
+_Asked = tuple[TokenApi, TokenFieldsLog]
+"""The served tokens were asked for: the server's API, and the log that says once that it answered none."""
+
+
+def _parse(body: bytes, status: int, messages: list[dict[str, Any]], tokens: _Asked | None = None) -> ChatResponse:
     """Parse a chat-completion body; raise a retryable ``_Failure`` when it is not one. ``tokens``:
     read and check its served token ids and logprobs (:func:`_with_tokens`)."""
     try:
@@ -278,21 +283,25 @@ def _response(
     )
 
 
-def _with_tokens(asked: bool, data: dict[str, Any], response: ChatResponse) -> ChatResponse:
+def _with_tokens(asked: _Asked | None, data: dict[str, Any], response: ChatResponse) -> ChatResponse:
     """``response`` with the served tokens of ``data`` (checked against its ``usage`` when the
-    server reported one) when they were ``asked`` for; untouched otherwise."""
-    if asked:
+    server reported one) when they were ``asked`` for, read as the server's API writes them; untouched
+    otherwise. A reply without the server's id fields is said in the log, once per client."""
+    if asked is not None:
+        api, fields_log = asked
         usage = (response.prompt_tokens, response.completion_tokens) if response.usage_reported else None
-        response.served, response.untrainable = served_tokens(data, usage)
+        response.served, response.untrainable = served_tokens(data, usage, api)
+        sent = response.served is not None and response.served.versions is not None
+        fields_log.note(data, api, response.untrainable, sent)
     return response
 
 
-def with_token_fields(payload: dict[str, Any]) -> dict[str, Any]:
-    """``payload`` (a chat request body) asking for the served token ids and logprobs: vLLM's
-    ``logprobs`` and ``return_token_ids`` (:func:`rlmq.common.token_wire.token_request_fields`).
-    The one place a worker's request gains fields for training; the sampling arguments keep
-    their own values otherwise."""
-    return {**payload, **token_request_fields()}
+def with_token_fields(payload: dict[str, Any], api: TokenApi | None = None) -> dict[str, Any]:
+    """``payload`` (a chat request body) asking for the served token ids and logprobs with the
+    fields of ``api``'s server (:meth:`rlmq.common.token_servers.TokenApi.request_fields`; default
+    vLLM's ``logprobs`` and ``return_token_ids``). The one place a worker's request gains fields for
+    training; the sampling arguments keep their own values otherwise."""
+    return {**payload, **(api or TokenApi()).request_fields()}
 
 
 FAILURE_LOG_SECONDS = 30.0
@@ -353,6 +362,8 @@ class ChatClient:
         backoff_max: seconds; cap of any single wait, ``Retry-After`` included.
         transport: how requests are sent (default: an :class:`AiohttpTransport`); a test
             passes an in-memory one.
+        token_api: the server's fields for served tokens (``token_ids_api``, ``weight_versions``;
+            default vLLM's, without weight versions).
 
     Raises:
         ConfigError: ``retries`` is negative.
@@ -369,6 +380,7 @@ class ChatClient:
         backoff_base: float = 0.25,
         backoff_max: float = 10.0,
         transport: Transport | None = None,
+        token_api: TokenApi | None = None,
     ) -> None:
         if retries < 0:
             raise ConfigError("retries must be >= 0")
@@ -386,6 +398,10 @@ class ChatClient:
         """HTTP attempts made by this client (for metrics and tests)."""
         self.failures = FailureLog(self.base_url)
         """Logs, rate-limited, that the server is failing."""
+        self.token_api = token_api or TokenApi()
+        """How the served tokens are asked for and read (the server's API)."""
+        self.token_fields_log = TokenFieldsLog()
+        """Says once that the server answers no token field rlmq reads."""
 
     async def chat(
         self,
@@ -434,15 +450,16 @@ class ChatClient:
         if user is not None:
             payload["user"] = user
         if tokens:
-            payload = with_token_fields(payload)
+            payload = with_token_fields(payload, self.token_api)
         data = json.dumps(payload).encode()
         send = {**self._headers, SESSION_ID_HEADER: session_id} if session_id else self._headers
+        asked = (self.token_api, self.token_fields_log) if tokens else None
         # Fast path: the first attempt runs outside tenacity (whose bookkeeping costs tens
         # of microseconds per call). When it fails retryably, tenacity takes over from there:
         # its first "attempt" re-raises that failure without a request, so waits, Retry-After,
         # the attempt limit and the deadline are all tenacity's, counted from attempt 1.
         try:
-            response = note_overrun(await self._attempt(data, messages, deadline, send, tokens), max_tokens)
+            response = note_overrun(await self._attempt(data, messages, deadline, send, asked), max_tokens)
         except _Failure as exc:
             if not exc.retryable or self.retries == 0:
                 raise self._give_up(exc, 1, False) from None
@@ -458,7 +475,7 @@ class ChatClient:
             if first is not None:
                 failure, first = first, None
                 raise failure
-            return await self._attempt(data, messages, deadline, send, tokens)
+            return await self._attempt(data, messages, deadline, send, asked)
 
         stop: Any = stop_after_attempt(self.retries + 1)
         at_deadline: _StopAtDeadline | None = None
@@ -496,7 +513,7 @@ class ChatClient:
         messages: list[dict[str, Any]],
         deadline: float | None,
         send: dict[str, str],
-        tokens: bool = False,
+        tokens: _Asked | None = None,
     ) -> ChatResponse:
         self.attempts += 1
         seconds = self.timeout

@@ -57,6 +57,7 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
+from rlmq.common.token_servers import sampled_with
 from rlmq.common.token_wire import TurnEncoder, TurnTokens
 from rlmq.common.tool_registry import canonical_tool_path
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
@@ -401,7 +402,8 @@ class _Run:
             sampling["tools"] = sorted(t["function"]["name"] for t in tools)
         reason = "frozen_fleet" if self.ctx.frozen else response.untrainable
         served = None if self.ctx.frozen else response.served
-        self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling))
+        drawn = sampled_with(sampling, self.ctx.client.token_api)  # the request's, else the server's default
+        self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling, drawn))
 
     def _offered_tools(self) -> tuple[list[dict[str, Any]], set[str]]:
         """The tool schemas offered to the model and their names: the worker's own allow-listed

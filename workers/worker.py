@@ -55,11 +55,13 @@ from rlmq.common.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.settings import Settings
 from rlmq.common.supervise import supervised
+from rlmq.common.token_servers import TokenFieldsLog
 from rlmq.workers.capacity import MODEL_CALLS, Capacity, PoolSpec, hosted_depths, pool_family, pool_of_queue, repl_pool
 from rlmq.workers.fetch import Fetcher
 from rlmq.workers.inflight import InFlight
 from rlmq.workers.kinds import JobKind, KindRegistry, Outcome, check_slot
 from rlmq.workers.model import ChatClient
+from rlmq.workers.provider_transport import model_transport
 from rlmq.workers.subllm import SubLLMContext
 from rlmq.workers.subllm_kind import SubLLMKind
 from rlmq.workers.tools import ToolRegistry
@@ -147,13 +149,24 @@ class SubLLMWorker:
                 self.capacity.add_pool(repl_pool(depth), PoolSpec(self.repl_slots))
             self.kinds.register(self.children.kind(max_attempts=settings.job_max_attempts))
         self.metrics = metrics or Metrics()
+        self.token_fields_log = TokenFieldsLog()
+        """Says once for this worker (its sub-calls and its children's root turns) that its server
+        answers no token field rlmq reads."""
         self._client_factory = client_factory or (
             lambda: ChatClient(
                 str(settings.base_url),
                 settings.api_key.get_secret_value(),
                 timeout=settings.model_timeout,
                 retries=settings.model_retries,
-                max_connections=max(100, self.concurrency),
+                transport=model_transport(  # fleet-wide provider limits, when declared
+                    settings,
+                    self.queue,
+                    self.redis,
+                    name=self.name,
+                    max_connections=max(100, self.concurrency),
+                    metrics=self.metrics,
+                ),  # fmt: skip
+                token_api=settings.token_api(),
             )
         )
         self.jobs = InFlight(self.queue, self.capacity)
@@ -240,6 +253,7 @@ class SubLLMWorker:
             frozen=s.frozen_fleet,
             redis=self.redis,
         )
+        self.ctx.client.token_fields_log = self.token_fields_log  # one warning per worker, children's roots too
         rq_worker = self.upkeep.register_birth()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -130,13 +130,22 @@ class ProcessGroup:
             self._unhook = None
 
 
-def start_mock_llm(group: ProcessGroup, *, latency: float = 0.0, spend_all: bool = False, timeout: float = 20.0) -> str:
-    """Start ``rlmq mock-llm --port 0`` and return its base URL (``http://127.0.0.1:P/v1``).
+def start_mock_llm(
+    group: ProcessGroup,
+    *,
+    latency: float = 0.0,
+    spend_all: bool = False,
+    timeout: float = 20.0,
+    token_shape: str = "vllm",
+    extra: Sequence[str] = (),
+) -> str:
+    """Start ``rlmq mock-llm --port 0 [extra...]`` and return its base URL (``http://127.0.0.1:P/v1``);
+    ``token_shape``: the server whose token fields it answers in (``--token-shape``).
 
     Raises:
         RlmqError: the server did not report its port within ``timeout`` seconds.
     """
-    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency))
+    argv = rlmq_command("mock-llm", "--port", "0", "--latency", str(latency), "--token-shape", token_shape, *extra)
     if spend_all:
         argv.append("--spend-all")
     proc = subprocess.Popen(
@@ -184,6 +193,7 @@ class LocalFleet:
         worker_args: extra ``rlmq worker`` flags.
         repl_slots: child rollouts each worker hosts per depth (``--repl-slots``; 0: none).
         allow_uncontained_repl: pass ``--allow-uncontained-repl`` to REPL-hosting workers.
+        mock_token_shape: the server whose token fields the scripted model answers in (``vllm``, ``sglang``).
         worker_grace: ``rlmq worker --grace`` (seconds in-flight sub-calls get when the fleet stops).
         worker_env: extra environment of the workers (``RLMQ_API_KEY``: secrets go here, not in argv).
         log_dir: where child logs go (``None``: discarded).
@@ -203,6 +213,7 @@ class LocalFleet:
         allow_uncontained_repl: bool = setting_default("allow_uncontained_repl"),
         mock_latency: float = 0.0,
         mock_spend_all: bool = False,
+        mock_token_shape: str = "vllm",
         worker_grace: float = WORKER_GRACE_SECONDS,
         worker_env: dict[str, str] | None = None,
         log_dir: str | None = None,
@@ -220,6 +231,7 @@ class LocalFleet:
                 self.worker_args.append("--allow-uncontained-repl")
         self.mock_latency = mock_latency
         self.mock_spend_all = mock_spend_all
+        self.mock_token_shape = mock_token_shape
         self.worker_grace = worker_grace
         self.worker_env = dict(worker_env or {})
         self.say = say
@@ -237,7 +249,12 @@ class LocalFleet:
                 self._redis = EmbeddedRedis().start()
                 self.redis_url = self._redis.url
             if self.base_url is None:
-                self.base_url = start_mock_llm(self.group, latency=self.mock_latency, spend_all=self.mock_spend_all)
+                self.base_url = start_mock_llm(
+                    self.group,
+                    latency=self.mock_latency,
+                    spend_all=self.mock_spend_all,
+                    token_shape=self.mock_token_shape,
+                )
             for i in range(self.n_workers):
                 self.start_worker(f"worker-{i}")
             self.wait_for_workers(self.n_workers)
@@ -263,12 +280,11 @@ class LocalFleet:
         Raises:
             RlmqError: they did not register within ``timeout`` seconds (a worker died).
         """
-        import redis
-
         from rlmq.common import keys as K
+        from rlmq.common.connection import sync_client
 
         queue = K.queue_name_for_model(self.model)
-        client = redis.Redis.from_url(str(self.redis_url))
+        client = sync_client(str(self.redis_url))  # a Sentinel URL too
         deadline = time.monotonic() + timeout
         try:
             while client.scard(K.rq_workers_of_queue(queue)) < n:

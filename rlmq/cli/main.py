@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmq.cli import worker as worker_cli
 from rlmq.cli.exits import EXIT_INTERNAL, explain, say
+from rlmq.cli.export_samples import Staleness
 from rlmq.cli.flags import PORT, Parser, add_settings_flags, bounded, help_group, settings_from_flags
 from rlmq.cli.results import ResultSink, check_output, finish, load_rows
 from rlmq.common.aio import current_latch, signal_latch
@@ -163,12 +164,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency", type=bounded(float, 0), default=0.0, metavar="SECONDS", help="seconds per call (default 0)"
     )
     mock.add_argument("--spend-all", action="store_true", help="every completion uses its whole max_tokens")
+    mock.add_argument(
+        "--token-shape",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="whose token-id fields it answers (default vllm)",
+    )
+    mock.add_argument(
+        "--quota-rpm",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="a provider's hard quota: answer 429 past N requests per --quota-window, all callers",
+    )
+    mock.add_argument(
+        "--quota-tpm",
+        type=bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="a provider's hard quota: answer 429 past N tokens (words) per --quota-window",
+    )
+    mock.add_argument("--quota-window", type=bounded(float, 0.01), default=60.0, metavar="SECONDS",
+                      help="the quota's window (default 60)")  # fmt: skip
 
     export = sub.add_parser(
         "export-samples", help="one training sample per branch of a run made with --include-sub-llm-in-trajectory"
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (rows.jsonl, trajectories.jsonl)")
     export.add_argument("--output", metavar="FILE", help="where to write (default RUN_DIR/samples.jsonl)")
+    Staleness.add_arguments(export, bounded(int, 0))
 
     status = sub.add_parser(
         "status",
@@ -444,6 +468,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         worker_args = ["--queue", settings.queue] if settings.queue else []
         for tool in dict.fromkeys([*settings.sub_tools, *settings.tools]):
             worker_args += ["--allow-tool", tool]
+        worker_args += ["--token-ids-api", settings.token_ids_api]  # local workers: the same server's API
+        if settings.weight_versions:
+            worker_args.append("--weight-versions")
         fleet = LocalFleet(
             model=sub_model,
             base_url=settings.sub_base_url or settings.base_url,
@@ -476,10 +503,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_mock_llm(args: argparse.Namespace) -> int:
     from rlmq.common.errors import ConfigError
+    from rlmq.scripted.quota import ProviderQuota
     from rlmq.scripted.server import serve
 
+    quota = None
+    if args.quota_rpm is not None or args.quota_tpm is not None:
+        quota = ProviderQuota(args.quota_rpm, args.quota_tpm, args.quota_window)
     try:
-        serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+        serve(
+            args.host,
+            args.port,
+            latency=args.latency,
+            spend_all=args.spend_all,
+            token_shape=args.token_shape,
+            quota=quota,
+        )
     except OSError as exc:  # the port is taken, or the address is not ours
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from exc
     return 0
@@ -499,8 +537,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export-samples":
         from rlmq.cli.export_samples import export_samples
 
-        path, count = export_samples(args.run_dir, args.output)
-        say(f"rlmq: {count} sample(s) written to {path}")
+        staleness = Staleness(args.weight_version, args.max_version_lag, args.current_version)
+        path, count, dropped = export_samples(args.run_dir, args.output, staleness)
+        note = f" ({dropped} dropped by the weight-version filter)" if staleness.active else ""
+        say(f"rlmq: {count} sample(s) written to {path}{note}")
         return 0
     return 2
 

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rlmq.common import keys as K
+from rlmq.common.provider_limits import snapshot as provider_snapshot
 
 
 def _s(v: Any) -> str:
@@ -74,7 +75,8 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
         max_rollouts: live rollouts listed at most (the soonest to expire are dropped).
 
     Returns:
-        ``{"time", "queues": [...], "workers": [...], "rollouts": [...], "rollouts_total"}``;
+        ``{"time", "queues": [...], "workers": [...], "rollouts": [...], "rollouts_total", "providers": [...]}``
+        (``providers``: :func:`rlmq.common.provider_limits.snapshot`);
         times in Unix seconds, ages in seconds (``None`` when unknown).
     """
     now = time.time() if now is None else now
@@ -175,7 +177,11 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
         )
     _add_trees(redis, rollouts)
     rollouts.sort(key=lambda r: -(r["age"] or 0.0))
-    return {"time": now, "queues": queues, "workers": workers, "rollouts": rollouts, "rollouts_total": total}
+    providers = provider_snapshot(redis)
+    return {
+        "time": now, "queues": queues, "workers": workers, "rollouts": rollouts, "rollouts_total": total,
+        "providers": providers,
+    }  # fmt: skip
 
 
 def _add_trees(redis: Any, rollouts: list[dict[str, Any]]) -> None:
@@ -255,6 +261,25 @@ def _budget(r: dict[str, Any], tops: dict[str, dict[str, Any]] | None = None) ->
     return text
 
 
+def _providers(ps: list[dict[str, Any]]) -> list[str]:
+    """The PROVIDER LIMITS table (none: nothing), what is used of each fleet-wide limit now."""
+    if not ps:
+        return []
+
+    def of(used: int, limit: int | None) -> str:
+        return f"{used}/{limit}" if limit else f"{used}/-"
+
+    rows = [
+        [
+            p["upstream"], f"{p['window']:g} s", of(p["requests"], p["rpm"]), of(p["tokens"], p["tpm"]),
+            of(p["running"], p["max_concurrent"]), f"{p['paused_for']:.1f} s" if p["paused_for"] else "-",
+        ]
+        for p in ps
+    ]  # fmt: skip
+    headers = ["UPSTREAM", "WINDOW", "REQUESTS/LIMIT", "TOKENS/LIMIT", "RUNNING/LIMIT", "PAUSED (429)"]
+    return ["", f"PROVIDER LIMITS ({len(ps)})", table(headers, rows)]
+
+
 def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     """The snapshot of :func:`collect` as plain text tables."""
     stamp = datetime.fromtimestamp(snap["time"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -305,6 +330,7 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
         )
     else:
         out.append("  (none)")
+    out += _providers(snap.get("providers") or [])
     rs = snap["rollouts"]
     shown = "" if len(rs) == snap["rollouts_total"] else f", {len(rs)} shown"
     out += ["", f"LIVE ROLLOUTS ({snap['rollouts_total']}{shown})"]

@@ -133,9 +133,11 @@ Directives in the prompt:
   same prompt text with ``[[mock:fail-times:<N>]]``. Order: sleep, then reset, then
   status, then malformed.
 
-Server-wide options: ``latency`` (seconds slept before every chat completion) and
-``spend_all`` (sub-LLM calls only). Directives are removed from a prompt before it is
-answered. The handler uses ``json`` and precompiled regexes only, to stay cheap under
+Server-wide options: ``latency`` (seconds slept before every chat completion),
+``spend_all`` (sub-LLM calls only) and ``quota`` (a provider's hard quota over all callers:
+requests and tokens per window answered 429 with ``Retry-After`` past it, ``rlmq mock-llm
+--quota-rpm R --quota-tpm T --quota-window W``; :mod:`rlmq.scripted.quota`). Directives are
+removed from a prompt before it is answered. The handler uses ``json`` and precompiled regexes only, to stay cheap under
 benchmarks.
 
 Run it alone with ``rlmq mock-llm --port P`` or ``python -m rlmq.scripted.server --port 0``

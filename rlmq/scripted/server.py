@@ -52,9 +52,10 @@ from rlmq.scripted.markers import (
     root_code_directive,
     tag_of,
 )
+from rlmq.scripted.quota import ProviderQuota
 from rlmq.scripted.recursion import is_rlm_format_root, recursion_of, rlm_format_reply
 from rlmq.scripted.root_script import root_code_for
-from rlmq.scripted.tokens import served_fields
+from rlmq.scripted.tokens import TOKEN_SHAPES, ServedLog, served_fields
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -73,6 +74,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_QUOTA = web.AppKey("quota", ProviderQuota)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -93,6 +96,13 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     if isinstance(limit, str):
         state.invalid += 1
         return _error(400, limit)
+    quota = request.app.get(_QUOTA)
+    entry = None
+    if quota is not None:  # a provider's hard quota, counting every caller (rlmq.scripted.quota)
+        entry, retry_after = quota.admit(sum(_words(_text(m.get("content"))) for m in messages) + limit)
+        if entry is None:
+            message = "[[mock:quota]] rate limit reached (test double)"
+            return _error(429, message, kind="rate_limit_error", headers={"Retry-After": str(retry_after)})
     model = body.get("model")
     model = model if isinstance(model, str) else ""
     user = body.get("user")
@@ -109,9 +119,21 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state.record(body)
     state.opened()
     try:
-        return await _answer(request, state, body, messages, limit, model, tool_names, rlm_root, counted)
+        response = await _answer(request, state, body, messages, limit, model, tool_names, rlm_root, counted)
     finally:
         state.closed()
+    if quota is not None and entry is not None:
+        quota.settle(entry, _tokens_served(response, limit))
+    return response
+
+
+def _tokens_served(response: web.StreamResponse, limit: int) -> int:
+    """What an answer counts in a quota: its usage's total tokens; 0 for an error; ``limit`` when
+    a completion came without usage."""
+    if response.status != 200 or not isinstance(response, web.Response) or not isinstance(response.body, bytes):
+        return 0
+    usage = json.loads(response.body).get("usage")
+    return int(usage["total_tokens"]) if isinstance(usage, dict) else limit
 
 
 async def _answer(
@@ -237,12 +259,27 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _stats(request: web.Request) -> web.Response:
-    return web.json_response(request.app[_STATE].snapshot())
+    quota = request.app.get(_QUOTA)
+    extra = {} if quota is None else {"quota": quota.snapshot()}
+    return web.json_response({**request.app[_STATE].snapshot(), **extra})
 
 
 async def _served(request: web.Request) -> web.Response:
     """``GET /served``: the replies served with token fields (:mod:`rlmq.scripted.tokens`)."""
     return web.json_response({"served": list(request.app[_STATE].served.items)})
+
+
+async def _update_weight_version(request: web.Request) -> web.Response:
+    """``POST /update_weight_version`` ``{"new_version": label}``: the label of its weights from now
+    on (as vLLM's dev endpoint of that name sets it)."""
+    try:
+        label = (await request.json()).get("new_version")
+    except (ValueError, AttributeError):
+        label = None
+    if not isinstance(label, str) or not 0 < len(label) <= 256:
+        return _error(400, "new_version must be a label of 1 to 256 characters")
+    request.app[_STATE].served.weight_version = label
+    return web.json_response({"weight_version": label})
 
 
 async def _reset_stats(request: web.Request) -> web.Response:
@@ -254,21 +291,34 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "server": f"{MODEL_FINGERPRINT} (test double)"})
 
 
-def create_app(*, latency: float = 0.0, spend_all: bool = False) -> web.Application:
+def create_app(
+    *, latency: float = 0.0, spend_all: bool = False, token_shape: str = "vllm", quota: ProviderQuota | None = None
+) -> web.Application:
     """The aiohttp application of the scripted model.
 
     ``latency``: seconds slept before answering every chat completion (simulates a slow
     model). ``spend_all``: every sub-LLM completion is exactly its limit in tokens (words).
+    ``token_shape``: the server whose token fields it answers in (``vllm``, ``sglang``:
+    :mod:`rlmq.scripted.tokens`).
+    ``quota``: a provider's hard quota over all callers (:mod:`rlmq.scripted.quota`).
     """
     if latency < 0:
         raise ConfigError("latency must be >= 0 seconds")
+    try:
+        served = ServedLog(token_shape)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     app = web.Application()
     app[_STATE] = _State(latency, spend_all)
+    app[_STATE].served = served
+    if quota is not None:
+        app[_QUOTA] = quota
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", _chat_completions)
         app.router.add_get(f"{prefix}/models", _models)
     app.router.add_get("/stats", _stats)
     app.router.add_get("/served", _served)
+    app.router.add_post("/update_weight_version", _update_weight_version)
     app.router.add_delete("/stats", _reset_stats)
     app.router.add_get("/health", _health)
     return app
@@ -284,19 +334,27 @@ class ScriptedModelServer:
 
     ``port=0`` lets the OS pick a free port; read it from :attr:`port` or :attr:`url`
     after :meth:`start`. ``latency`` is in seconds; ``spend_all`` makes every sub-LLM
-    completion exactly its limit in tokens (words)::
+    completion exactly its limit in tokens (words); ``token_shape`` is the server whose token
+    fields it answers in (``vllm``, ``sglang``)::
 
         async with ScriptedModelServer() as server:
             client = openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0)
     """
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, latency: float = 0.0, spend_all: bool = False
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        latency: float = 0.0,
+        spend_all: bool = False,
+        token_shape: str = "vllm",
+        quota: ProviderQuota | None = None,
     ) -> None:
         self._host = host
         self._requested_port = port
         self._port: int | None = None
-        self._app = create_app(latency=latency, spend_all=spend_all)
+        self._app = create_app(latency=latency, spend_all=spend_all, token_shape=token_shape, quota=quota)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -376,12 +434,18 @@ class ScriptedModelServer:
         ``user``, ``role``, ``prompt_token_ids``, ``completion_token_ids``, ``completion_logprobs``."""
         return list(self._app[_STATE].served.items)
 
+    def update_weight_version(self, label: str) -> None:
+        """Label its weights ``label`` from now on (``POST /update_weight_version``)."""
+        self._app[_STATE].served.weight_version = label
+
     def reset_stats(self) -> None:
         """Zero every counter (like ``DELETE /stats``), including fail-times attempt counts."""
         self._app[_STATE].reset()
 
 
-async def _serve(host: str, port: int, latency: float, spend_all: bool) -> None:
+async def _serve(
+    host: str, port: int, latency: float, spend_all: bool, token_shape: str, quota: ProviderQuota | None = None
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -389,33 +453,54 @@ async def _serve(host: str, port: int, latency: float, spend_all: bool) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - non-Unix
             pass
-    async with ScriptedModelServer(host, port, latency=latency, spend_all=spend_all) as server:
+    async with ScriptedModelServer(
+        host, port, latency=latency, spend_all=spend_all, token_shape=token_shape, quota=quota
+    ) as server:
         print(LISTEN_LINE.format(url=server.url), flush=True)
         await stop.wait()
 
 
-def serve(host: str, port: int, *, latency: float = 0.0, spend_all: bool = False) -> None:
+def serve(
+    host: str,
+    port: int,
+    *,
+    latency: float = 0.0,
+    spend_all: bool = False,
+    token_shape: str = "vllm",
+    quota: ProviderQuota | None = None,
+) -> None:
     """Run the scripted model (a test double) until SIGINT or SIGTERM; blocking.
 
     Prints ``rlmq scripted model (test double) listening on http://<host>:<port>/v1`` to
     stdout, flushed, with the port actually bound (so ``port=0`` works for a parent process
-    reading that line). ``latency`` is in seconds.
+    reading that line). ``latency`` is in seconds; ``token_shape`` the server whose token fields it
+    answers in (``vllm``, ``sglang``); ``quota``: a provider's hard quota.
     """
     try:
-        asyncio.run(_serve(host, port, latency, spend_all))
+        asyncio.run(_serve(host, port, latency, spend_all, token_shape, quota))
     except KeyboardInterrupt:  # pragma: no cover - a second Ctrl-C
         pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m rlmq.scripted.server [--host H] [--port P] [--latency S] [--spend-all]``."""
+    """``python -m rlmq.scripted.server [--host H] [--port P] [--latency S] [--spend-all] [--token-shape S]
+    [--quota-rpm R] [--quota-tpm T] [--quota-window W]``."""
     parser = argparse.ArgumentParser(description="rlmq scripted OpenAI-compatible model (a test double)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port (printed at start)")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds slept per chat completion")
     parser.add_argument("--spend-all", action="store_true", help="sub-LLM completions use their whole limit")
+    parser.add_argument("--token-shape", choices=TOKEN_SHAPES, default="vllm", help="whose token fields it answers")
+    parser.add_argument("--quota-rpm", type=int, default=None, help="answer 429 past this many requests per window")
+    parser.add_argument("--quota-tpm", type=int, default=None, help="answer 429 past this many tokens per window")
+    parser.add_argument("--quota-window", type=float, default=60.0, help="the quota's window in seconds")
     args = parser.parse_args(argv)
-    serve(args.host, args.port, latency=args.latency, spend_all=args.spend_all)
+    quota = None
+    if args.quota_rpm is not None or args.quota_tpm is not None:
+        quota = ProviderQuota(args.quota_rpm, args.quota_tpm, args.quota_window)
+    serve(
+        args.host, args.port, latency=args.latency, spend_all=args.spend_all, token_shape=args.token_shape, quota=quota
+    )
     return 0
 
 

@@ -1,20 +1,37 @@
-"""The scripted model's token ids and logprobs: vLLM's fields, served when asked, and recorded.
+"""The scripted model's token ids, logprobs and weight versions, served when asked, and recorded.
 
-A request that asks (``return_token_ids: true``, as vLLM >= 0.10.2 takes it, with ``logprobs:
-true``) gets ``prompt_token_ids`` (one id per word of its messages' contents: the prompt tokens
-``usage`` counts), ``choices[0].token_ids`` (one id per word of the completion: its content, then
-its tool calls' arguments) and ``choices[0].logprobs.content[i].logprob`` (one per completion id,
-float32-exact, distinct per reply). Directives in a user message change that:
+It answers in the shape of the server it plays (``token_shape`` of the server, ``rlmq mock-llm
+--token-shape``; a directive in a user message overrides it for one reply), each as that server's
+current release writes it (:mod:`rlmq.common.token_servers`):
+
+* ``vllm`` (default): asked with ``return_token_ids: true``, it answers ``prompt_token_ids`` at the
+  top of the reply and ``choices[0].token_ids``; asked with ``return_weight_versions: true`` too,
+  ``choices[0].weight_versions`` (``[{"version", "start", "end"}]``);
+* ``sglang``: SGLang 0.5.23's chat shape: asked with ``return_token_ids`` (or
+  ``return_prompt_token_ids`` for the prompt alone), it answers ``choices[0].prompt_token_ids``
+  and ``choices[0].response_token_ids``, and ``metadata.weight_version`` at the top, as SGLang does.
+
+The ids: one per word of the messages' contents (the prompt tokens ``usage`` counts), one per word
+of the completion (its content, then its tool calls' arguments); the logprobs at
+``choices[0].logprobs.content[i].logprob``, one per completion id, float32-exact, distinct per
+reply. Its weights carry a label (``step-0`` at start; ``POST /update_weight_version`` with
+``{"new_version": label}`` sets another, as vLLM's dev endpoint does). Directives in a user message:
 
 * ``[[mock:token-ids:none]]``: no token field at all (as llama.cpp or OpenAI answer);
 * ``[[mock:token-ids:mismatch]]``: one logprob fewer than completion ids;
 * ``[[mock:token-ids:usage]]``: one completion id more than ``usage.completion_tokens``;
-* ``[[mock:token-ids:sglang]]``: SGLang's shape: ``prompt_token_ids`` on ``choices[0]``, not at
-  the top of the reply.
+* ``[[mock:token-ids:sglang]]`` / ``[[mock:token-ids:vllm]]``: that server's shape for this reply;
+* ``[[mock:token-ids:vllm-no-weight-versions]]``: a vLLM that answers ids but has no weight versions
+  (it ignores ``return_weight_versions``);
+* ``[[mock:token-ids:sglang-token-ids]]``: the shape of an SGLang release from before its chat choice
+  answered ``response_token_ids``: ``choices[0].prompt_token_ids`` and ``choices[0].token_ids``;
+* ``[[mock:weight-update:K]]``: the weights are updated after the reply's first ``K`` completion
+  tokens: its tokens span two versions (``[0, K)`` the old label, ``[K, n)`` the next one: the
+  trailing number of the label plus one), and later replies carry the next label.
 
-Every reply that carried the fields is recorded (:class:`ServedLog`, ``GET /served``): its
-``id``, ``user``, role and the three lists, so a test compares what a trajectory holds with what
-was served, element by element.
+Every reply that carried token fields is recorded (:class:`ServedLog`, ``GET /served``): its
+``id``, ``user``, role, the three lists and its ``weight_versions``, so a test compares what a
+trajectory holds with what was served, element by element.
 """
 
 from __future__ import annotations
@@ -25,9 +42,13 @@ import struct
 import zlib
 from typing import Any
 
-__all__ = ["ServedLog", "served_fields", "word_id"]
+__all__ = ["TOKEN_SHAPES", "ServedLog", "next_label", "served_fields", "word_id"]
 
-_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang)\]\]")
+_MODES = "none|mismatch|usage|sglang-token-ids|sglang|vllm-no-weight-versions|vllm"
+_MODE_RE = re.compile(rf"\[\[mock:token-ids:({_MODES})\]\]")
+_UPDATE_RE = re.compile(r"\[\[mock:weight-update:(\d{1,6})\]\]")
+TOKEN_SHAPES = ("vllm", "sglang")
+"""The servers whose token fields the scripted model answers in."""
 SERVED_KEPT = 200_000
 """Served replies :class:`ServedLog` keeps (newest last)."""
 
@@ -54,29 +75,65 @@ def _content(message: dict[str, Any]) -> str:
     return ""
 
 
-class ServedLog:
-    """The replies served with token fields, in order (at most :data:`SERVED_KEPT`)."""
+def next_label(label: str) -> str:
+    """The weight-version label after ``label``: its trailing number plus one (``step-7`` -> ``step-8``),
+    or ``-1`` appended when it ends in no number."""
+    match = re.search(r"(\d+)$", label)
+    if match is None:
+        return f"{label}-1"
+    return label[: match.start()] + str(int(match.group(1)) + 1)
 
-    def __init__(self) -> None:
+
+class ServedLog:
+    """The replies served with token fields, in order (at most :data:`SERVED_KEPT`), the shape the
+    server answers in and the label of its weights."""
+
+    def __init__(self, shape: str = "vllm") -> None:
+        if shape not in TOKEN_SHAPES:
+            raise ValueError(f"token shape must be one of {', '.join(TOKEN_SHAPES)}, not {shape!r}")
         self.items: collections.deque[dict[str, Any]] = collections.deque(maxlen=SERVED_KEPT)
         self.serial = 0
+        self.shape = shape
+        self.weight_version = "step-0"
 
     def reset(self) -> None:
         """Forget every served reply."""
         self.items.clear()
 
 
+def _asked(body: dict[str, Any], mode: str) -> bool:
+    if mode in ("sglang", "sglang-token-ids"):
+        return body.get("return_token_ids") is True or body.get("return_prompt_token_ids") is True
+    return body.get("return_token_ids") is True
+
+
+def _versions(log: ServedLog, users: str, length: int) -> list[dict[str, Any]]:
+    """The weight-version spans of a reply of ``length`` completion tokens, the weights updated
+    mid-reply when a ``[[mock:weight-update:K]]`` directive says so (the label moves on)."""
+    old = log.weight_version
+    match = _UPDATE_RE.search(users)
+    if match is None:
+        return [{"version": old, "start": 0, "end": length}] if length else []
+    cut = min(int(match.group(1)), length)
+    log.weight_version = new = next_label(old)
+    spans: list[dict[str, Any]] = [
+        {"version": old, "start": 0, "end": cut}, {"version": new, "start": cut, "end": length}
+    ]  # fmt: skip
+    return [sp for sp in spans if sp["end"] > sp["start"]]
+
+
 def served_fields(
     log: ServedLog, body: dict[str, Any], result: dict[str, Any], messages: list[dict[str, Any]], role: str
 ) -> None:
-    """Add vLLM's token fields to ``result`` (a chat completion about to be sent) when ``body`` asked,
-    as the directives in the user messages say, and record what was served in ``log``."""
-    if body.get("return_token_ids") is not True:
-        return
+    """Add the token fields of the server it plays to ``result`` (a chat completion about to be sent)
+    when ``body`` asked, as the directives in the user messages say, and record what was served in ``log``."""
     users = " ".join(_content(m) for m in messages if m.get("role") == "user")
     match = _MODE_RE.search(users)
-    mode = match.group(1) if match else "vllm"
-    if mode == "none":
+    mode = match.group(1) if match else log.shape
+    sglang = mode in ("sglang", "sglang-token-ids") or (mode in ("none", "mismatch", "usage") and log.shape == "sglang")
+    if sglang:
+        result["metadata"] = {"weight_version": log.weight_version}
+    if mode == "none" or not _asked(body, "sglang" if sglang else mode):
         return
     choice = result["choices"][0]
     message = choice["message"]
@@ -92,12 +149,20 @@ def served_fields(
         logprobs = [*logprobs, -0.5]
     if mode == "mismatch" and logprobs:
         logprobs = logprobs[:-1]
-    (choice if mode == "sglang" else result)["prompt_token_ids"] = prompt
-    choice["token_ids"] = completion
-    choice["logprobs"] = {
-        "content": [{"token": f"t{i}", "logprob": lp, "bytes": None} for i, lp in enumerate(logprobs)]
-    }
+    record: dict[str, Any] = {"id": result["id"], "user": body.get("user"), "role": role, "shape": mode}
+    if sglang:
+        choice["prompt_token_ids"] = prompt
+        if body.get("return_token_ids") is True:
+            choice["token_ids" if mode == "sglang-token-ids" else "response_token_ids"] = completion
+    else:
+        result["prompt_token_ids"] = prompt
+        choice["token_ids"] = completion
+        if body.get("return_weight_versions") is True and mode != "vllm-no-weight-versions":
+            choice["weight_versions"] = record["weight_versions"] = _versions(log, users, len(completion))
+    if body.get("logprobs") is True or not sglang:
+        choice["logprobs"] = {
+            "content": [{"token": f"t{i}", "logprob": lp, "bytes": None} for i, lp in enumerate(logprobs)]
+        }
     log.items.append({
-        "id": result["id"], "user": body.get("user"), "role": role, "prompt_token_ids": prompt,
-        "completion_token_ids": completion, "completion_logprobs": logprobs,
+        **record, "prompt_token_ids": prompt, "completion_token_ids": completion, "completion_logprobs": logprobs,
     })  # fmt: skip

@@ -18,6 +18,11 @@ continues the previous one's prompt and completion extends the same branch; one 
 (a template that re-renders history) starts a new branch (a new ``part``), so no sampled token is
 in two branches. Untrainable turns (no ids, ``frozen_fleet``, ``payload_cap``,
 ...) and slots that did not answer are left out.
+
+Each committed turn's ``ModelCall.sampling`` (verifiers' "effective sampling settings" of a call)
+holds what its request sent, its ``temperature`` and ``top_p`` as sampled (the request's or the
+server's default: ``temperature_source``, ``top_p_source``) and, when asked for, its
+``weight_versions`` spans over its completion tokens (verifiers 0.4 has no field of its own for them).
 """
 
 from __future__ import annotations
@@ -96,13 +101,26 @@ def _commit_turns(trace: vf.Trace, label: str, turns: Turns, out: TreeNodes) -> 
         )
         response = vf.Response(id=rid, created=0, model="", message=reply, finish_reason=None, tokens=tokens)
         node = graph.prepare_turn(trace, list(prompt)).commit(response)
-        trace.calls.append(vf.ModelCall(node=node, acp=vf.ACPInfo(request_id=rid)))
+        trace.calls.append(vf.ModelCall(node=node, acp=vf.ACPInfo(request_id=rid), sampling=_call_sampling(turn)))
         spans.append((len(seen), len(prompt_ids) + len(completion)))
         prompt.append(reply)
         seen = prompt_ids + completion
         ids.append(rid)
         out.turns += 1
     return ids
+
+
+def _call_sampling(turn: dict[str, Any]) -> vf.SamplingConfig:
+    """A turn's sampling as its model call keeps it: what was sent, then the temperature and top-p its
+    tokens were sampled at (with their sources) and its weight-version spans, when recorded."""
+    sent = turn.get("sampling")
+    out: dict[str, Any] = dict(sent) if isinstance(sent, dict) else {}
+    drawn = turn.get("sampled_with")
+    if isinstance(drawn, dict):
+        out.update(drawn)
+    if isinstance(turn.get("weight_versions"), list):
+        out["weight_versions"] = turn["weight_versions"]
+    return vf.SamplingConfig.model_validate(out)
 
 
 def _sub_turns(result: dict[str, Any]) -> Turns:

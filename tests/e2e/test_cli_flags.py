@@ -97,6 +97,9 @@ TESTED_ELSEWHERE = {
     "--repl-language": "tests/e2e/test_bash_repl.py (rlmq run --repl-language bash, a child rollout in bash)",
     "--expose-message-history": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
     "--retain-filesystem-after-rollout": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
+    "--token-ids-api": "tests/e2e/test_token_servers_e2e.py (rlmq run --token-ids-api sglang: root turns as served)",
+    "--weight-versions": "tests/e2e/test_token_servers_e2e.py (spans on every turn, into the samples)",
+    "--no-weight-versions": "the default: tests/unit/test_token_servers.py (nothing asked or carried)",
 }
 
 

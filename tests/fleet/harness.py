@@ -83,6 +83,7 @@ async def main_job(
     tenant: str = "t",
     label: str = "job",
     ledger_ttl: int | None = None,
+    cap: int | None = None,
 ) -> Outcome:
     """Run the main job once and count it (see the module docstring).
 
@@ -97,6 +98,7 @@ async def main_job(
         tenant: rollout ids are ``<tenant>_<label>...`` (a tenant producer's own).
         ledger_ttl: seconds the rollouts' ledgers live after their last write (default: the
             ledger's default, the rollout key TTL).
+        cap: the ledgers' grant cap in tokens (default: an eighth of the budget, at least 128).
     """
     client = async_client(producer_url)
     ledger = BudgetLedger(client)
@@ -106,7 +108,7 @@ async def main_job(
     before = model_stats(base_url)["per_user"]
 
     async def one(rid: str) -> list[SubLLMResult]:
-        await ledger.open(rid, budget, cap=max(128, budget // 8), ttl=ledger_ttl)
+        await ledger.open(rid, budget, cap=cap or max(128, budget // 8), ttl=ledger_ttl)
         spec = BatchSpec(
             rollout_id=rid, batch_id="b1", queue=queue, sub_call_timeout=timeout, parallelism=calls,
             call=SubCallOptions(model=model, budgeted=True),

@@ -26,17 +26,17 @@ NOT_NAMES = {
 
 def templates() -> set[str]:
     """Every key or channel builder the key module defines (module level and per rollout)."""
-    classes = ("RolloutKeys", "LedgerKeys")
+    classes = ("RolloutKeys", "LedgerKeys", "ProviderKeys")
     names = {n for n in vars(K) if not n.startswith("_") and n not in NOT_NAMES and n not in classes}
     names = {n for n in names if not inspect.ismodule(getattr(K, n)) and n != "annotations" and n != "re"}
-    not_names = {"all_static", "all", "rollout_id", "ledger_id", "tag"}
+    not_names = {"all_static", "all", "rollout_id", "ledger_id", "tag", "upstream"}
     per_id = {f"{c}.{n}" for c in classes for n in vars(getattr(K, c)) if not n.startswith("_") and n not in not_names}
     return names | per_id
 
 
 def sample(template: str, rollout: str = "teamA_r1") -> str:
     """A name the template builds (queues are tenant queues, rollouts a tenant's)."""
-    if template.startswith(("RolloutKeys.", "LedgerKeys.")):
+    if template.startswith(("RolloutKeys.", "LedgerKeys.", "ProviderKeys.")):
         cls, name = template.split(".", 1)
         attr = getattr(getattr(K, cls)(rollout), name)
         return str(attr("b7") if callable(attr) else attr)

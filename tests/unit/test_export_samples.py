@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlmq.cli.export_samples import branch_samples, export_samples
+from rlmq.cli.export_samples import Staleness, branch_samples, export_samples
 from rlmq.cli.main import main
 from rlmq.common.errors import ConfigError
 from rlmq.common.token_wire import ServedTokens, TurnEncoder, expand_trajectory
@@ -81,3 +81,69 @@ def test_no_sample_says_why_and_exits_non_zero(
     why = "none of the 1 turn(s) with token ids was trainable" if tokens else "without --include-sub-llm-in-trajectory"
     assert "no sample" in err and why in err, err
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+def versioned(spans: list[list[tuple[str, int, int]]], sampled: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One sub-call's turns (T1 then T2, one conversation) with the weight-version spans given."""
+    enc = TurnEncoder()
+    turns = [ServedTokens(t.prompt_ids, t.completion_ids, t.logprobs, v) for t, v in zip((T1, T2), spans, strict=True)]
+    return [enc.encode(i + 1, t, None, {}, sampled).model_dump() for i, t in enumerate(turns)]
+
+
+def run_folder(tmp_path: Path, subs: list[list[dict[str, Any]]]) -> Path:
+    row = {"id": "q1", "correct": False}
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    results = [{"status": "ok", "index": i, "turn_tokens": t} for i, t in enumerate(subs)]
+    trajectory = expand_trajectory([{"type": "llm_batch", "batch_id": "b1", "results": results}])
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps({"id": "q1", "trajectory": trajectory}) + "\n")
+    return tmp_path
+
+
+def test_a_sample_carries_its_weight_versions_at_its_own_positions() -> None:
+    turns = versioned([[("step-7", 0, 2)], [("step-8", 0, 1)]])
+    traj = expand_trajectory([{"type": "llm_batch", "batch_id": "b1", "results": [
+        {"status": "ok", "index": 0, "turn_tokens": turns}]}])  # fmt: skip
+    (sample,) = branch_samples(traj)
+    assert sample["token_ids"] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sample["weight_versions"] == [
+        {"version": "step-7", "start": 3, "end": 5}, {"version": "step-8", "start": 7, "end": 8}
+    ]  # fmt: skip
+    (plain,) = branch_samples(expand_trajectory([{"type": "llm_batch", "batch_id": "b1", "results": [
+        {"status": "ok", "index": 0, "turn_tokens": encoded([T1])}]}]))  # fmt: skip
+    assert plain["weight_versions"] is None and plain["sampled_with"] is None
+
+
+def test_the_staleness_filters_drop_a_sample_sampled_across_an_update(tmp_path: Path) -> None:
+    fresh = versioned([[("step-8", 0, 2)], [("step-8", 0, 1)]])
+    across = versioned([[("step-7", 0, 1), ("step-8", 1, 2)], [("step-8", 0, 1)]])  # a turn spans the update
+    old = versioned([[("step-6", 0, 2)], [("step-6", 0, 1)]])
+    unknown = encoded([T1, T2])  # no versions recorded
+    folder = run_folder(tmp_path, [fresh, across, old, unknown])
+    out, kept, dropped = export_samples(folder)
+    assert (kept, dropped) == (4, 0)
+
+    def branches(*argv: str) -> list[str]:
+        assert main(["export-samples", str(folder), *argv]) == 0
+        return [json.loads(x)["branch"] for x in (folder / "samples.jsonl").read_text().splitlines()]
+
+    assert branches("--weight-version", "step-8") == ["b1/0"]
+    assert branches("--max-version-lag", "0") == ["b1/0"]  # step-7 in b1/1 is one behind step-8
+    assert branches("--max-version-lag", "1") == ["b1/0", "b1/1"]
+    assert branches("--max-version-lag", "1", "--current-version", "step-9") == ["b1/0"]
+    assert branches("--max-version-lag", "1", "--current-version", "step-10") == []
+    assert branches("--max-version-lag", "3") == ["b1/0", "b1/1", "b1/2"]  # never b1/3: its staleness is unknown
+    with pytest.raises(ConfigError):
+        export_samples(folder, staleness=Staleness(max_lag=1, current="latest"))
+
+
+def test_a_turn_sampled_at_another_temperature_starts_another_sample() -> None:
+    enc = TurnEncoder()
+    at = [
+        {"temperature": 1.0, "temperature_source": "server_default"},
+        {"temperature": 0.5, "temperature_source": "request"},
+    ]
+    recs = [enc.encode(i + 1, t, None, {}, s).model_dump() for i, (t, s) in enumerate(zip((T1, T2), at, strict=True))]
+    traj = expand_trajectory([{"type": "llm_batch", "batch_id": "b1", "results": [
+        {"status": "ok", "index": 0, "turn_tokens": recs}]}])  # fmt: skip
+    samples = list(branch_samples(traj))
+    assert [(s["part"], s["sampled_with"]["temperature"]) for s in samples] == [(0, 1.0), (1, 0.5)]

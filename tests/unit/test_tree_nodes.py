@@ -145,3 +145,21 @@ def test_a_turn_verifiers_refuses_costs_the_tree_nodes_not_the_rollout() -> None
     got = _tree_nodes(top_trace(), [{k: v for k, v in e.items() if k != "results"} for e in tree()])
     assert got == {"turns": 0, "edges": 0, "conversations": 0}
     assert _tree_nodes(top_trace(), bad)["error"].startswith("ValidationError")
+
+
+def test_each_committed_call_keeps_the_sampling_its_tokens_were_drawn_at_and_their_weight_versions() -> None:
+    step = {
+        **turn(list(range(100, 110)), [1, 2, 3]), "sampling": {"max_tokens": 64},
+        "sampled_with": {
+            "temperature": 1.0, "temperature_source": "server_default", "top_p": 0.9, "top_p_source": "request"
+        },
+        "weight_versions": [{"version": "step-7", "start": 0, "end": 2}, {"version": "step-8", "start": 2, "end": 3}],
+    }  # fmt: skip
+    trajectory = [{"type": "llm_batch", "batch_id": "b1", "results": [{"status": "ok", "index": 0, "steps": [step]}]}]
+    trace = top_trace()
+    assert commit_tree(trace, trajectory).turns == 1
+    sampling = trace.calls[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.max_tokens) == (1.0, 0.9, 64)
+    dumped = sampling.model_dump()
+    assert dumped["temperature_source"] == "server_default" and dumped["weight_versions"] == step["weight_versions"]
+    assert WireTrace.model_validate(trace.model_dump()).calls[-1].sampling.model_dump()["weight_versions"]

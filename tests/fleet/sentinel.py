@@ -1,0 +1,151 @@
+"""A Redis master, its replica and one Sentinel on loopback (private ports), for failover tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from rlmq.cli.local import LocalFleet
+from rlmq.common.connection import async_client
+from rlmq.common.redis_server import find_redis_server
+from tests.fleet.harness import main_job
+
+SERVICE = "rlmqm"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SentinelSet:
+    """``redis-server`` master and replica (no persistence) and a Sentinel (quorum 1, the master down
+    after ``down_ms``); :attr:`url` is the Sentinel URL. :meth:`kill_master` fails it over."""
+
+    def __init__(self, folder: Path, down_ms: int = 1000) -> None:
+        self.binary = find_redis_server()
+        self.ports = {"master": _free_port(), "replica": _free_port(), "sentinel": _free_port()}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)]
+        try:
+            self._start("master", [self.binary, "--port", str(self.ports["master"]), *common])
+            self._start("replica", [self.binary, "--port", str(self.ports["replica"]), *common,
+                                    "--replicaof", "127.0.0.1", str(self.ports["master"])])  # fmt: skip
+            conf = folder / "sentinel.conf"
+            conf.write_text(
+                f"port {self.ports['sentinel']}\nbind 127.0.0.1\ndir {folder}\n"
+                f"sentinel monitor {SERVICE} 127.0.0.1 {self.ports['master']} 1\n"
+                f"sentinel down-after-milliseconds {SERVICE} {down_ms}\n"
+                f"sentinel failover-timeout {SERVICE} 5000\n"
+            )
+            self._start("sentinel", [self.binary, str(conf), "--sentinel"])
+            self._wait_replicated()
+        except BaseException:
+            self.close()
+            raise
+        self.url = f"redis+sentinel://127.0.0.1:{self.ports['sentinel']}/{SERVICE}/0"
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        log = open(self.folder / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if redis.Redis(port=self.ports[name], socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} did not start: {(self.folder / f'{name}.log').read_text()[-2000:]}")
+            time.sleep(0.05)  # another process starting, bounded by the deadline
+
+    def _wait_replicated(self) -> None:
+        replica = redis.Redis(port=self.ports["replica"])
+        sentinel = redis.Redis(port=self.ports["sentinel"])
+        deadline = time.monotonic() + 20
+        while True:
+            link = replica.info("replication").get("master_link_status")
+            known = sentinel.execute_command("SENTINEL", "REPLICAS", SERVICE)
+            if link == "up" and known:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the replica did not sync or the Sentinel does not know it ({link})")
+            time.sleep(0.1)  # replication starting, bounded by the deadline
+
+    def master_port(self) -> int:
+        """The port of the master the Sentinel names now."""
+        host, port = redis.Redis(port=self.ports["sentinel"]).execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE
+        )
+        return int(port)
+
+    def kill_master(self) -> None:
+        """``kill -9`` the master: the Sentinel promotes the replica after ``down_ms``."""
+        proc = self.procs["master"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def close(self) -> None:
+        """Stop every process (idempotent)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+async def probe(url: str, stop: asyncio.Event, ok_at: list[float]) -> None:
+    """INCR a key every 20 ms through ``url`` until ``stop``, noting when each answered (monotonic s)."""
+    client = async_client(url)
+    try:
+        while not stop.is_set():
+            try:
+                await client.incr("rlmq-failover-probe")
+                ok_at.append(time.monotonic())
+            except Exception:  # noqa: BLE001 - a failover: the next try reconnects
+                pass
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+
+
+async def failover_run(folder: Path, *, kill_after: float = 1.0, calls: int = 16, budget: int = 1200) -> dict[str, Any]:
+    """The main job (3 rollouts x ``calls`` sub-calls of 100 tokens, 2 s each, ``budget`` each) on two
+    workers through a Sentinel URL, the master killed ``kill_after`` seconds in. Returns the job's
+    counts (``out``: :class:`~tests.fleet.harness.Outcome`), ``no_service_s`` (the longest time a
+    client's ``INCR`` every 20 ms got no answer), ``job_after_kill_s``, and the master's port
+    before and after (``promoted``: they differ)."""
+    s = SentinelSet(folder / "redis")
+    try:
+        before = s.master_port()
+        with LocalFleet(redis_url=s.url, model="failover", workers=2, worker_concurrency=64,
+                        log_dir=str(folder / "logs")) as f:  # fmt: skip
+            stop, ok_at = asyncio.Event(), []
+            prober = asyncio.create_task(probe(s.url, stop, ok_at))
+            job = asyncio.create_task(main_job(s.url, str(f.base_url), "failover", rollouts=3, calls=calls,
+                                               budget=budget, tokens=100, sleep=2, timeout=30))  # fmt: skip
+            await asyncio.sleep(kill_after)
+            killed = time.monotonic()
+            s.kill_master()
+            out = await asyncio.wait_for(job, 90)
+            finished = time.monotonic() - killed
+            stop.set()
+            await prober
+        gaps = [b - a for a, b in zip(ok_at, ok_at[1:], strict=False) if b > killed - 1]
+        return {
+            "out": out, "no_service_s": round(max(gaps, default=0.0), 2), "job_after_kill_s": round(finished, 1),
+            "promoted": s.master_port() != before,
+        }  # fmt: skip
+    finally:
+        s.close()
