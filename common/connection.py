@@ -11,6 +11,7 @@ wherever a Redis URL goes.
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable
 
 import redis
@@ -82,9 +83,10 @@ timed out (:func:`reach_redis`), as the clients retry a later drop, before the c
 
 
 def _refused(exc: BaseException | None) -> bool:
-    """Whether ``exc`` (or what caused it) is a refused TCP connection: nothing listens there."""
+    """Whether ``exc`` (or what caused it) is a refused TCP connection (nothing listens there) or a
+    host name that does not resolve: nothing a wait would change."""
     while exc is not None:
-        if isinstance(exc, ConnectionRefusedError):
+        if isinstance(exc, (ConnectionRefusedError, socket.gaierror)):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

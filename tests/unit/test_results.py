@@ -207,3 +207,24 @@ def test_whole_tree_figures_and_a_starved_tree_in_the_summary_and_exit_code() ->
     text = summarize(starved)
     assert "budget: 3 child rollout(s) ended by the tree budget (budget_spent) in 1 of 2 rollout(s)" in text
     assert exit_code(starved, 0.5) == EXIT_BUDGET_STARVED
+
+
+def test_a_first_connection_retries_a_drop_but_not_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reach_redis: a connection the network closed is retried (and said); a refused one is not."""
+    from rlmq.common.connection import reach_redis
+
+    said: list[str] = []
+    with pytest.raises(RedisUnavailableError, match="cannot reach Redis"):
+        reach_redis("redis://127.0.0.1:1/0", say=said.append, max_wait=5)  # nothing listens on port 1
+    assert said == []
+    calls: list[int] = []
+
+    def drop_twice(self: redis.Redis) -> bool:
+        calls.append(1)
+        if len(calls) <= 2:
+            raise redis.ConnectionError("Connection closed by server.")
+        return True
+
+    monkeypatch.setattr(redis.Redis, "ping", drop_twice)
+    reach_redis("redis://127.0.0.1:1/0", say=said.append, max_wait=30)
+    assert len(calls) == 3 and len(said) == 2 and all("retrying in" in line for line in said), said
