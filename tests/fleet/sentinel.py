@@ -96,6 +96,45 @@ class SentinelSet:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
+    def cut_replica(self) -> None:
+        """Break the replica's replication for real: it follows a master that does not exist (a free
+        port), keeping its data; whatever the master writes from now on never reaches it. The
+        Sentinel still knows it as the master's replica, and promotes it when the master dies."""
+        redis.Redis(port=self.ports["replica"]).execute_command("REPLICAOF", "127.0.0.1", str(_free_port()))
+
+    def heal_replica(self) -> None:
+        """Point the replica at the master again and wait until it has caught up."""
+        redis.Redis(port=self.ports["replica"]).execute_command("REPLICAOF", "127.0.0.1", str(self.ports["master"]))
+        master = redis.Redis(port=self.ports["master"])
+        deadline = time.monotonic() + 15
+        while master.execute_command("WAIT", 1, 200) < 1:
+            if time.monotonic() > deadline:
+                raise AssertionError("the replica did not catch up with the master")
+
+    def wait_promoted(self, before: int, timeout: float = 20.0) -> int:
+        """Wait until the Sentinel names another master than the port ``before``; its port."""
+        deadline = time.monotonic() + timeout
+        while (port := self.master_port()) == before:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the Sentinel did not promote the replica within {timeout:g} s")
+            time.sleep(0.1)  # the Sentinel's down-after and election, bounded by the deadline
+        return port
+
+    def rejoin(self) -> None:
+        """Start a Redis on the killed master's port as a replica of the master the Sentinel names
+        now (what a supervisor restarting the lost host does; never as an empty master), and wait
+        until it has synced."""
+        master = self.master_port()
+        self.ports["rejoined"] = self.ports["master"]
+        common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.folder)]
+        self._start("rejoined", [self.binary, "--port", str(self.ports["rejoined"]), *common,
+                                 "--replicaof", "127.0.0.1", str(master)])  # fmt: skip
+        deadline = time.monotonic() + 15
+        while redis.Redis(port=self.ports["rejoined"]).info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise AssertionError("the restarted Redis did not sync with the promoted master")
+            time.sleep(0.05)  # a full sync of a small data set, bounded by the deadline
+
     def close(self) -> None:
         """Stop every process (idempotent)."""
         for proc in self.procs.values():
