@@ -188,3 +188,51 @@ async def failover_run(folder: Path, *, kill_after: float = 1.0, calls: int = 16
         }  # fmt: skip
     finally:
         s.close()
+
+
+async def unreplicated_failover_run(
+    folder: Path, *, replica_acks: int | None = None, kill_after: float = 1.0, calls: int = 16, budget: int = 800
+) -> dict[str, Any]:
+    """A failover that loses the master's last writes, under a fleet's main job: 3 rollouts x ``calls``
+    sub-calls of 100 tokens (3 s each; grants of 100: ``budget // 100`` calls run at once, the rest
+    wait for tokens) on two workers whose grants wait for ``replica_acks`` replicas (``None``: the
+    default, 1 with a Sentinel URL). Once the rollouts' ledgers are on the replica, its replication
+    is broken (:meth:`SentinelSet.cut_replica`), so the sub-calls' jobs and grants never reach it;
+    ``kill_after`` seconds later the master is killed (``kill -9``) and the Sentinel promotes the
+    replica; with acknowledgements asked, the killed master's host is brought back as a replica
+    (:meth:`SentinelSet.rejoin`). Returns the job's counts (``out``) and the seconds from the kill
+    to the promotion (``promoted_s``), to the rejoined replica (``rejoined_s``; ``None`` when not),
+    and to the job's end (``job_after_kill_s``)."""
+    s = SentinelSet(folder / "redis")
+    args = [] if replica_acks is None else ["--redis-replica-acks", str(replica_acks)]
+    try:
+        before = s.master_port()
+        with LocalFleet(redis_url=s.url, model="unreplicated", workers=2, worker_concurrency=64,
+                        worker_args=[*args, "--redis-replica-ack-timeout", "0.2"],
+                        log_dir=str(folder / "logs")) as f:  # fmt: skip
+            cut = asyncio.Event()
+
+            async def cut_replica() -> None:
+                await asyncio.to_thread(s.heal_replica)  # the ledgers just opened are on the replica
+                await asyncio.to_thread(s.cut_replica)
+                cut.set()
+
+            job = asyncio.create_task(main_job(s.url, str(f.base_url), "unreplicated", rollouts=3, calls=calls,
+                                               budget=budget, tokens=100, sleep=3, timeout=30, cap=100,
+                                               opened=cut_replica))  # fmt: skip
+            await asyncio.wait_for(cut.wait(), 30)
+            await asyncio.sleep(kill_after)
+            killed = time.monotonic()
+            s.kill_master()
+            await asyncio.to_thread(s.wait_promoted, before)
+            promoted = time.monotonic() - killed
+            rejoined = None
+            if replica_acks != 0:
+                await asyncio.to_thread(s.rejoin)
+                rejoined = round(time.monotonic() - killed, 1)
+            out = await asyncio.wait_for(job, 90)
+            finished = time.monotonic() - killed
+        return {"out": out, "promoted_s": round(promoted, 1), "rejoined_s": rejoined,
+                "job_after_kill_s": round(finished, 1)}  # fmt: skip
+    finally:
+        s.close()

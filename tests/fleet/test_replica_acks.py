@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -23,7 +24,7 @@ from rlmq.common import replica_acks
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ReplicaAckMissing
 from rlmq.common.ledger import GRANTED, REJECTED, BudgetLedger
-from tests.fleet.sentinel import SentinelSet
+from tests.fleet.sentinel import SentinelSet, unreplicated_failover_run
 
 pytestmark = pytest.mark.e2e
 
@@ -101,3 +102,15 @@ async def test_a_grant_no_replica_acknowledged_is_never_used_and_the_budget_hold
         await safe_client.aclose()
         await plain_client.aclose()
         s.close()
+
+
+async def test_a_failover_that_loses_the_last_grants_leaves_no_tree_over_its_budget(tmp_path: Path) -> None:
+    # The fleet's workers on a Sentinel URL wait for 1 replica by default. Without it, the same run
+    # serves each rollout twice its budget: bench/fleet_hosts.py --unreplicated-failovers.
+    run = await unreplicated_failover_run(tmp_path)
+    out = run["out"]
+    summary: dict[str, Any] = {**out.summary(), "served": out.served, **{k: v for k, v in run.items() if k != "out"}}
+    print(summary)
+    assert out.slots == 48 and out.duplicated == 0, summary  # every sub-call has one result
+    assert out.lost == sum(out.errors.values()) and "None" not in out.errors, summary  # each error has its kind
+    assert out.overshoot == 0 and all(0 < served <= 800 for served in out.served.values()), summary
