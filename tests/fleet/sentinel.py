@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import redis
 from rlmq.cli.local import LocalFleet
 from rlmq.common.connection import async_client
 from rlmq.common.redis_server import find_redis_server
+from rlmq.common.ledger import BudgetLedger
 from tests.fleet.harness import main_job
 
 SERVICE = "rlmqm"
@@ -159,31 +161,67 @@ async def probe(url: str, stop: asyncio.Event, ok_at: list[float]) -> None:
         await client.aclose()
 
 
-async def failover_run(folder: Path, *, kill_after: float = 1.0, calls: int = 16, budget: int = 1200) -> dict[str, Any]:
+async def probe_grants(url: str, stop: asyncio.Event, ok_at: list[float]) -> None:
+    """Reserve and settle a grant of a probe ledger every 20 ms through ``url`` (its ledger waits for
+    the replicas a Sentinel URL asks by default) until ``stop``, noting when each was granted."""
+    client = async_client(url)
+    ledger = BudgetLedger(client, ttl=600)
+    try:
+        await ledger.open("failover-probe", 10**12, cap=1)
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            try:
+                if (await ledger.reserve("failover-probe", f"p{i}", None)).granted:
+                    ok_at.append(time.monotonic())
+                    await ledger.settle("failover-probe", f"p{i}", 1)
+            except Exception:  # noqa: BLE001 - a failover, or no replica to acknowledge: ask again
+                pass
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+
+
+def _longest_gap(ok_at: list[float], since: float) -> float:
+    return round(max((b - a for a, b in zip(ok_at, ok_at[1:], strict=False) if b > since), default=0.0), 2)
+
+
+async def failover_run(
+    folder: Path, *, kill_after: float = 1.0, calls: int = 16, budget: int = 1200, rejoin: bool = True
+) -> dict[str, Any]:
     """The main job (3 rollouts x ``calls`` sub-calls of 100 tokens, 2 s each, ``budget`` each) on two
-    workers through a Sentinel URL, the master killed ``kill_after`` seconds in. Returns the job's
-    counts (``out``: :class:`~tests.fleet.harness.Outcome`), ``no_service_s`` (the longest time a
-    client's ``INCR`` every 20 ms got no answer), ``job_after_kill_s``, and the master's port
-    before and after (``promoted``: they differ)."""
+    workers through a Sentinel URL, the master killed ``kill_after`` seconds in; with ``rejoin``, its
+    host is brought back as a replica of the promoted master once the Sentinel promoted it (the
+    workers' grants wait for one replica's acknowledgement, the default with a Sentinel URL).
+    Returns the job's counts (``out``: :class:`~tests.fleet.harness.Outcome`), ``no_service_s`` (the
+    longest time a client's ``INCR`` every 20 ms got no answer), ``no_grants_s`` (the same for a
+    grant every 20 ms), ``promoted_s`` and ``rejoined_s`` (after the kill), ``job_after_kill_s``,
+    and whether the Sentinel names another master than before (``promoted``)."""
     s = SentinelSet(folder / "redis")
     try:
         before = s.master_port()
         with LocalFleet(redis_url=s.url, model="failover", workers=2, worker_concurrency=64,
                         log_dir=str(folder / "logs")) as f:  # fmt: skip
-            stop, ok_at = asyncio.Event(), []
+            stop, ok_at, granted_at = asyncio.Event(), [], []
             prober = asyncio.create_task(probe(s.url, stop, ok_at))
+            grants = asyncio.create_task(probe_grants(s.url, stop, granted_at))
             job = asyncio.create_task(main_job(s.url, str(f.base_url), "failover", rollouts=3, calls=calls,
                                                budget=budget, tokens=100, sleep=2, timeout=30))  # fmt: skip
             await asyncio.sleep(kill_after)
             killed = time.monotonic()
             s.kill_master()
+            await asyncio.to_thread(s.wait_promoted, before)
+            promoted, rejoined = time.monotonic() - killed, None
+            if rejoin:
+                await asyncio.to_thread(s.rejoin)
+                rejoined = round(time.monotonic() - killed, 1)
             out = await asyncio.wait_for(job, 90)
             finished = time.monotonic() - killed
             stop.set()
-            await prober
-        gaps = [b - a for a, b in zip(ok_at, ok_at[1:], strict=False) if b > killed - 1]
+            await asyncio.gather(prober, grants)
         return {
-            "out": out, "no_service_s": round(max(gaps, default=0.0), 2), "job_after_kill_s": round(finished, 1),
+            "out": out, "no_service_s": _longest_gap(ok_at, killed - 1), "no_grants_s": _longest_gap(granted_at, killed - 1),
+            "promoted_s": round(promoted, 1), "rejoined_s": rejoined, "job_after_kill_s": round(finished, 1),
             "promoted": s.master_port() != before,
         }  # fmt: skip
     finally:
