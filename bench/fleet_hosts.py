@@ -132,6 +132,64 @@ def failovers(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+def unreplicated_failovers(n: int) -> list[dict[str, Any]]:
+    """``n`` failovers that lose the master's last grants and jobs (:func:`tests.fleet.sentinel.
+    unreplicated_failover_run`), each with ``--redis-replica-acks`` 0 and 1."""
+    import asyncio
+    import tempfile
+
+    from tests.fleet.sentinel import unreplicated_failover_run
+
+    rows = []
+    for _ in range(n):
+        for acks in (0, 1):
+            with tempfile.TemporaryDirectory(prefix="rlmq-unreplicated-") as folder:
+                run = asyncio.run(unreplicated_failover_run(Path(folder), replica_acks=acks))
+            out = run.pop("out")
+            rows.append({"replica_acks": acks, **run, "subcalls": out.slots, "ok": out.ok, "lost": out.lost,
+                         "duplicated": out.duplicated, "overshoot": out.overshoot, "served": out.served,
+                         "errors": dict(out.errors)})  # fmt: skip
+            print("unreplicated failover:", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def wait_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """What waiting for the replica's acknowledgement costs: a master, its replica and a Sentinel on
+    this host, two workers through the Sentinel URL with ``--redis-replica-acks`` 0 and 1 in turn
+    (twice each, interleaved); per setting the budgeted sub-calls per second of a main job and the
+    seconds of one budgeted sub-call (median, p90 of ``--latency-n``)."""
+    import asyncio
+    import tempfile
+
+    from tests.fleet.harness import main_job
+    from tests.fleet.sentinel import SentinelSet
+    from tests.hosts.driver import _latency
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rlmq-acks-") as folder:
+        s = SentinelSet(Path(folder) / "redis")
+        try:
+            for acks in (0, 1, 0, 1):
+                with LocalFleet(redis_url=s.url, model="acks", workers=2, worker_concurrency=64,
+                                worker_args=["--redis-replica-acks", str(acks)]) as f:  # fmt: skip
+                    lat = asyncio.run(_latency(argparse.Namespace(redis_url=s.url, model="acks", n=args.latency_n,
+                                                                  label="lat", timeout=60.0)))  # fmt: skip
+                    started = time.monotonic()
+                    out = asyncio.run(main_job(s.url, str(f.base_url), "acks", rollouts=args.rollouts,
+                                               calls=args.calls, budget=args.calls * 100, cap=50, tokens=10,
+                                               sleep=0, timeout=300))  # fmt: skip
+                    seconds = time.monotonic() - started
+                rows.append({
+                    "replica_acks": acks, "subcalls": out.slots, "lost": out.lost, "overshoot": out.overshoot,
+                    "subcalls_per_s": round(out.slots / seconds, 1), "latency_median_s": round(lat["median"], 4),
+                    "latency_p90_s": round(lat["p90"], 4),
+                })  # fmt: skip
+                print("replica acks:", json.dumps(rows[-1]), flush=True)
+        finally:
+            s.close()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rtts", default="0,1,5,20", help="round trips between hosts, milliseconds (comma-separated)")
@@ -147,6 +205,9 @@ def main() -> None:
     p.add_argument("--skip-rtt", action="store_true")
     p.add_argument("--skip-quota", action="store_true")
     p.add_argument("--failovers", type=int, default=3, help="Sentinel failovers mid-job (0: none)")
+    p.add_argument("--wait-cost", action="store_true", help="only: the cost of --redis-replica-acks 1 vs 0")
+    p.add_argument("--unreplicated-failovers", type=int, default=0,
+                   help="only: failovers that lose the master's last grants, with and without acknowledgement")
     p.add_argument("--quick", action="store_true", help="window 10 s (rpm, tpm scaled), fewer calls")
     p.add_argument("--output", default=None, help="default bench/results/fleet_hosts.json")
     args = p.parse_args()
@@ -154,6 +215,15 @@ def main() -> None:
         args.window, args.rpm, args.tpm = 10.0, args.rpm // 6, args.tpm // 6
         args.quota_calls, args.calls, args.latency_n = 42, 100, 20
     out: dict[str, Any] = {"machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}"}
+    if args.wait_cost or args.unreplicated_failovers:
+        if args.wait_cost:
+            out["replica_acks"] = wait_cost(args)
+        if args.unreplicated_failovers:
+            out["unreplicated_failover"] = unreplicated_failovers(args.unreplicated_failovers)
+        path = Path(args.output) if args.output else RESULTS / "fleet_replica_acks.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"saved {path}")
+        return
     if not args.skip_rtt:
         out["round_trips"] = [one_host(args)]
         print("one host:", json.dumps(out["round_trips"][-1]), flush=True)
