@@ -270,8 +270,12 @@ def main() -> None:
     p.add_argument("--failovers", type=int, default=3, help="Sentinel failovers mid-job (0: none)")
     p.add_argument("--wait-cost", action="store_true", help="only: the cost of --redis-replica-acks 1 vs 0")
     p.add_argument("--wait-rounds", type=int, default=3, help="--wait-cost runs of each setting, interleaved")
-    p.add_argument("--unreplicated-failovers", type=int, default=0,
-                   help="only: failovers that lose the master's last grants, with and without acknowledgement")
+    p.add_argument(
+        "--unreplicated-failovers",
+        type=int,
+        default=0,
+        help="only: failovers that lose the master's last grants, with and without acknowledgement",
+    )
     p.add_argument("--quick", action="store_true", help="window 10 s (rpm, tpm scaled), fewer calls")
     p.add_argument("--output", default=None, help="default bench/results/fleet_hosts.json")
     args = p.parse_args()

@@ -16,8 +16,8 @@ import redis
 
 from rlmq.cli.local import LocalFleet
 from rlmq.common.connection import async_client
-from rlmq.common.redis_server import find_redis_server
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.redis_server import find_redis_server
 from tests.fleet.harness import main_job
 
 SERVICE = "rlmqm"
@@ -220,7 +220,8 @@ async def failover_run(
             stop.set()
             await asyncio.gather(prober, grants)
         return {
-            "out": out, "no_service_s": _longest_gap(ok_at, killed - 1), "no_grants_s": _longest_gap(granted_at, killed - 1),
+            "out": out, "no_service_s": _longest_gap(ok_at, killed - 1),
+            "no_grants_s": _longest_gap(granted_at, killed - 1),
             "promoted_s": round(promoted, 1), "rejoined_s": rejoined, "job_after_kill_s": round(finished, 1),
             "promoted": s.master_port() != before,
         }  # fmt: skip
