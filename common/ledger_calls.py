@@ -87,7 +87,8 @@ class LedgerCalls:
                 outcomes = await self._pipelined(groups)
                 if self._acks.replicas:
                     acked = outcomes.pop()
-                    outcomes.pop()  # the mark's SET
+                    mark = outcomes.pop()  # without the mark's write the WAIT may not cover a grant found again
+                    acked = mark if isinstance(mark, Exception) else acked
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised if fatal
             for _, ops in groups:
                 for *_, fut in ops:
@@ -110,8 +111,8 @@ class LedgerCalls:
                     fut.set_result(reply)
 
     def _ack_error(self, acked: Any) -> Exception:
-        """The error of a grant fewer replicas acknowledged: the ``WAIT``'s own error reply (a
-        ``NOPERM``), else :class:`ReplicaAckMissing`."""
+        """The error of a grant fewer replicas acknowledged: the error reply of the mark's ``SET`` or
+        of the ``WAIT`` (a ``NOPERM``), else :class:`ReplicaAckMissing`."""
         if isinstance(acked, Exception):
             return acked
         return ReplicaAckMissing(int(acked), self._acks.replicas, self._acks.timeout)

@@ -15,7 +15,9 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 from redis.asyncio import Redis
+from redis.exceptions import NoPermissionError
 
 from rlmq.common import replica_acks
 from rlmq.common.connection import async_client
@@ -75,3 +77,20 @@ async def test_an_unacknowledged_grant_is_asked_again_until_the_deadline_in_one_
     for lid in lids:
         snap = await plain.snapshot(lid)
         assert snap is not None and snap.charged == 100, snap  # one grant each, however often asked
+
+
+async def test_a_grant_whose_mark_is_refused_is_refused_too(real_redis: redis.Redis, redis_url: str) -> None:
+    # Without the mark's write the WAIT may not cover a grant found again: a user that may not write
+    # it (an ACL from before the mark) gets its NOPERM at once, never a grant.
+    user = "rlmq-noack-" + uuid.uuid4().hex[:6]
+    real_redis.execute_command("ACL", "SETUSER", user, "reset", "on", "nopass", "~rlmq:{*", "&*", "+@all")
+    client = async_client(redis_url.replace("redis://", f"redis://{user}:x@", 1), replica_acks=1)
+    try:
+        lid = "acks" + uuid.uuid4().hex[:8]
+        ledger = BudgetLedger(client, ttl=60)
+        await ledger.open(lid, 200, cap=100)
+        with pytest.raises(NoPermissionError):
+            await ledger.reserve_until(time.time() + 5, lid, "r1", None)
+    finally:
+        await client.aclose()
+        real_redis.execute_command("ACL", "DELUSER", user)
