@@ -16,7 +16,14 @@ the model adding ``rtt`` milliseconds per round trip. Needs root and ``ip`` (ipr
   sub-calls lost.
 * **Failover** (``--failovers 3``): a Redis master, its replica and a Sentinel on this host; the
   master killed (``kill -9``) one second into a main job on two workers that reach Redis through
-  the Sentinel URL: seconds without service, sub-calls answered, lost, duplicated, budget overshoot.
+  the Sentinel URL (grants waiting for the replica, the default), its host back as a replica once
+  the replica is promoted: seconds without service and without grants, sub-calls answered, lost,
+  duplicated, budget overshoot.
+* **Replica acknowledgement** (``--wait-cost``, ``--unreplicated-failovers N``; these, with
+  ``--failovers``, alone, saved in ``bench/results/fleet_replica_acks.json``): what
+  ``--redis-replica-acks 1`` costs a sub-call against 0 (sub-calls per second, one sub-call's
+  seconds, one ledger round trip's), and failovers that lose the master's last grants and jobs,
+  with and without it: tokens served past each rollout's budget.
 
     python -m bench.fleet_hosts                  # both parts, about 8 minutes on 2 cores
     python -m bench.fleet_hosts --quick          # a scaled-down run (window 10 s), about 2 minutes
@@ -132,6 +139,120 @@ def failovers(n: int) -> list[dict[str, Any]]:
     return rows
 
 
+def unreplicated_failovers(n: int) -> list[dict[str, Any]]:
+    """``n`` failovers that lose the master's last grants and jobs (:func:`tests.fleet.sentinel.
+    unreplicated_failover_run`), each with ``--redis-replica-acks`` 0 and 1."""
+    import asyncio
+    import tempfile
+
+    from tests.fleet.sentinel import unreplicated_failover_run
+
+    rows = []
+    for _ in range(n):
+        for acks in (0, 1):
+            with tempfile.TemporaryDirectory(prefix="rlmq-unreplicated-") as folder:
+                run = asyncio.run(unreplicated_failover_run(Path(folder), replica_acks=acks))
+            out = run.pop("out")
+            rows.append({"replica_acks": acks, **run, "subcalls": out.slots, "ok": out.ok, "lost": out.lost,
+                         "duplicated": out.duplicated, "overshoot": out.overshoot, "served": out.served,
+                         "errors": dict(out.errors)})  # fmt: skip
+            print("unreplicated failover:", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+async def _interleaved(url: str, models: dict[int, str], n: int) -> dict[int, dict[str, float]]:
+    """One budgeted sub-call on each model's queue in turn, ``n`` rounds, and one grant on a client
+    asking each number of replicas in turn (200 rounds; each settled): the median and p90 seconds of
+    a sub-call and the median seconds of a grant, per number of replicas (the keys of ``models``)."""
+    import statistics
+    import uuid
+
+    from rlmq.common import keys as K
+    from rlmq.common.connection import async_client
+    from rlmq.common.ledger import BudgetLedger
+    from rlmq.common.schemas import SubCallOptions
+    from rlmq.producer.dispatch import BatchSpec, Dispatcher
+
+    producer = async_client(url)
+    clients = {acks: async_client(url, replica_acks=acks) for acks in models}
+    calls: dict[int, list[float]] = {acks: [] for acks in models}
+    grants: dict[int, list[float]] = {acks: [] for acks in models}
+    rid = f"t_lat{uuid.uuid4().hex[:6]}"
+    try:
+        await BudgetLedger(producer).open(rid, 10**9, cap=100)
+        dispatcher = Dispatcher(producer)
+        for i in range(n):
+            for acks, model in models.items():
+                queue = K.tenant_queue(K.queue_name_for_model(model), "t")
+                spec = BatchSpec(rollout_id=rid, batch_id=f"b{acks}x{i}", queue=queue, sub_call_timeout=60,
+                                 parallelism=1, call=SubCallOptions(model=model, budgeted=True))  # fmt: skip
+                started = time.perf_counter()
+                results = await dispatcher.run_batch(spec, [f"Ping {i}. [[mock:tokens:10]]"])
+                calls[acks].append(time.perf_counter() - started)
+                assert results[0].status == "ok", results[0]
+        for i in range(200):
+            for acks, client in clients.items():
+                ledger = BudgetLedger(client)
+                started = time.perf_counter()
+                grant = await ledger.reserve(rid, f"g{acks}x{i}", 10)
+                grants[acks].append(time.perf_counter() - started)
+                assert grant.granted, grant
+                await ledger.settle(rid, f"g{acks}x{i}", 10)
+    finally:
+        for client in (producer, *clients.values()):
+            await client.aclose()
+    out = {}
+    for acks, times in calls.items():
+        times.sort()
+        out[acks] = {"median": statistics.median(times), "p90": times[int(0.9 * (len(times) - 1))],
+                     "grant": statistics.median(grants[acks])}  # fmt: skip
+    return out
+
+
+def wait_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """What waiting for the replica's acknowledgement costs: a master, its replica and a Sentinel on
+    this host; two fleets of two workers at once through the Sentinel URL, one with
+    ``--redis-replica-acks 0`` (model ``acks0``), one with 1 (``acks1``), so both meet the same load
+    of the machine: the seconds of one budgeted sub-call (``--latency-n`` on each, one after the
+    other, alternating), of one grant alone (alternating), and the budgeted sub-calls per second of
+    a main job (``--wait-rounds`` on each, alternating; the median)."""
+    import asyncio
+    import statistics
+    import tempfile
+    from contextlib import ExitStack
+
+    from tests.fleet.harness import main_job
+    from tests.fleet.sentinel import SentinelSet
+
+    models = {0: "acks0", 1: "acks1"}
+    with tempfile.TemporaryDirectory(prefix="rlmq-acks-") as folder, ExitStack() as stack:
+        s = SentinelSet(Path(folder) / "redis")
+        stack.callback(s.close)
+        fleets = {acks: stack.enter_context(LocalFleet(redis_url=s.url, model=model, workers=2, worker_concurrency=64,
+                                                       worker_args=["--redis-replica-acks", str(acks)]))
+                  for acks, model in models.items()}  # fmt: skip
+        lat = asyncio.run(_interleaved(s.url, models, args.latency_n))
+        rates: dict[int, list[float]] = {acks: [] for acks in models}
+        for _ in range(args.wait_rounds):
+            for acks, model in models.items():
+                started = time.monotonic()
+                out = asyncio.run(main_job(s.url, str(fleets[acks].base_url), model, rollouts=args.rollouts,
+                                           calls=args.calls, budget=args.calls * 100, cap=50, tokens=10, sleep=0,
+                                           timeout=300))  # fmt: skip
+                assert out.lost == 0 and out.overshoot == 0, out.summary()
+                rates[acks].append(out.slots / (time.monotonic() - started))
+    rows = []
+    for acks in models:
+        rows.append({
+            "replica_acks": acks, "subcalls_per_s": round(statistics.median(rates[acks]), 1),
+            "subcalls_per_s_runs": [round(r, 1) for r in rates[acks]],
+            "latency_median_s": round(lat[acks]["median"], 4), "latency_p90_s": round(lat[acks]["p90"], 4),
+            "grant_median_ms": round(1000 * lat[acks]["grant"], 3),
+        })  # fmt: skip
+        print("replica acks:", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rtts", default="0,1,5,20", help="round trips between hosts, milliseconds (comma-separated)")
@@ -147,6 +268,14 @@ def main() -> None:
     p.add_argument("--skip-rtt", action="store_true")
     p.add_argument("--skip-quota", action="store_true")
     p.add_argument("--failovers", type=int, default=3, help="Sentinel failovers mid-job (0: none)")
+    p.add_argument("--wait-cost", action="store_true", help="only: the cost of --redis-replica-acks 1 vs 0")
+    p.add_argument("--wait-rounds", type=int, default=3, help="--wait-cost runs of each setting, interleaved")
+    p.add_argument(
+        "--unreplicated-failovers",
+        type=int,
+        default=0,
+        help="only: failovers that lose the master's last grants, with and without acknowledgement",
+    )
     p.add_argument("--quick", action="store_true", help="window 10 s (rpm, tpm scaled), fewer calls")
     p.add_argument("--output", default=None, help="default bench/results/fleet_hosts.json")
     args = p.parse_args()
@@ -154,6 +283,17 @@ def main() -> None:
         args.window, args.rpm, args.tpm = 10.0, args.rpm // 6, args.tpm // 6
         args.quota_calls, args.calls, args.latency_n = 42, 100, 20
     out: dict[str, Any] = {"machine": f"{platform.node()} {platform.machine()}, {platform.python_version()}"}
+    if args.wait_cost or args.unreplicated_failovers:
+        if args.wait_cost:
+            out["replica_acks"] = wait_cost(args)
+        if args.unreplicated_failovers:
+            out["unreplicated_failover"] = unreplicated_failovers(args.unreplicated_failovers)
+        if args.failovers:
+            out["failover"] = failovers(args.failovers)
+        path = Path(args.output) if args.output else RESULTS / "fleet_replica_acks.json"
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(f"saved {path}")
+        return
     if not args.skip_rtt:
         out["round_trips"] = [one_host(args)]
         print("one host:", json.dumps(out["round_trips"][-1]), flush=True)

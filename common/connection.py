@@ -22,8 +22,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from rlmq.common import replica_acks as replica_acks_mod
 from rlmq.common import sentinel
 from rlmq.common.errors import ConfigError, RedisUnavailableError
+from rlmq.common.replica_acks import ReplicaAcks
 
 SOCKET_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 5.0
@@ -145,12 +147,30 @@ def wait_for_redis(
             check_redis(url)
 
 
-def async_client(url: str, *, max_connections: int = 1024) -> Redis:
+def async_client(
+    url: str,
+    *,
+    max_connections: int = 1024,
+    replica_acks: int | None = None,
+    replica_ack_timeout: float = ReplicaAcks.timeout,
+) -> Redis:
     """An asyncio client on ``url`` (bytes responses) with reconnect backoff.
 
     Its pool blocks (up to ``SOCKET_TIMEOUT`` seconds) when ``max_connections`` are in use
     instead of failing, so hundreds of concurrent sub-calls share it safely.
+
+    Args:
+        replica_acks / replica_ack_timeout: the settings ``redis_replica_acks`` (replicas; ``None``:
+            1 with a Sentinel URL, else 0) and ``redis_replica_ack_timeout`` (seconds): the budget
+            ledgers made on this client wait for that many replicas' acknowledgement of every grant
+            (:mod:`rlmq.common.replica_acks`).
     """
+    client = _async_client(url, max_connections)
+    replica_acks_mod.attach(client, replica_acks_mod.resolve(url, replica_acks, replica_ack_timeout))
+    return client
+
+
+def _async_client(url: str, max_connections: int) -> Redis:
     kwargs = {
         "timeout": SOCKET_TIMEOUT,
         "decode_responses": False,

@@ -11,6 +11,7 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
     ├── RedisUnavailableError  a Redis did not answer, or refused the password
     ├── ReplError              the rollout's Python REPL
     │   └── ReplStartupError   the REPL did not come up within max_startup_wait_seconds
+    ├── ReplicaAckMissing      a budget grant was not acknowledged by enough Redis replicas in time
     ├── RootBudgetSpent        a child rollout's root turn got too little of its tree's budget
     ├── SubLLMError            one sub-LLM call failed
     │   └── ModelError         the model server failed after the retry layer gave up
@@ -27,6 +28,8 @@ A spent budget, a missed deadline or a timed-out cell are not exceptions: they a
 from __future__ import annotations
 
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 
 class RlmqError(Exception):
@@ -67,6 +70,28 @@ class RedisUnavailableError(RlmqError):
     def __init__(self, message: str, *, auth: bool = False) -> None:
         super().__init__(message)
         self.auth = auth
+
+
+class ReplicaAckMissing(RlmqError, ResponseError):
+    """A ledger write that lets a model call run (a grant, a begin) was acknowledged by fewer Redis
+    replicas than ``redis_replica_acks`` within ``redis_replica_ack_timeout`` (Redis ``WAIT``):
+    a replica promoted now might not hold it, so no model call runs on it. Also a redis-py
+    ``ResponseError`` whose message starts with ``NOREPLICAS`` (Redis's own word for a write refused
+    for want of replicas), so the ledger asks again as for any passing refusal: the write is
+    idempotent by reservation id (the same grant again on this master; on a promoted replica that
+    lost it, made anew).
+
+    Attributes:
+        acked: replicas that acknowledged. wanted: replicas required.
+    """
+
+    def __init__(self, acked: int, wanted: int, timeout: float) -> None:
+        super().__init__(
+            f"NOREPLICAS budget grant acknowledged by {acked} of the {wanted} Redis replica(s) required "
+            f"within {timeout:g} s; not used, asked again"
+        )
+        self.acked = acked
+        self.wanted = wanted
 
 
 class PreflightError(RlmqError):

@@ -284,6 +284,11 @@ all died is reported ``no_worker`` up to this much later."""
 LIVE_ROLLOUTS = namespace("rollouts")
 """Sorted set: rollout id -> expiry timestamp (seconds); what ``rlmq status`` lists."""
 
+REPLICA_ACK_MARK = namespace("replica-ack")
+"""String (a few bytes, short TTL): written right before a ``WAIT`` for replicas' acknowledgement
+(:mod:`rlmq.common.replica_acks`), so that the ``WAIT`` covers every write the master made before it.
+Its value means nothing."""
+
 
 def wake_channel(queue: str) -> str:
     """Pub/sub channel producers publish on after enqueueing on ``queue`` or its tenants."""
@@ -523,6 +528,7 @@ KEY_USES: tuple[KeyUse, ...] = (
     KeyUse("ORPHAN_REPLIES", "rlmq:orphan-replies", "", "rw", "r"),
     KeyUse("serving", "rlmq:serving:*", "r", "rw", "r"),
     KeyUse("LIVE_ROLLOUTS", "rlmq:rollouts", "rw", "rw", "r"),
+    KeyUse("REPLICA_ACK_MARK", "rlmq:replica-ack", "rw", "rw", ""),
     KeyUse("wake_channel", "rlmq:wake:*", "rw", "rw", "", channel=True),
     KeyUse("lane", "rlmq:lane:*", "rw", "rw", "r"),
     KeyUse("ProviderKeys.requests", "rlmq:plimit:{*}:req", "", "rw", "r"),

@@ -6,6 +6,15 @@ out in one round trip (one ``EVALSHA`` of :data:`~rlmq.common.ledger_script.LEDG
 and node chain, pipelined), laid out as :mod:`rlmq.common.ledger_wire` names it: the script's keys
 (``SCRIPT_KEYS``) and node keys, its head arguments (``HEAD_ARGS``), then each operation's
 ``OP_ARGS``; each reply is read by :meth:`~rlmq.common.ledger_wire.Reply.of`.
+
+With replicas to wait for (:mod:`rlmq.common.replica_acks`, ``redis_replica_acks`` > 0) every
+round trip goes through the pipeline and ends with a write of
+:data:`~rlmq.common.keys.REPLICA_ACK_MARK` and ``WAIT <replicas> <ms>`` on the same connection; an
+operation whose reply lets a model call run (a reserve granted, a begin begun) fails with
+:class:`~rlmq.common.errors.ReplicaAckMissing` when fewer replicas acknowledged, and the ledger asks
+again as for any passing refusal. The other replies stand as Redis gave them: a settlement, a
+give-back or a retire lost with a master only leaves tokens charged (never an overshoot), a refusal
+or a "wait" runs nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +25,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from rlmq.common.keys import LedgerKeys
+from rlmq.common import replica_acks
+from rlmq.common.errors import ReplicaAckMissing
+from rlmq.common.keys import REPLICA_ACK_MARK, LedgerKeys
 from rlmq.common.ledger_script import LEDGER_LUA
-from rlmq.common.ledger_wire import HEAD_ARGS, SCRIPT_KEYS, Op, Reply
+from rlmq.common.ledger_wire import HEAD_ARGS, SCRIPT_KEYS, BeginCode, Code, Op, Reply
 from rlmq.common.scripts import run_pipeline
 
 __all__ = ["LedgerCalls"]
@@ -45,6 +56,7 @@ class LedgerCalls:
         self._pending: dict[_Group, list[_Op]] = {}
         self._flush_scheduled = False
         self._flushes: set[asyncio.Task[None]] = set()
+        self._acks = replica_acks.of(redis)
 
     def _submit(
         self, ledger_id: str, op: str, reservation_id: str, n: int, deadline: float, nodes: tuple[str, ...] = ()
@@ -67,11 +79,16 @@ class LedgerCalls:
 
     async def _flush(self, pending: dict[_Group, list[_Op]]) -> None:
         groups = list(pending.items())
+        acked: Any = None  # the WAIT's reply (replicas that acknowledged), or its error
         try:
-            if len(groups) == 1:
+            if len(groups) == 1 and not self._acks.replicas:
                 outcomes: list[Any] = [await self._script(keys=self._keys(groups[0][0]), args=self._args(groups[0][1]))]
             else:
                 outcomes = await self._pipelined(groups)
+                if self._acks.replicas:
+                    acked = outcomes.pop()
+                    mark = outcomes.pop()  # without the mark's write the WAIT may not cover a grant found again
+                    acked = mark if isinstance(mark, Exception) else acked
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, then re-raised if fatal
             for _, ops in groups:
                 for *_, fut in ops:
@@ -86,16 +103,40 @@ class LedgerCalls:
                     continue
                 if isinstance(outcome, Exception):
                     fut.set_exception(outcome)
+                    continue
+                reply = Reply.of(outcome[i])
+                if self._unacked(ops[i][0], reply, acked):
+                    fut.set_exception(self._ack_error(acked))
                 else:
-                    fut.set_result(Reply.of(outcome[i]))
+                    fut.set_result(reply)
+
+    def _ack_error(self, acked: Any) -> Exception:
+        """The error of a grant fewer replicas acknowledged: the error reply of the mark's ``SET`` or
+        of the ``WAIT`` (a ``NOPERM``), else :class:`ReplicaAckMissing`."""
+        if isinstance(acked, Exception):
+            return acked
+        return ReplicaAckMissing(int(acked), self._acks.replicas, self._acks.timeout)
+
+    def _unacked(self, op: str, reply: Reply, acked: Any) -> bool:
+        """Whether ``reply`` to ``op`` would let a model call run (a grant, a begin) on a write fewer
+        replicas acknowledged than required (``acked``: the ``WAIT`` reply, or its error)."""
+        if not self._acks.replicas or (isinstance(acked, int) and acked >= self._acks.replicas):
+            return False
+        if op.startswith((Op.RESERVE.value, Op.LEASED.value)):
+            return reply.code == Code.GRANTED
+        return op == Op.BEGIN.value and reply.code == BeginCode.BEGUN
 
     async def _pipelined(self, groups: list[tuple[_Group, list[_Op]]]) -> list[Any]:
-        """One round trip for several ledgers: ``EVALSHA`` each (loading the script on ``NOSCRIPT``)."""
+        """One round trip for several ledgers: ``EVALSHA`` each (loading the script on ``NOSCRIPT``);
+        with replicas to wait for, then the mark's ``SET`` and ``WAIT`` (their outcomes last)."""
 
         def build(pipe: Any) -> None:
             for group, ops in groups:
                 keys = self._keys(group)
                 pipe.evalsha(self._script.sha, len(keys), *keys, *self._args(ops))
+            if self._acks.replicas:
+                pipe.set(REPLICA_ACK_MARK, b"1", ex=60)
+                pipe.execute_command("WAIT", self._acks.replicas, self._acks.timeout_ms)
 
         return await run_pipeline(self._redis, build, [LEDGER_LUA], raise_on_error=False)
 

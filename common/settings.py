@@ -415,6 +415,24 @@ class Settings(BaseSettings, RolloutOptions, WorkerOptions):
         "budget ledgers, jobs and results may then vanish",
         json_schema_extra=meta(commands=("run", "worker")),
     )
+    redis_replica_acks: int | None = Field(
+        default=None,
+        ge=0,
+        le=16,
+        description="Redis replicas that must acknowledge (WAIT) every budget grant before its model call "
+        "runs, so a replica promoted by a failover holds it; 0: none (asynchronous replication)",
+        json_schema_extra=meta(
+            commands=("run", "worker"), unit="replicas", default_text="1 with a Sentinel URL, else 0"
+        ),
+    )
+    redis_replica_ack_timeout: float = Field(
+        default=0.5,
+        gt=0,
+        le=5,
+        description="how long a grant waits for the replicas' acknowledgement; unacknowledged, it is not "
+        "used and is asked for again (until the call's deadline)",
+        json_schema_extra=meta(commands=("run", "worker"), unit="seconds"),
+    )
 
     num_examples: int | None = Field(
         default=None,

@@ -206,7 +206,9 @@ class RLMEnv:
             raise ConfigError("RLMEnv needs settings.redis_url (or REDIS_URL)")
         if self._root is None:
             self._root = root_model(s, needed_for="RLMEnv needs settings.base_url for the root model")
-        self._redis = async_client(s.redis_url)
+        self._redis = async_client(
+            s.redis_url, replica_acks=s.redis_replica_acks, replica_ack_timeout=s.redis_replica_ack_timeout
+        )
         await self._redis.ping()
         try:
             await check_eviction_policy(self._redis, allow=s.allow_evicting_redis)

@@ -232,7 +232,10 @@ class SubLLMWorker:
         s = self.settings
         # one blocking connection per llm_batch in flight: a hosted child rollout has one at a time
         hosted = self.repl_slots * len(self.child_depths)
-        self.redis = async_client(str(s.redis_url), max_connections=self.concurrency + 64 + hosted)
+        self.redis = async_client(
+            str(s.redis_url), max_connections=self.concurrency + 64 + hosted,
+            replica_acks=s.redis_replica_acks, replica_ack_timeout=s.redis_replica_ack_timeout,
+        )  # fmt: skip
         try:
             await check_eviction_policy(self.redis, allow=s.allow_evicting_redis)
             await report_clock(self.redis, f"worker {self.name}")

@@ -19,6 +19,7 @@ import os
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,7 @@ async def main_job(
     label: str = "job",
     ledger_ttl: int | None = None,
     cap: int | None = None,
+    opened: Callable[[], Awaitable[None]] | None = None,
 ) -> Outcome:
     """Run the main job once and count it (see the module docstring).
 
@@ -99,6 +101,7 @@ async def main_job(
         ledger_ttl: seconds the rollouts' ledgers live after their last write (default: the
             ledger's default, the rollout key TTL).
         cap: the ledgers' grant cap in tokens (default: an eighth of the budget, at least 128).
+        opened: awaited once every rollout's ledger is open, before any sub-call is sent.
     """
     client = async_client(producer_url)
     ledger = BudgetLedger(client)
@@ -108,7 +111,6 @@ async def main_job(
     before = model_stats(base_url)["per_user"]
 
     async def one(rid: str) -> list[SubLLMResult]:
-        await ledger.open(rid, budget, cap=cap or max(128, budget // 8), ttl=ledger_ttl)
         spec = BatchSpec(
             rollout_id=rid, batch_id="b1", queue=queue, sub_call_timeout=timeout, parallelism=calls,
             call=SubCallOptions(model=model, budgeted=True),
@@ -126,6 +128,10 @@ async def main_job(
 
     dispatch_mod.load_result = counting  # type: ignore[assignment]
     try:
+        for rid in rids:
+            await ledger.open(rid, budget, cap=cap or max(128, budget // 8), ttl=ledger_ttl)
+        if opened is not None:
+            await opened()
         batches = await asyncio.gather(*(one(r) for r in rids))
         out = Outcome()
         stats = model_stats(base_url)["per_user"]
