@@ -265,7 +265,9 @@ class RootToolbox:
         for tool in tools:
             described = RootTool.of(resolve_tool(tool))
             if described.name in self.tools:
-                raise ConfigError(f"two tools are named {described.name!r}; each must be a REPL global of its own")
+                raise ConfigError(
+                    f"tool name collision: two tools are named {described.name!r}; each must be its own REPL global"
+                )
             self.tools[described.name] = described
         self.timeout = timeout
         self.max_result_bytes = max_result_bytes

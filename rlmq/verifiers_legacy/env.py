@@ -27,13 +27,15 @@ from typing import Any, Literal
 import verifiers as vf
 from redis.exceptions import RedisError
 
-from rlmq.common.errors import ConfigError, RlmqError
+from rlmq.common.errors import ArgumentError, ConfigError, RlmqError
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.env import RLMEnv as RlmqEnv
 from rlmq.producer.root_tools import shared_tool_paths
+from rlmq.verifiers_legacy.hooks import ReferenceHooks
 from rlmq.verifiers_legacy.root_turns import CURRENT, RootDispatch, RootTurns
 from rlmq.verifiers_legacy.state import LegacyMonitorRubric, fill_state
+from rlmq.verifiers_legacy.summarize import SUMMARY_FIGURES
 
 __all__ = ["RLMEnv", "SANDBOX_ARGUMENTS"]
 
@@ -67,8 +69,8 @@ _SANDBOX_DEFAULTS: dict[str, Any] = {
 Verbosity = Literal["light", "medium", "heavy"]
 
 
-class RLMEnv(vf.Environment):
-    """A verifiers 0.1.14 ``Environment`` with the reference ``RLMEnv``'s constructor (see the
+class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
+    """A verifiers 0.1.14 ``StatefulToolEnv`` with the reference ``RLMEnv``'s constructor (see the
     module docstring). Arguments not listed here go to ``vf.Environment`` (``dataset``,
     ``eval_dataset``, ``rubric``, ``parser``, ``max_seq_len``, ``sampling_args``, ...).
 
@@ -144,26 +146,50 @@ class RLMEnv(vf.Environment):
         **kwargs: Any,
     ) -> None:
         given = dict(locals())
-        _refuse_unsupported(enable_sub_llms=enable_sub_llms, enable_summarization=enable_summarization)
+        _check_choices(repl_language, sub_prompt_verbosity, root_prompt_verbosity)
+        if not enable_sub_llms:
+            raise ArgumentError("RLMEnv(enable_sub_llms=False) is not supported by rlmq: llm_batch is always offered")
         _log_sandbox({k: given[k] for k in _SANDBOX_DEFAULTS})
         capped = max_turns_in_context is not None and (max_turns <= 0 or max_turns_in_context < max_turns)
         turns = max_turns_in_context if capped and max_turns_in_context is not None else max_turns
         self.turn_cap = max_turns_in_context if capped else None
-        self.rlmq_args: dict[str, Any] = {**_rlmq_arguments(given), "max_turns": turns}
-        if kwargs.get("max_seq_len") is not None:
-            self.rlmq_args["root_context_tokens"] = kwargs["max_seq_len"]
-        self.max_turns = max_turns
-        self.repl_language = repl_language
-        self.sub_model = sub_model
-        self._rlmq_check = RlmqEnv(**self._env_args())  # refuses bad values now, at construction
+        try:
+            self.rlmq_args: dict[str, Any] = {**_rlmq_arguments(given), "max_turns": turns}
+            if kwargs.get("max_seq_len") is not None:
+                self.rlmq_args["root_context_tokens"] = kwargs["max_seq_len"]
+            self._rlmq_check = RlmqEnv(**self._env_args())  # refuses bad values now, at construction
+        except ArgumentError:
+            raise
+        except ConfigError as exc:
+            raise ArgumentError(str(exc)) from exc
         if not self._rlmq_check.settings.redis_url:
             raise ConfigError("RLMEnv: no Redis for the sub-LLM fleet: set REDIS_URL (or RLMQ_REDIS_URL)")
-        super().__init__(**kwargs)
+        _set_reference_attributes(self, given)
+        super().__init__(tools=[], max_turns=max_turns, **kwargs)
+        self.add_tool(self.call_bash_repl if repl_language == "bash" else self.call_python_repl, args_to_skip=["state"])
+        if enable_summarization:
+            self.add_tool(self.summarize_turns, args_to_skip=["state"])
         names = list(self._rlmq_check.toolbox.names)
+        self.root_tool_names: list[str] = ["llm_batch", *names]
         self.add_rubric(LegacyMonitorRubric(root_tool_names=names, extra=_RLMQ_METRICS))
         self._rlmq: RlmqEnv | None = None
         self._rlmq_loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
+
+    async def setup_state(self, state: Any, **kwargs: Any) -> None:
+        """The reference's per-rollout state keys, before the rollout runs (a subclass that
+        overrides this hook and calls ``super()`` sees them set): ``rollout_id``,
+        ``context_warning_sent``, ``rlm_root_tools`` / ``rlm_sub_tools`` (tool names),
+        ``_keep_from_assistant_index`` and ``_summary_text`` (summarization),
+        ``_observable_messages`` (``.messages``), the ``summarize_*`` figures at 0."""
+        state.setdefault("rollout_id", f"rlm_{state.get('trajectory_id', '')}")
+        state["context_warning_sent"] = False
+        state["rlm_root_tools"] = list(self.root_tool_names)
+        state["rlm_sub_tools"] = [str(t) if isinstance(t, str) else getattr(t, "__name__", "") for t in self.sub_tools]
+        state["_keep_from_assistant_index"], state["_summary_text"] = 0, ""
+        state["_observable_messages"] = []
+        for name, value in SUMMARY_FIGURES.items():
+            state.setdefault(name, value)
 
     def _env_args(self) -> dict[str, Any]:
         """rlmq ``RLMEnv`` arguments: the mapped ones, and the root client that sends each root
@@ -208,6 +234,7 @@ class RLMEnv(vf.Environment):
         """
         state = await self.init_state(input, client, model, sampling_args)
         state["timing"].generation.start = time.time()
+        await self.setup_state(state)
         turns = RootTurns(env=self, state=state)
         token = CURRENT.set(turns)
         try:
@@ -292,11 +319,36 @@ def _sub_tool_refusal(tool: Any) -> str:
     )
 
 
-def _refuse_unsupported(*, enable_sub_llms: bool, enable_summarization: bool) -> None:
-    if not enable_sub_llms:
-        raise ConfigError("RLMEnv(enable_sub_llms=False) is not supported by rlmq: llm_batch is always offered")
-    if enable_summarization:
-        raise ConfigError("RLMEnv(enable_summarization=True) is not supported by rlmq: there is no summarize_turns")
+def _check_choices(repl_language: str, sub_verbosity: str, root_verbosity: str) -> None:
+    """Raises ArgumentError for a REPL language or a prompt verbosity the reference does not know."""
+    if repl_language not in {"bash", "python"}:
+        raise ArgumentError(f"RLMEnv(repl_language={repl_language!r}): expected 'bash' or 'python'")
+    for name, value in (("sub_prompt_verbosity", sub_verbosity), ("root_prompt_verbosity", root_verbosity)):
+        if value not in {"light", "medium", "heavy"}:
+            raise ArgumentError(f"RLMEnv({name}={value!r}): expected 'light', 'medium' or 'heavy'")
+
+
+_SAME_NAME = (
+    "sub_prompt_verbosity", "root_prompt_verbosity", "enable_sub_llms", "repl_language", "sub_model",
+    "sub_llm_max_turns", "root_max_completion_tokens", "max_output_length", "max_sub_llm_parallelism",
+    "pip_install_packages", "max_startup_wait_seconds", "include_sub_llm_in_trajectory", "context_warning_threshold",
+    "code_execution_timeout", "abort_on_code_timeout", "enable_summarization", "min_turns_in_context",
+    "max_turns_in_context", "retain_filesystem_after_rollout", "expose_message_history", *_SANDBOX_DEFAULTS,
+)  # fmt: skip
+"""Constructor arguments kept as attributes of the same name, as the reference keeps them."""
+
+
+def _set_reference_attributes(env: Any, given: dict[str, Any]) -> None:
+    """The reference's public attributes on ``env``, from the constructor's arguments ``given``."""
+    for name in _SAME_NAME:
+        setattr(env, name, given[name])
+    env.standard_tools = list(given["tools"] or [])
+    env.repl_tools = list(given["root_tools"] or [])
+    env.sub_only_tools = list(given["sub_tools"] or [])
+    env.sub_tools = list(env.sub_only_tools)
+    env.sub_max_completion_tokens = env.rlmq_args["sub_llm_max_completion_tokens"]
+    env.custom_system_prompt = given["system_prompt"]
+    env.sub_llm_timeout = max(1, given["code_execution_timeout"] - 5)
 
 
 def _log_sandbox(values: dict[str, Any]) -> None:
