@@ -38,7 +38,7 @@ from rlmq.common.connection import async_client
 from rlmq.common.errors import ConfigError
 from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
-from rlmq.common.schemas import DatasetRow, ResultRow
+from rlmq.common.schemas import DatasetRow, ResultRow, normalize_sampling
 from rlmq.common.settings import (
     ReplLanguage,
     RolloutOptions,
@@ -246,11 +246,20 @@ class RLMEnv:
     # ------------------------------------------------------------------ one rollout
 
     async def rollout(
-        self, row: DatasetRow, *, model: str, rollout_id: str | None = None, rollout_index: int | None = None
+        self,
+        row: DatasetRow,
+        *,
+        model: str,
+        rollout_id: str | None = None,
+        rollout_index: int | None = None,
+        sampling_args: dict[str, Any] | None = None,
     ) -> RolloutResult:
         """Run one rollout of ``row`` with root model ``model`` (:func:`~rlmq.producer.engine.run_rollout`
         with this environment's rollout options and connections); ``rollout_index`` (which of the
-        row's rollouts, from 0; ``None``: the row has one) goes into the result row's ``rollout``.
+        row's rollouts, from 0; ``None``: the row has one) goes into the result row's ``rollout``;
+        ``sampling_args`` (a verifiers rollout's own), when given, replace the ``sampling_args``
+        setting for this rollout, root turns and sub-LLM calls alike (the per-call cap and the
+        budget still apply).
 
         Never raises for a failure inside the rollout: it ends with ``stop_reason="error"``
         and the message in ``row.error``.
@@ -265,8 +274,11 @@ class RLMEnv:
             raise RuntimeError("RLMEnv.start() first (or use `async with`)")
         s = self.settings
         queue = s.producer_queue(s.sub_model or model)
+        options = self._options
+        if sampling_args is not None:
+            options = options.model_copy(update={"sampling_args": normalize_sampling(sampling_args, sub=False)})
         return await run_rollout(
-            self._host, row, self._options, model=model, queue=queue, rollout_id=rollout_id, rollout_index=rollout_index
+            self._host, row, options, model=model, queue=queue, rollout_id=rollout_id, rollout_index=rollout_index
         )
 
     # ------------------------------------------------------------------ many rollouts

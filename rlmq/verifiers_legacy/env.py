@@ -35,6 +35,7 @@ from rlmq.producer.root_tools import shared_tool_paths
 from rlmq.verifiers_legacy.hooks import ReferenceHooks
 from rlmq.verifiers_legacy.root_turns import CURRENT, RootDispatch, RootTurns
 from rlmq.verifiers_legacy.state import LegacyMonitorRubric, fill_state
+from rlmq.verifiers_legacy.sub_steps import interleave_sub_steps
 from rlmq.verifiers_legacy.summarize import SUMMARY_FIGURES
 
 __all__ = ["RLMEnv", "SANDBOX_ARGUMENTS"]
@@ -150,7 +151,11 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         if not enable_sub_llms:
             raise ArgumentError("RLMEnv(enable_sub_llms=False) is not supported by rlmq: llm_batch is always offered")
         _log_sandbox({k: given[k] for k in _SANDBOX_DEFAULTS})
-        capped = max_turns_in_context is not None and (max_turns <= 0 or max_turns_in_context < max_turns)
+        capped = (
+            not enable_summarization
+            and max_turns_in_context is not None
+            and (max_turns <= 0 or max_turns_in_context < max_turns)
+        )
         turns = max_turns_in_context if capped and max_turns_in_context is not None else max_turns
         self.turn_cap = max_turns_in_context if capped else None
         try:
@@ -239,9 +244,18 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         token = CURRENT.set(turns)
         try:
             env = await self._started()
-            result = await env.rollout(_row(state), model=model, rollout_id=state["trajectory_id"])
+            sampling = {k: v for k, v in (state.get("sampling_args") or {}).items() if v is not None}
+            result = await env.rollout(
+                _row(state), model=model, rollout_id=state["trajectory_id"], sampling_args=sampling
+            )
             fill_state(state, result, first_prompt=turns.first_prompt, turn_cap=self.turn_cap)
-        except (vf.Error, RlmqError, RedisError, OSError) as exc:
+            # .messages: the conversation as rlmq kept it, with the summarize exchanges answered
+            # outside rlmq's engine put back, and the summary on the turn where the context starts
+            state["_observable_messages"] = turns._with_hidden([*state["prompt"], *state["completion"]])
+            self._refresh_observable_summary_insertion(state)
+            if self.include_sub_llm_in_trajectory:
+                state["trajectory"] = interleave_sub_steps(state["trajectory"], result.trajectory)
+        except (vf.Error, RlmqError, RedisError, OSError, ValueError) as exc:
             state["error"] = exc if isinstance(exc, vf.Error) else vf.Error(f"{type(exc).__name__}: {exc}")
             state["is_completed"], state["stop_condition"] = True, "has_error"
             state["completion"] = state.get("completion") or []
@@ -260,9 +274,9 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
     """
     timeout = given["code_execution_timeout"]
     same = (
-        "sub_llm_max_turns", "root_max_completion_tokens", "sub_model", "sub_prompt_verbosity",
-        "root_prompt_verbosity", "max_output_length", "max_sub_llm_parallelism", "system_prompt",
-        "include_sub_llm_in_trajectory", "context_warning_threshold", "abort_on_code_timeout",
+        "sub_llm_max_turns", "sub_model", "sub_prompt_verbosity", "root_prompt_verbosity", "max_output_length",
+        "max_sub_llm_parallelism", "system_prompt", "include_sub_llm_in_trajectory", "context_warning_threshold",
+        "abort_on_code_timeout",
     )  # fmt: skip
     return {
         **{name: given[name] for name in same},

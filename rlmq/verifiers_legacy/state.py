@@ -78,7 +78,7 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
         state[key] = value
     state["final_answer"] = _final_answer(row, result)
     state["rollout_id"] = state["trajectory_id"]
-    state["raw_prompt"] = state["prompt"]
+    state.setdefault("raw_prompt", state["prompt"])
     if first_prompt is not None:
         state["prompt"] = first_prompt
         messages = normalize_messages(list(result.messages), field_name="rlmq messages")
@@ -87,6 +87,10 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
         state["completion"] = []
     if stop == "has_error":
         state["error"] = vf.Error(row.error or f"rlmq rollout ended with {row.stop_reason}")
+    if row.stop_reason == "budget_spent" and (
+        state.get("root_budget_stopped") or state.get("max_turns_in_context_stopped")
+    ):
+        stop = "has_final_env_response"  # the reference's env_response ends the rollout on these
     state["stop_condition"] = stop
     state["is_completed"] = True
     state["rlmq"] = {
