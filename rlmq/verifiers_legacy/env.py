@@ -28,7 +28,7 @@ import verifiers as vf
 from redis.exceptions import RedisError
 
 from rlmq.common.errors import ArgumentError, ConfigError, RlmqError
-from rlmq.common.schemas import DatasetRow
+from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.env import RLMEnv as RlmqEnv
 from rlmq.producer.root_tools import shared_tool_paths
@@ -244,7 +244,7 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         token = CURRENT.set(turns)
         try:
             env = await self._started()
-            sampling = {k: v for k, v in (state.get("sampling_args") or {}).items() if v is not None}
+            sampling = _rollout_sampling(state.get("sampling_args"))
             result = await env.rollout(
                 _row(state), model=model, rollout_id=state["trajectory_id"], sampling_args=sampling
             )
@@ -300,6 +300,14 @@ _RLMQ_METRICS: tuple[str, ...] = (
     "sub_llm_budget_charged", "sub_llm_budget_used",
 )  # fmt: skip
 """rlmq's own metrics reported beside the reference's (0 when a rollout has none, e.g. no budget)."""
+
+
+def _rollout_sampling(args: Any) -> dict[str, Any]:
+    """The verifiers rollout's sampling arguments as rlmq takes them for its root turns and
+    sub-calls: unset (``None``) values and the fields rlmq sets itself (``n``, ``stream``, ...;
+    verifiers fills ``n=1``) left out."""
+    given = args if isinstance(args, dict) else {}
+    return {k: v for k, v in given.items() if v is not None and k not in ROOT_RESERVED_SAMPLING}
 
 
 def _row(state: Any) -> DatasetRow:

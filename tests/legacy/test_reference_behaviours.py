@@ -1,0 +1,149 @@
+"""Behaviours of verifiers 0.1.14's ``RLMEnv`` that an author observes, end to end through
+``rlmq.verifiers_legacy.RLMEnv``: the reference-style module (``envs/needle_reference_rlm.py``)
+run by ``Environment.evaluate`` in the verifiers 0.1.14 venv, on real workers, a real Redis and
+the scripted model (a test double) behind the recording proxy.
+
+* sub-LLM calls take the rollout's ``sampling_args`` (the reference passes them to every
+  sub-call), the per-call cap of rlmq still applying;
+* ``include_sub_llm_in_trajectory=True`` puts the reference's sub-LLM steps in
+  ``state["trajectory"]`` (``extras["is_sub_llm_call"]``), with the token ids and logprobs the
+  model server served, element by element;
+* ``root_max_completion_tokens`` as the reference means it: root turns run while the completion
+  tokens used are below the limit, no turn capped by it, so ~1,000-token turns under 1,500 give
+  two turns, not one;
+* ``.messages`` is written without being asked (0.1.14 always wrote it);
+* a module's subclass that overrides a hook (``setup_state``, ``add_model_response``) runs, and
+  sees its hooks called.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlmq.scripted.markers import root_code_directive
+from tests.e2e.test_verifiers import proxied_fleet
+from tests.legacy.conftest import BUILD_TIMEOUT
+from tests.legacy.test_reference_module import Fleet, _rows, evaluate
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(BUILD_TIMEOUT + 600)]  # the first test may build the venv
+
+SAMPLING = {"max_tokens": 700, "temperature": 0.3}
+ROOT_LIMIT = 1500
+WORDS = 1000
+"""Words (the scripted model's tokens) of each root turn's code in the root-limit run."""
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    logs = tmp_path_factory.mktemp("legacy-behaviour-logs")
+    model = "legacy-behaviours"
+    with proxied_fleet(redis_url, logs, model) as made:
+        yield Fleet(redis_url=redis_url, proxy=made.proxy, model=model)
+
+
+def _long_turn(k: int) -> str:
+    filler = " ".join(f"w{i}" for i in range(WORDS))
+    return root_code_directive(f"x = {k}\n# {filler}\n", turn=k)
+
+
+def _question_rows(path: Path, suffix: str) -> Path:
+    return _rows(path, 1, suffix=suffix, min_chars=2_000)
+
+
+_MESSAGES_CODE = (
+    "import json, os\n"
+    "lines = open('.messages').read().splitlines() if os.path.exists('.messages') else None\n"
+    "answer['content'] = json.dumps({'exists': lines is not None, 'roles': [json.loads(x)['role'] for x in lines or []]})\n"
+    "answer['ready'] = True\n"
+)
+
+
+@pytest.fixture(scope="module")
+def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("legacy-behaviours")
+    plain = _question_rows(tmp / "plain.jsonl", "")
+    limited = _question_rows(tmp / "limited.jsonl", " " + " ".join(_long_turn(k) for k in (1, 2, 3, 4)))
+    history = _question_rows(tmp / "history.jsonl", " " + root_code_directive(_MESSAGES_CODE))
+    specs = [
+        {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
+        {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
+        {"rows_path": str(history)},
+        {"rows_path": str(plain), "subclass": True},
+    ]
+    before = len(fleet.proxy.requests())
+    outputs = evaluate(legacy, fleet, tmp, specs)
+    return {
+        "sampled": outputs[0][0],
+        "limited": outputs[1][0],
+        "history": outputs[2][0],
+        "subclass": outputs[3][0],
+        "requests": fleet.proxy.requests()[before:],
+    }
+
+
+def _served(fleet: Fleet) -> list[dict[str, Any]]:
+    url = fleet.proxy.upstream.removesuffix("/v1") + "/served"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return list(json.loads(resp.read())["served"])
+
+
+def test_sub_calls_take_the_rollouts_sampling_args(runs: dict[str, Any]) -> None:
+    out = runs["sampled"]
+    subs = [s for s in runs["requests"] if not s.root and s.user == out["rlmq"]["rollout_id"]]
+    assert out["reward"] == 1.0 and len(subs) >= 3, out
+    for seen in subs:
+        assert seen.params.get("temperature") == SAMPLING["temperature"], seen.params
+        assert seen.params.get("max_tokens") == SAMPLING["max_tokens"], seen.params
+
+
+def test_sub_llm_steps_reach_the_trajectory_with_the_served_tokens(runs: dict[str, Any], fleet: Fleet) -> None:
+    out = runs["sampled"]
+    steps = out["sub_steps"]
+    assert len(steps) >= out["metrics"]["sub_llm_call_count"] >= 3, out["metrics"]
+    for step in steps:
+        extras = step["extras"]
+        assert extras["is_sub_llm_call"] is True and step["trajectory_id"] == f"{extras['batch_id']}_{extras['request_id']}"
+        assert step["completion_ids"] and len(step["completion_ids"]) == len(step["completion_logprobs"])
+    rollout = out["rlmq"]["rollout_id"]
+    served = [s for s in _served(fleet) if s.get("user") == rollout and s.get("role") != "root"]
+    want = Counter(
+        (tuple(s["prompt_token_ids"]), tuple(s["completion_token_ids"]), tuple(s["completion_logprobs"])) for s in served
+    )
+    got = Counter(
+        (tuple(s["prompt_ids"]), tuple(s["completion_ids"]), tuple(s["completion_logprobs"])) for s in steps
+    )
+    assert got == want and sum(want.values()) == len(steps)
+
+
+def test_root_turns_run_while_the_root_limit_is_not_reached(runs: dict[str, Any]) -> None:
+    out = runs["limited"]
+    turns = out["root_turn_completion_tokens"]
+    assert len(turns) == 2 and all(t > WORDS for t in turns), turns  # not cut to what was left
+    assert turns[0] < ROOT_LIMIT <= sum(turns)
+    assert out["stop_condition"] == "has_final_env_response", out
+
+
+def test_the_message_history_is_written_without_being_asked(runs: dict[str, Any]) -> None:
+    seen = json.loads(runs["history"]["final_answer"])
+    assert seen["exists"] is True and seen["roles"][:2] == ["system", "user"], seen
+
+
+def test_a_subclass_that_overrides_hooks_runs_and_sees_them_called(runs: dict[str, Any]) -> None:
+    out = runs["subclass"]
+    assert out["reward"] == 1.0 and out["error"] is None, out
+    hooks = out["hooks"]
+    assert hooks["setup_state"] == 1 and hooks["add_model_response"] == out["metrics"]["root_llm_turns"] >= 1
+
+
+def test_the_directive_code_is_base64() -> None:
+    """The root-limit rows carry their code as the scripted model's directive (a test of the test)."""
+    code = base64.b64decode(_long_turn(2).split(":", 2)[2].rstrip("]")).decode()
+    assert code.startswith("x = 2") and len(code.split()) > WORDS
