@@ -71,36 +71,49 @@ Verbosity = Literal["light", "medium", "heavy"]
 
 
 class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
-    """A verifiers 0.1.14 ``StatefulToolEnv`` with the reference ``RLMEnv``'s constructor (see the
-    module docstring). Arguments not listed here go to ``vf.Environment`` (``dataset``,
-    ``eval_dataset``, ``rubric``, ``parser``, ``max_seq_len``, ``sampling_args``, ...).
+    """A verifiers 0.1.14 ``StatefulToolEnv`` with the reference ``RLMEnv``'s constructor,
+    public attributes and hooks (see the module docstring); the rollouts are rlmq's. Arguments
+    not listed here go to ``vf.Environment`` (``dataset``, ``eval_dataset``, ``rubric``,
+    ``parser``, ``max_seq_len``, ``sampling_args``, ...).
+
+    Hooks a rollout calls: ``setup_state`` (before it runs), ``add_model_response`` (each root
+    turn, as the root call returns), ``summarize_turns`` (when the model calls it),
+    ``render_completion`` and the ``@vf.cleanup`` handlers (at its end). The REPL cells run in
+    rlmq's engine: ``call_python_repl`` / ``call_bash_repl``, ``env_response`` and
+    ``get_prompt_messages`` are the reference's for a subclass or a test to call, not called by
+    rlmq's rollouts.
 
     Args (the reference's, same defaults; units as there):
         max_turns: root-model turns (50); ``<= 0``: no limit.
         tools: callables or ``pkg.mod:func`` paths for the REPL and the sub-LLMs (#966's
             meaning; 0.1.14 gave them to the root model as function-calling tools instead:
             here the root model has one tool, the REPL).
-        root_tools / sub_tools: REPL-only / sub-LLM-only tools.
+        root_tools / sub_tools: REPL-only / sub-LLM-only tools (sub-tools by import path).
         sub_llm_max_turns: tool-calling turns of one sub-LLM call (5).
         sub_max_completion_tokens / sub_llm_max_completion_tokens: the sub-LLM completion-token
             budget of a rollout (0.1.14's / #966's name; give one, or both equal); hard here.
-        root_max_completion_tokens: the root model's completion tokens per rollout.
-        enable_sub_llms: ``False`` is refused (``ConfigError``): rlmq always offers ``llm_batch``.
-        enable_summarization: ``True`` is refused (``ConfigError``): no ``summarize_turns`` here.
-        min_turns_in_context: accepted; it only matters with summarization.
-        max_turns_in_context: without summarization the reference treats it as a second
-            ``max_turns``; so here (the state gets ``max_turns_in_context_stopped``).
+        root_max_completion_tokens: root turns run while the root model's completion tokens
+            are below it (the reference's meaning; :mod:`~rlmq.verifiers_legacy.root_turns`).
+        enable_sub_llms: ``False`` is refused (``ArgumentError``): rlmq always offers ``llm_batch``.
+        enable_summarization / min_turns_in_context: the ``summarize_turns`` tool
+            (:mod:`~rlmq.verifiers_legacy.summarize`).
+        max_turns_in_context: turns in the model's context at most; without summarization a
+            second ``max_turns`` (the state gets ``max_turns_in_context_stopped``).
         max_sub_llm_parallelism: sub-calls of one rollout at once (5).
         code_execution_timeout: seconds per REPL cell (120); a sub-call may take
             ``max(1, code_execution_timeout - 5)`` seconds, as in the reference.
-        repl_language / pip_install_packages / expose_message_history /
-        retain_filesystem_after_rollout: passed to rlmq by name when it has them; otherwise a
-            value other than one rlmq can honour is refused (``ConfigError``).
+        expose_message_history: ``.messages`` in the REPL's working directory (``True``: 0.1.14
+            always wrote it).
+        repl_language / pip_install_packages / retain_filesystem_after_rollout: passed to rlmq
+            by name when it has them; otherwise a value other than one rlmq can honour is
+            refused (``ArgumentError``).
         sandbox_*: see :data:`SANDBOX_ARGUMENTS`.
 
     Raises:
-        ConfigError: a refused value (above), both budget names with different values, a
-            value rlmq's settings refuse (named as the argument), or no ``REDIS_URL``.
+        ArgumentError: (a ``ValueError`` and a ``ConfigError``) a refused value (above), both
+            budget names with different values, a value rlmq's settings refuse (named as the
+            argument), a tool name that collides.
+        ConfigError: no ``REDIS_URL``.
     """
 
     def __init__(
@@ -129,7 +142,7 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         max_startup_wait_seconds: int = 120,
         code_execution_timeout: int = 120,
         abort_on_code_timeout: bool = False,
-        expose_message_history: bool = False,
+        expose_message_history: bool = True,
         retain_filesystem_after_rollout: bool = False,
         sub_llm_max_completion_tokens: int | None = None,
         sandbox_docker_image: str = "python:3.11-slim",

@@ -42,14 +42,14 @@ async def main(argv: list[str]) -> int:
     for env_args in json.loads(args.runs):
         sampling_args = env_args.pop("sampling_args", None)  # the rollout's, as evaluate takes them
         env = vf.load_environment(args.env, **env_args)
-        module = type(env).__module__
+        module = next(c.__module__ for c in type(env).__mro__ if c.__module__.startswith("rlmq"))
         results = await env.evaluate(
             client=client,
             model=args.model,
             num_examples=args.n,
             rollouts_per_example=1,
             sampling_args=sampling_args,
-            state_columns=["final_answer", "rlmq", "trajectory"],
+            state_columns=["final_answer", "rlmq", "trajectory", "hook_calls"],
             on_progress=lambda *a, **k: None,
         )
         runs.append({"outputs": [_output(out) for out in results["outputs"]]})
@@ -68,6 +68,7 @@ def _output(out: Any) -> dict[str, Any]:
         "stop_condition": out.get("stop_condition"),
         "error": out.get("error"),
         "rlmq": out.get("rlmq"),
+        "hooks": out.get("hook_calls"),
         "completion_messages": len(out.get("completion") or []),
         "prompt_roles": [m.get("role") for m in out.get("prompt") or []],
         "trajectory_steps": len(out.get("trajectory") or []),
@@ -87,7 +88,9 @@ def _extras(step: Any) -> dict[str, Any]:
 def _usage(step: Any) -> int:
     response = step.get("response") if isinstance(step, dict) else None
     usage = getattr(response, "usage", None) or (response.get("usage") if isinstance(response, dict) else None)
-    value = getattr(usage, "completion_tokens", None) or (usage.get("completion_tokens") if isinstance(usage, dict) else 0)
+    value = getattr(usage, "completion_tokens", None) or (
+        usage.get("completion_tokens") if isinstance(usage, dict) else 0
+    )
     return int(value or 0)
 
 
@@ -100,7 +103,10 @@ def _sub_step(step: dict[str, Any]) -> dict[str, Any]:
         "completion_ids": tokens.get("completion_ids"),
         "completion_logprobs": tokens.get("completion_logprobs"),
         "prompt_ids": tokens.get("prompt_ids"),
-        "completion": [m.get("content") if isinstance(m, dict) else getattr(m, "content", None) for m in step.get("completion") or []],
+        "completion": [
+            m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
+            for m in step.get("completion") or []
+        ],
     }
 
 

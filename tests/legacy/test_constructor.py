@@ -14,8 +14,9 @@ from tests.legacy.conftest import BUILD_TIMEOUT, ROOT, legacy_env
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)  # the first test may build the venv
 
-OF_966 = {"sub_llm_max_completion_tokens": "None", "expose_message_history": "False"}
-"""#966's arguments that 0.1.14 renamed or dropped, with #966's defaults."""
+OF_966 = {"sub_llm_max_completion_tokens": "None", "expose_message_history": "True"}
+"""#966's arguments that 0.1.14 renamed or dropped, with their defaults here (``expose_message_history``:
+``True``, since 0.1.14 always wrote ``.messages``; #966's default was ``False``)."""
 
 
 @pytest.fixture(scope="module")

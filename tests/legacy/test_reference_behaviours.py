@@ -98,7 +98,7 @@ def _served(fleet: Fleet) -> list[dict[str, Any]]:
 def test_sub_calls_take_the_rollouts_sampling_args(runs: dict[str, Any]) -> None:
     out = runs["sampled"]
     subs = [s for s in runs["requests"] if not s.root and s.user == out["rlmq"]["rollout_id"]]
-    assert out["reward"] == 1.0 and len(subs) >= 3, out
+    assert out["reward"] == 1.0 and len(subs) >= 1, out
     for seen in subs:
         assert seen.params.get("temperature") == SAMPLING["temperature"], seen.params
         assert seen.params.get("max_tokens") == SAMPLING["max_tokens"], seen.params
@@ -107,19 +107,21 @@ def test_sub_calls_take_the_rollouts_sampling_args(runs: dict[str, Any]) -> None
 def test_sub_llm_steps_reach_the_trajectory_with_the_served_tokens(runs: dict[str, Any], fleet: Fleet) -> None:
     out = runs["sampled"]
     steps = out["sub_steps"]
-    assert len(steps) >= out["metrics"]["sub_llm_call_count"] >= 3, out["metrics"]
+    assert len(steps) >= out["metrics"]["sub_llm_call_count"] >= 1, out["metrics"]
     for step in steps:
         extras = step["extras"]
-        assert extras["is_sub_llm_call"] is True and step["trajectory_id"] == f"{extras['batch_id']}_{extras['request_id']}"
+        assert (
+            extras["is_sub_llm_call"] is True
+            and step["trajectory_id"] == f"{extras['batch_id']}_{extras['request_id']}"
+        )
         assert step["completion_ids"] and len(step["completion_ids"]) == len(step["completion_logprobs"])
     rollout = out["rlmq"]["rollout_id"]
     served = [s for s in _served(fleet) if s.get("user") == rollout and s.get("role") != "root"]
     want = Counter(
-        (tuple(s["prompt_token_ids"]), tuple(s["completion_token_ids"]), tuple(s["completion_logprobs"])) for s in served
+        (tuple(s["prompt_token_ids"]), tuple(s["completion_token_ids"]), tuple(s["completion_logprobs"]))
+        for s in served
     )
-    got = Counter(
-        (tuple(s["prompt_ids"]), tuple(s["completion_ids"]), tuple(s["completion_logprobs"])) for s in steps
-    )
+    got = Counter((tuple(s["prompt_ids"]), tuple(s["completion_ids"]), tuple(s["completion_logprobs"])) for s in steps)
     assert got == want and sum(want.values()) == len(steps)
 
 
