@@ -61,7 +61,8 @@ def _question_rows(path: Path, suffix: str) -> Path:
 _MESSAGES_CODE = (
     "import json, os\n"
     "lines = open('.messages').read().splitlines() if os.path.exists('.messages') else None\n"
-    "answer['content'] = json.dumps({'exists': lines is not None, 'roles': [json.loads(x)['role'] for x in lines or []]})\n"
+    "roles = [json.loads(x)['role'] for x in lines or []]\n"
+    "answer['content'] = json.dumps({'exists': lines is not None, 'roles': roles})\n"
     "answer['ready'] = True\n"
 )
 
