@@ -73,6 +73,7 @@ def _output(out: Any) -> dict[str, Any]:
         "prompt_roles": [m.get("role") for m in out.get("prompt") or []],
         "trajectory_steps": len(out.get("trajectory") or []),
         "sub_steps": [_sub_step(s) for s in out.get("trajectory") or [] if _extras(s).get("is_sub_llm_call")],
+        "root_prompts": [_prompt_view(s) for s in out.get("trajectory") or [] if not _extras(s).get("is_sub_llm_call")],
         "root_turn_completion_tokens": [
             _usage(s) for s in out.get("trajectory") or [] if not _extras(s).get("is_sub_llm_call")
         ],
@@ -92,6 +93,20 @@ def _usage(step: Any) -> int:
         usage.get("completion_tokens") if isinstance(usage, dict) else 0
     )
     return int(value or 0)
+
+
+def _text(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+    return content if isinstance(content, str) else json.dumps(content, default=str)
+
+
+def _role(message: Any) -> str:
+    return str(message.get("role") if isinstance(message, dict) else getattr(message, "role", ""))
+
+
+def _prompt_view(step: dict[str, Any]) -> dict[str, Any]:
+    """What the tests read of one root step's prompt: its assistant messages' texts (cut)."""
+    return {"assistants": [_text(m)[:300] for m in step.get("prompt") or [] if _role(m) == "assistant"]}
 
 
 def _sub_step(step: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ the scripted model (a test double) behind the recording proxy.
   tokens used are below the limit, no turn capped by it, so ~1,000-token turns under 1,500 give
   two turns, not one;
 * ``.messages`` is written without being asked (0.1.14 always wrote it);
+* summarization: the root model calls ``summarize_turns``; its later prompts lack the dropped
+  turns and carry the ``<SUMMARY>`` block, and the rollout goes on to its answer;
 * a module's subclass that overrides a hook (``setup_state``, ``add_model_response``) runs, and
   sees its hooks called.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from rlmq.scripted.markers import root_code_directive
+from rlmq.scripted.markers import root_call_directive, root_code_directive
 from tests.e2e.test_verifiers import proxied_fleet
 from tests.legacy.conftest import BUILD_TIMEOUT
 from tests.legacy.test_reference_module import Fleet, _rows, evaluate
@@ -67,17 +69,34 @@ _MESSAGES_CODE = (
 )
 
 
+_AGAIN = (
+    "n = globals().get('n', 0) + 1\nif n >= 2:\n    answer['content'] = 'after-summary'\n    answer['ready'] = True\n"
+)
+SUMMARY = "x was set to 1, then 2"
+
+
+def _summarizing() -> str:
+    """Turns 1-3 run cells (the third does nothing the first time), turn 4 calls
+    ``summarize_turns(2, ...)``; the model's next prompt then holds two turns, so it runs its
+    third-turn code again, which answers."""
+    codes = [root_code_directive("x = 1"), root_code_directive("x = 2", turn=2), root_code_directive(_AGAIN, turn=3)]
+    call = root_call_directive("summarize_turns", {"n_turns": 2, "summary": SUMMARY}, turn=4)
+    return " " + " ".join([*codes, call])
+
+
 @pytest.fixture(scope="module")
 def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("legacy-behaviours")
     plain = _question_rows(tmp / "plain.jsonl", "")
     limited = _question_rows(tmp / "limited.jsonl", " " + " ".join(_long_turn(k) for k in (1, 2, 3, 4)))
     history = _question_rows(tmp / "history.jsonl", " " + root_code_directive(_MESSAGES_CODE))
+    summarized = _question_rows(tmp / "summarized.jsonl", _summarizing())
     specs = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
         {"rows_path": str(history)},
         {"rows_path": str(plain), "subclass": True},
+        {"rows_path": str(summarized), "enable_summarization": True, "min_turns_in_context": 1},
     ]
     before = len(fleet.proxy.requests())
     outputs = evaluate(legacy, fleet, tmp, specs)
@@ -86,6 +105,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         "limited": outputs[1][0],
         "history": outputs[2][0],
         "subclass": outputs[3][0],
+        "summarized": outputs[4][0],
         "requests": fleet.proxy.requests()[before:],
     }
 
@@ -144,6 +164,17 @@ def test_a_subclass_that_overrides_hooks_runs_and_sees_them_called(runs: dict[st
     assert out["reward"] == 1.0 and out["error"] is None, out
     hooks = out["hooks"]
     assert hooks["setup_state"] == 1 and hooks["add_model_response"] == out["metrics"]["root_llm_turns"] >= 1
+
+
+def test_summarize_turns_drops_turns_from_the_prompt_and_the_rollout_goes_on(runs: dict[str, Any]) -> None:
+    out = runs["summarized"]
+    assert out["final_answer"] == "after-summary" and out["stop_condition"] == "answer_ready", out
+    m = out["metrics"]
+    assert m["summarize_count"] == 1 and m["summarize_total_turns_dropped"] == 2, m
+    prompts = [p["assistants"] for p in out["root_prompts"]]
+    assert [len(p) for p in prompts] == [0, 1, 2, 3, 2], prompts  # the 5th call: turns 3 and 4 only
+    assert prompts[-1][0].startswith(f"<SUMMARY>\n[Turns 1-2] {SUMMARY}\n</SUMMARY>"), prompts[-1]
+    assert not any("<SUMMARY>" in text for p in prompts[:-1] for text in p)
 
 
 def test_the_directive_code_is_base64() -> None:
