@@ -700,6 +700,16 @@ def _opener(unix_socket: str | None) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(*handlers)
 
 
+def _non_string_prompts(prompts: list[Any]) -> dict[int, str]:
+    """Place -> the error answer of each prompt that is not a str (verifiers 0.1.14's
+    ``llm_batch`` answers such a prompt with an error and runs the others)."""
+    return {
+        i: f"Error: llm_batch prompt at index {i} must be a string, not {type(p).__name__}"
+        for i, p in enumerate(prompts)
+        if not isinstance(p, str)
+    }
+
+
 def _make_llm_batch(
     url: str,
     token: str,
@@ -724,8 +734,11 @@ def _make_llm_batch(
             One answer string per prompt, in the order of ``prompts``. A summary of
             the batch (tokens, turns, seconds per prompt, budget) is printed.
 
+        A prompt that is not a str gets ``Error: llm_batch prompt at index i must be a
+        string, ...`` as its answer; the other prompts run.
+
         Raises:
-            TypeError: ``prompts`` is not a list of str.
+            TypeError: ``prompts`` is not a list.
             ValueError: the batch is over the limits (prompts, bytes), or a prompt is not valid
                 Unicode text (a lone surrogate); send smaller batches of text.
             RuntimeError: the batch was refused (for example the budget is spent)
@@ -733,11 +746,11 @@ def _make_llm_batch(
         """
         if not isinstance(prompts, list):
             raise TypeError(f"llm_batch(prompts) expects a list of str, got {type(prompts).__name__}")
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str):
-                raise TypeError(
-                    f"llm_batch(prompts) expects a list of str, but prompts[{i}] is {type(prompt).__name__}"
-                )
+        refused = _non_string_prompts(prompts)
+        if refused:  # those answered with an error, the rest sent, as the reference's llm_batch does
+            sent = [p for i, p in enumerate(prompts) if i not in refused]
+            answers = iter(llm_batch(sent) if sent else [])
+            return [refused[i] if i in refused else next(answers) for i in range(len(prompts))]
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
