@@ -47,7 +47,7 @@ from rlmq.producer.rollout import Rollout, RolloutResult, normalize_answer
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_loop import CellRunner, root_loop
 from rlmq.producer.root_tools import RootToolbox, RootToolService
-from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt
+from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt, sub_tool_lines
 from rlmq.producer.tree_metrics import tree_metrics
 from rlmq.producer.tree_node import TreeNode, chain_of, tree_position
 
@@ -410,6 +410,7 @@ class _RolloutRun:
             files=files_text(file_name(ro.row)),
             language=o.repl_language,
             message_history=o.expose_message_history,
+            sub_tools=sub_tool_lines(o.sub_tools),
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]

@@ -12,6 +12,7 @@ the scripted model (a test double) behind the recording proxy.
   tokens used are below the limit, no turn capped by it, so ~1,000-token turns under 1,500 give
   two turns, not one;
 * ``.messages`` is written without being asked (0.1.14 always wrote it);
+* the sub-tools are described in the root model's system message;
 * summarization: the root model calls ``summarize_turns``; its later prompts lack the dropped
   turns and carry the ``<SUMMARY>`` block, and the rollout goes on to its answer;
 * a module's subclass that overrides a hook (``setup_state``, ``add_model_response``) runs, and
@@ -63,8 +64,10 @@ def _question_rows(path: Path, suffix: str) -> Path:
 _MESSAGES_CODE = (
     "import json, os\n"
     "lines = open('.messages').read().splitlines() if os.path.exists('.messages') else None\n"
-    "roles = [json.loads(x)['role'] for x in lines or []]\n"
-    "answer['content'] = json.dumps({'exists': lines is not None, 'roles': roles})\n"
+    "msgs = [json.loads(x) for x in lines or []]\n"
+    "system = msgs[0]['content'] if msgs else ''\n"
+    "told = 'llm_batch tools' in system and 'dumps(obj' in system\n"
+    "answer['content'] = json.dumps({'exists': lines is not None, 'roles': [m['role'] for m in msgs], 'told': told})\n"
     "answer['ready'] = True\n"
 )
 
@@ -94,7 +97,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
     specs = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
-        {"rows_path": str(history)},
+        {"rows_path": str(history), "sub_tools": ["json:dumps"]},
         {"rows_path": str(plain), "subclass": True},
         {"rows_path": str(summarized), "enable_summarization": True, "min_turns_in_context": 1},
     ]
@@ -157,6 +160,12 @@ def test_root_turns_run_while_the_root_limit_is_not_reached(runs: dict[str, Any]
 def test_the_message_history_is_written_without_being_asked(runs: dict[str, Any]) -> None:
     seen = json.loads(runs["history"]["final_answer"])
     assert seen["exists"] is True and seen["roles"][:2] == ["system", "user"], seen
+
+
+def test_the_sub_tools_are_described_in_the_root_prompt(runs: dict[str, Any]) -> None:
+    """The reference tells the root model what the sub-LLMs can call (its ``llm_batch`` tools
+    section): here the system message lists ``json.dumps`` with its signature."""
+    assert json.loads(runs["history"]["final_answer"])["told"] is True
 
 
 def test_a_subclass_that_overrides_hooks_runs_and_sees_them_called(runs: dict[str, Any]) -> None:
