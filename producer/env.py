@@ -28,7 +28,7 @@ import enum
 import inspect
 import logging
 import re
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any, Final
 
 from redis.asyncio import Redis
@@ -55,7 +55,14 @@ from rlmq.producer.hosted_tools import HostedTools
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.rollout import RolloutResult, normalize_answer
 from rlmq.producer.root import RootModel
-from rlmq.producer.root_tools import RootToolbox, ToolLike, import_path, resolve_tool, shared_tool_paths
+from rlmq.producer.root_tools import (
+    RootToolbox,
+    ToolLike,
+    hosted_sub_tool_path,
+    import_path,
+    resolve_tool,
+    shared_tool_paths,
+)
 
 __all__ = ["FROM_SETTINGS", "RLMEnv", "RolloutResult", "normalize_answer", "raise_if_cancelled"]
 
@@ -96,6 +103,9 @@ class RLMEnv:
             ``settings.tools``.
         root_tools: tools for the root REPL only (callables or dotted paths; a lambda will
             do). Default: ``settings.root_tools``.
+        hosted_sub_tools: callables for the sub-LLMs only (the reference's ``sub_tools`` as
+            callables), nested functions included: they join ``sub_tools`` and run here, in the
+            rollout's process, for every worker that does not allow-list their import path.
         settings: the base settings (Redis URL, queue, model server); default
             :func:`~rlmq.common.settings.load_settings` (the ``RLMQ_*`` and ``REDIS_URL`` variables).
         root: the root model client (a seam for tests); built from ``settings`` if ``None``.
@@ -149,6 +159,7 @@ class RLMEnv:
         sub_llm_final_answer_turn: bool | _FromSettings = FROM_SETTINGS,
         tools: Sequence[ToolLike] | None = None,
         root_tools: Sequence[ToolLike] | None = None,
+        hosted_sub_tools: Sequence[Callable[..., Any]] = (),
         sampling_args: dict[str, Any] | _FromSettings = FROM_SETTINGS,
         sub_sampling_args: dict[str, Any] | _FromSettings = FROM_SETTINGS,
         settings: Settings | None = None,
@@ -168,10 +179,13 @@ class RLMEnv:
         base = settings if settings is not None else build_settings(overrides, label=_argument)
         shared = list(base.tools if tools is None else tools)
         root_only = list(base.root_tools if root_tools is None else root_tools)
-        paths = {
+        sub_only = [(hosted_sub_tool_path(fn), fn) for fn in hosted_sub_tools]
+        paths: dict[str, Any] = {
             "tools": shared_tool_paths(shared),
             "root_tools": [t if isinstance(t, str) else import_path(t) or repr(t) for t in root_only],  # as recorded
         }
+        if sub_only:
+            paths["sub_tools"] = [*overrides.get("sub_tools", base.sub_tools), *(p for p, _ in sub_only)]
         # The arguments over the given settings, or over the RLMQ_* variables (validated with them).
         self.settings: Settings = base.with_values({**overrides, **paths} if settings is not None else paths, _argument)
         s = self.settings
@@ -180,7 +194,7 @@ class RLMEnv:
         )
         """The root (REPL) tools: refused here when a name collides or does not resolve."""
         self.hosted = HostedTools(
-            [(path, resolve_tool(tool)) for path, tool in zip(paths["tools"], shared, strict=True)],
+            [(path, resolve_tool(tool)) for path, tool in zip(paths["tools"], shared, strict=True)] + sub_only,
             timeout=s.hosted_tool_timeout,
             max_args_bytes=s.root_tool_max_args_bytes,
         )

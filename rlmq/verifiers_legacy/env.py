@@ -19,7 +19,9 @@ worker fleet under the hard budget, and Redis is found through ``REDIS_URL`` (or
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -30,8 +32,8 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ArgumentError, ConfigError, RlmqError
 from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions
+from rlmq.common.tool_wire import TOOL_ERROR
 from rlmq.producer.env import RLMEnv as RlmqEnv
-from rlmq.producer.root_tools import shared_tool_paths
 from rlmq.verifiers_legacy.hooks import ReferenceHooks
 from rlmq.verifiers_legacy.root_turns import CURRENT, RootDispatch, RootTurns
 from rlmq.verifiers_legacy.state import LegacyMonitorRubric, fill_state
@@ -88,7 +90,9 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         tools: callables or ``pkg.mod:func`` paths for the REPL and the sub-LLMs (#966's
             meaning; 0.1.14 gave them to the root model as function-calling tools instead:
             here the root model has one tool, the REPL).
-        root_tools / sub_tools: REPL-only / sub-LLM-only tools (sub-tools by import path).
+        root_tools / sub_tools: REPL-only / sub-LLM-only tools; a sub-tool is an import path
+            or any named callable, nested functions included (one no worker can import runs in
+            the rollout's process, as a hosted tool).
         sub_llm_max_turns: tool-calling turns of one sub-LLM call (5).
         sub_max_completion_tokens / sub_llm_max_completion_tokens: the sub-LLM completion-token
             budget of a rollout (0.1.14's / #966's name; give one, or both equal); hard here.
@@ -209,6 +213,17 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         for name, value in SUMMARY_FIGURES.items():
             state.setdefault(name, value)
 
+    async def _call_sub_tool(self, tool_name: str, tool_args: dict[str, Any], tool_call_id: str) -> dict[str, Any]:
+        """One sub-LLM tool call (a sub-tool given as a callable), run as rlmq runs a hosted
+        one for a worker: arguments checked against the tool's schema, the result as text; a
+        failure's text starts with ``Error:``. Returns the tool message (``role``, ``content``,
+        ``tool_call_id``), as the reference's ``_call_sub_tool``."""
+        hosted = self._rlmq_check.hosted
+        text = await hosted.registry.call(tool_name, json.dumps(tool_args), timeout=hosted.timeout)
+        if text.startswith(TOOL_ERROR):
+            text = f"Error: {text}"
+        return {"role": "tool", "content": text, "tool_call_id": tool_call_id}
+
     def _env_args(self) -> dict[str, Any]:
         """rlmq ``RLMEnv`` arguments: the mapped ones, and the root client that sends each root
         call through the verifiers rollout it belongs to."""
@@ -282,8 +297,8 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
     """rlmq ``RLMEnv`` arguments from the reference's (``given``: the constructor's locals).
 
     Raises:
-        ConfigError: both budget names with different values; a sub-tool without an import
-            path; a REPL argument rlmq cannot honour.
+        ConfigError: both budget names with different values; a REPL argument rlmq cannot honour.
+        ArgumentError: a sub-tool without a name a model can call (a lambda).
     """
     timeout = given["code_execution_timeout"]
     same = (
@@ -302,7 +317,8 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
         "rollout_timeout": float(given["sandbox_timeout_minutes"]) * 60.0,
         "tools": list(given["tools"] or []),
         "root_tools": list(given["root_tools"] or []),
-        "sub_tools": shared_tool_paths(given["sub_tools"] or [], _sub_tool_refusal),
+        "sub_tools": [t for t in given["sub_tools"] or [] if isinstance(t, str)],
+        "hosted_sub_tools": [_named(t) for t in given["sub_tools"] or [] if not isinstance(t, str)],
         **_repl_arguments(given),
     }
 
@@ -346,12 +362,15 @@ def _text(part: Any) -> str:
     return text if isinstance(text, str) else ""
 
 
-def _sub_tool_refusal(tool: Any) -> str:
-    """The one line for a ``sub_tools`` callable without an import path (a lambda, a nested function)."""
-    return (
-        f"RLMEnv(sub_tools=[{tool!r}]): the sub-LLMs run on rlmq workers, which import a sub-tool by its path; "
-        "give a module-level function (root_tools take any callable)"
-    )
+def _named(tool: Any) -> Any:
+    """``tool`` when its name can be a tool's name for the model.
+
+    Raises:
+        ArgumentError: a lambda or another callable without such a ``__name__``.
+    """
+    if not callable(tool) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(getattr(tool, "__name__", ""))):
+        raise ArgumentError(f"RLMEnv(sub_tools=[{tool!r}]): a sub-tool needs a name a model can call (def name(...))")
+    return tool
 
 
 def _check_choices(repl_language: str, sub_verbosity: str, root_verbosity: str) -> None:

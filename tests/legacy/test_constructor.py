@@ -66,7 +66,7 @@ def test_values_rlmq_cannot_honour_are_refused_in_one_line(facts: dict[str, Any]
     assert refused["no_sub_llms"].startswith("ArgumentError: RLMEnv(enable_sub_llms=False) is not supported")
     assert refused["summarization"] == "accepted", refused["summarization"]
     assert "RLMEnv argument max_sub_llm_parallelism" in refused["bad_parallelism"]
-    assert refused["lambda_sub_tool"].startswith("ArgumentError: RLMEnv(sub_tools=[<function")
+    assert refused["lambda_sub_tool"].startswith("ArgumentError: RLMEnv(sub_tools=[<function")  # no name to call
     assert refused["no_redis"].startswith("ConfigError: RLMEnv: no Redis for the sub-LLM fleet: set REDIS_URL")
     assert refused["bash"] == "accepted", refused["bash"]  # rlmq has the bash REPL and .messages
     assert refused["message_history"] == "accepted", refused["message_history"]

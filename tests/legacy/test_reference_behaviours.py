@@ -15,6 +15,7 @@ the scripted model (a test double) behind the recording proxy.
 * the sub-tools are described in the root model's system message;
 * summarization: the root model calls ``summarize_turns``; its later prompts lack the dropped
   turns and carry the ``<SUMMARY>`` block, and the rollout goes on to its answer;
+* a nested function (a closure) as a sub-tool: the sub-LLM calls it, the rollout's process runs it;
 * a module's subclass that overrides a hook (``setup_state``, ``add_model_response``) runs, and
   sees its hooks called.
 """
@@ -87,6 +88,10 @@ def _summarizing() -> str:
     return " " + " ".join([*codes, call])
 
 
+_CLOSURE_PROMPT = '[[mock:tool:add:{"x": 2, "y": 3}]] [[mock:echo-tool-result]] add 2 and 3'
+_CLOSURE_CODE = f"answer['content'] = llm_batch([{_CLOSURE_PROMPT!r}])[0]\nanswer['ready'] = True\n"
+
+
 @pytest.fixture(scope="module")
 def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("legacy-behaviours")
@@ -94,12 +99,14 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
     limited = _question_rows(tmp / "limited.jsonl", " " + " ".join(_long_turn(k) for k in (1, 2, 3, 4)))
     history = _question_rows(tmp / "history.jsonl", " " + root_code_directive(_MESSAGES_CODE))
     summarized = _question_rows(tmp / "summarized.jsonl", _summarizing())
+    closure = _question_rows(tmp / "closure.jsonl", " " + root_code_directive(_CLOSURE_CODE))
     specs = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
         {"rows_path": str(history), "sub_tools": ["json:dumps"]},
         {"rows_path": str(plain), "subclass": True},
         {"rows_path": str(summarized), "enable_summarization": True, "min_turns_in_context": 1},
+        {"rows_path": str(closure), "closure_sub_tool": True},
     ]
     before = len(fleet.proxy.requests())
     outputs = evaluate(legacy, fleet, tmp, specs)
@@ -109,6 +116,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         "history": outputs[2][0],
         "subclass": outputs[3][0],
         "summarized": outputs[4][0],
+        "closure": outputs[5][0],
         "requests": fleet.proxy.requests()[before:],
     }
 
@@ -184,6 +192,11 @@ def test_summarize_turns_drops_turns_from_the_prompt_and_the_rollout_goes_on(run
     assert [len(p) for p in prompts] == [0, 1, 2, 3, 2], prompts  # the 5th call: turns 3 and 4 only
     assert prompts[-1][0].startswith(f"<SUMMARY>\n[Turns 1-2] {SUMMARY}\n</SUMMARY>"), prompts[-1]
     assert not any("<SUMMARY>" in text for p in prompts[:-1] for text in p)
+
+
+def test_a_closure_sub_tool_is_called_by_the_sub_llm_and_run_by_the_rollout(runs: dict[str, Any]) -> None:
+    out = runs["closure"]
+    assert out["error"] is None and "tool result: 5" in out["final_answer"], out
 
 
 def test_the_directive_code_is_base64() -> None:

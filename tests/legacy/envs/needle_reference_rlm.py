@@ -68,11 +68,20 @@ def load_environment(
     sub_max_completion_tokens: int | None = None,
     code_execution_timeout: int = 120,
     subclass: bool = False,
+    closure_sub_tool: bool = False,
     **kwargs: Any,
 ) -> vf.Environment:
     dataset = _rows(rows_path, num_examples)
     rubric = vf.Rubric(funcs=[exact_passphrase, answered], weights=[1.0, 0.0])
     cls = HookedRLMEnv if subclass else RLMEnv
+    if closure_sub_tool:
+        offset = len(dataset)  # a value of this call: the tool is a closure, as authors write them
+
+        def add(x: int, y: int) -> int:
+            """Add two numbers (and the rows' count, minus itself)."""
+            return x + y + offset - len(dataset)
+
+        kwargs["sub_tools"] = [add]
     return cls(
         dataset=dataset,
         rubric=rubric,
