@@ -35,7 +35,7 @@ import pytest
 from rlmq.scripted.markers import root_call_directive, root_code_directive
 from tests.e2e.test_verifiers import proxied_fleet
 from tests.legacy.conftest import BUILD_TIMEOUT
-from tests.legacy.test_reference_module import Fleet, _rows, evaluate
+from tests.legacy.test_reference_module import Fleet, _rows, evaluate, vf_eval
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(BUILD_TIMEOUT + 600)]  # the first test may build the venv
 
@@ -197,6 +197,19 @@ def test_summarize_turns_drops_turns_from_the_prompt_and_the_rollout_goes_on(run
 def test_a_closure_sub_tool_is_called_by_the_sub_llm_and_run_by_the_rollout(runs: dict[str, Any]) -> None:
     out = runs["closure"]
     assert out["error"] is None and "tool result: 5" in out["final_answer"], out
+
+
+def test_vf_eval_saves_the_sub_llm_steps(legacy: Path, fleet: Fleet, tmp_path: Path) -> None:
+    """verifiers 0.1.14's ``vf-eval`` with ``include_sub_llm_in_trajectory``: the saved
+    ``trajectory`` column holds the sub-LLM steps, with their token ids and logprobs."""
+    rows = _question_rows(tmp_path / "rows.jsonl", "")
+    args = {"rows_path": str(rows), "include_sub_llm_in_trajectory": True}
+    (row,) = vf_eval(legacy, fleet, tmp_path, args, 1, ("-C", "final_answer,rlmq,trajectory"))
+    subs = [s for s in row["trajectory"] if (s.get("extras") or {}).get("is_sub_llm_call")]
+    assert row["reward"] == 1.0 and len(subs) >= row["sub_llm_call_count"] >= 1, row
+    for step in subs:
+        tokens = step["tokens"]
+        assert tokens["completion_ids"] and len(tokens["completion_ids"]) == len(tokens["completion_logprobs"])
 
 
 def test_the_directive_code_is_base64() -> None:
