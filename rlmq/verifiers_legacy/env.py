@@ -21,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -197,6 +200,7 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         self._rlmq: RlmqEnv | None = None
         self._rlmq_loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
+        self._empty_dir: str | None = None
 
     async def setup_state(self, state: Any, **kwargs: Any) -> None:
         """The reference's per-rollout state keys, before the rollout runs (a subclass that
@@ -245,8 +249,19 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         return self._rlmq
 
     @vf.teardown
+    def _empty_context_dir(self) -> str:
+        """An empty folder, readable by the REPL, that rows without a context get as their
+        ``context_dir`` (made on first use, removed at teardown)."""
+        if self._empty_dir is None or not os.path.isdir(self._empty_dir):
+            self._empty_dir = tempfile.mkdtemp(prefix="rlmq-legacy-empty-context-")
+            os.chmod(self._empty_dir, 0o755)  # the REPL runs as its own uid
+        return self._empty_dir
+
     async def _close_rlmq(self) -> None:
         """Close the rlmq environment (Redis connection, interception server) at teardown."""
+        if self._empty_dir is not None:
+            shutil.rmtree(self._empty_dir, ignore_errors=True)
+            self._empty_dir = None
         env, self._rlmq = self._rlmq, None
         if env is not None and self._rlmq_loop is asyncio.get_running_loop():
             await env.close()
@@ -274,7 +289,10 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
             env = await self._started()
             sampling = _rollout_sampling(state.get("sampling_args"))
             result = await env.rollout(
-                _row(state), model=model, rollout_id=state["trajectory_id"], sampling_args=sampling
+                _row(state, self._empty_context_dir),
+                model=model,
+                rollout_id=state["trajectory_id"],
+                sampling_args=sampling,
             )
             fill_state(state, result, first_prompt=turns.first_prompt, turn_cap=self.turn_cap)
             # .messages: the conversation as rlmq kept it, with the summarize exchanges answered
@@ -339,9 +357,14 @@ def _rollout_sampling(args: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None and k not in ROOT_RESERVED_SAMPLING}
 
 
-def _row(state: Any) -> DatasetRow:
+def _row(state: Any, empty_dir: Callable[[], str]) -> DatasetRow:
+    """rlmq's row of a verifiers rollout. A row with neither ``info["context"]`` nor
+    ``info["context_dir"]`` gets an empty ``context_dir`` (``empty_dir()``): its REPL starts in
+    an empty working directory, as the reference's does, not with an empty ``context.txt``."""
     info = state.get("info")
     info = dict(info) if isinstance(info, dict) else {}
+    if info.get("context") is None and not info.get("context_dir"):
+        info["context_dir"] = empty_dir()
     messages = list(state["prompt"])
     users = [m for m in messages if getattr(m, "role", None) == "user"] or messages  # a plain-text prompt
     content = getattr(users[-1], "content", "") if users else ""
@@ -350,7 +373,7 @@ def _row(state: Any) -> DatasetRow:
     return DatasetRow(
         id=str(state.get("example_id", "0")),
         question=question,
-        context=info.get("context", ""),
+        context="" if info.get("context") is None else info["context"],
         answer=answer if isinstance(answer, str) and answer else None,
         info=info,
     )

@@ -18,7 +18,7 @@ from datasets import Dataset
 from rlmq.verifiers_legacy import RLMEnv  # the reference: from verifiers.envs.experimental.rlm_env import RLMEnv
 
 
-def _rows(rows_path: str, num_examples: int) -> Dataset:
+def _rows(rows_path: str, num_examples: int, no_context: bool = False) -> Dataset:
     with open(rows_path, encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     if num_examples > 0:
@@ -28,7 +28,7 @@ def _rows(rows_path: str, num_examples: int) -> Dataset:
             {
                 "question": row["question"],
                 "answer": row["answer"],
-                "info": {"context": row["context"], "row_id": row["id"]},
+                "info": {"row_id": row["id"]} if no_context else {"context": row["context"], "row_id": row["id"]},
             }
             for row in rows
         ]
@@ -69,9 +69,10 @@ def load_environment(
     code_execution_timeout: int = 120,
     subclass: bool = False,
     closure_sub_tool: bool = False,
+    no_context: bool = False,
     **kwargs: Any,
 ) -> vf.Environment:
-    dataset = _rows(rows_path, num_examples)
+    dataset = _rows(rows_path, num_examples, no_context)
     rubric = vf.Rubric(funcs=[exact_passphrase, answered], weights=[1.0, 0.0])
     cls = HookedRLMEnv if subclass else RLMEnv
     if closure_sub_tool:
