@@ -208,7 +208,7 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         ``context_warning_sent``, ``rlm_root_tools`` / ``rlm_sub_tools`` (tool names),
         ``_keep_from_assistant_index`` and ``_summary_text`` (summarization),
         ``_observable_messages`` (``.messages``), the ``summarize_*`` figures at 0."""
-        state.setdefault("rollout_id", f"rlm_{state.get('trajectory_id', '')}")
+        state["rollout_id"] = state.get("trajectory_id", "")  # rlmq's rollout id, as fill_state keeps it
         state["context_warning_sent"] = False
         state["rlm_root_tools"] = list(self.root_tool_names)
         state["rlm_sub_tools"] = [str(t) if isinstance(t, str) else getattr(t, "__name__", "") for t in self.sub_tools]

@@ -103,7 +103,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
     summarized = _question_rows(tmp / "summarized.jsonl", _summarizing())
     closure = _question_rows(tmp / "closure.jsonl", " " + root_code_directive(_CLOSURE_CODE))
     listing = _question_rows(tmp / "listing.jsonl", " " + root_code_directive(_LISTING_CODE))
-    specs = [
+    specs: list[dict[str, Any]] = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
         {"rows_path": str(history), "sub_tools": ["json:dumps"]},
