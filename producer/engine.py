@@ -100,6 +100,7 @@ def sandbox_repl(
         context=repl_context(row),
         files=context_files(row),
         language=options.repl_language,
+        output_format=options.repl_output_format,
         endpoint_url=interception.url,
         unix_socket=interception.unix_path_of(token),
         token=token,

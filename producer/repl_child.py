@@ -27,7 +27,8 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "max_batch_prompts": int, "refuse_shared_memory": bool,
         "tools": [{"name": str, "doc": str}, ...],
         "tool_timeout": float (s), "max_tool_bytes": int,
-        "files_dir": str | null, "language": "python" | "bash"}
+        "files_dir": str | null, "language": "python" | "bash",
+        "output_format": "rlmq" | "reference"}
 
    ``files_dir``: the context files (``context.txt`` / ``context.json`` / a copied
    ``context_dir``), copied into the working directory once the child runs as its own uid.
@@ -924,13 +925,17 @@ def _format_exception(exc: BaseException) -> str:
 class _CellRunner:
     """The child's side: the persistent namespace and the runner of cells in it."""
 
-    def __init__(self, namespace: dict[str, Any], out: TextIO, err: TextIO, max_answer_length: int) -> None:
+    def __init__(
+        self, namespace: dict[str, Any], out: TextIO, err: TextIO, max_answer_length: int, reference: bool = False
+    ) -> None:
         self.namespace = namespace
         self.max_answer_length = max_answer_length
         self.out = out
         self.err = err
         self.cells = 0
         self.pid = os.getpid()
+        self.reference = reference
+        """verifiers 0.1.14's output format (the ``output_format`` ``"reference"`` of the init message)."""
 
     def _register_source(self, filename: str, code: str) -> None:
         lines = code.splitlines(keepends=True)
@@ -941,22 +946,15 @@ class _CellRunner:
         filename = f"<cell-{self.cells}>"
         self._register_source(filename, code)
         started = time.perf_counter()
-        try:
+        if self.reference:
+            self._run_reference(code, filename)
+        else:
             try:
-                tree = ast.parse(code, filename, "exec")
-            except (SyntaxError, ValueError) as exc:  # ValueError: null bytes in the source
-                raise exc.with_traceback(None) from None
-            last: ast.Expression | None = None
-            if tree.body and isinstance(tree.body[-1], ast.Expr):
-                last = ast.Expression(tree.body[-1].value)
-                tree.body.pop()
-            exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
-            if last is not None:
-                value = eval(compile(last, filename, "eval"), self.namespace)  # noqa: S307
+                value = self._exec(code, filename)
                 if value is not None:
                     self._write(self.out, repr(value) + "\n")
-        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
-            self._write(self.err, _format_exception(exc))
+            except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+                self._write(self.err, _format_exception(exc))
         if os.getpid() != self.pid:
             os._exit(0)  # a process the cell forked came back here: it must not answer nor read commands
         seconds = time.perf_counter() - started
@@ -968,6 +966,43 @@ class _CellRunner:
             "answer_content": content,
             "seconds": seconds,
         }
+
+    def _exec(self, code: str, filename: str) -> Any:
+        """Run ``code``; the value of its last statement when that is an expression, else ``None``."""
+        try:
+            tree = ast.parse(code, filename, "exec")
+        except (SyntaxError, ValueError) as exc:  # ValueError: null bytes in the source
+            raise exc.with_traceback(None) from None
+        last: ast.Expression | None = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body[-1].value)
+            tree.body.pop()
+        exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
+        if last is None:
+            return None
+        return eval(compile(last, filename, "eval"), self.namespace)  # noqa: S307
+
+    def _run_reference(self, code: str, filename: str) -> None:
+        """Run a cell with verifiers 0.1.14's output: what it printed, then what it wrote to
+        ``sys.stderr`` after a ``stderr:`` line, then ``Out[n]: repr`` of its last expression
+        or its traceback. (What subprocesses write to the file descriptors stays in place.)"""
+        saved, caught = sys.stderr, io.StringIO()
+        sys.stderr = caught
+        tail = ""
+        try:
+            value = self._exec(code, filename)
+            if value is not None:
+                tail = f"Out[{self.cells}]: {value!r}\n"
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+            tail = _format_exception(exc)
+        finally:
+            sys.stderr = saved
+        self._flush()
+        stderr = caught.getvalue().rstrip()
+        if stderr:
+            self._write(self.out, f"stderr:\n{stderr}\n")
+        if tail:
+            self._write(self.out, tail)
 
     def _write(self, stream: TextIO, text: str) -> None:
         try:
@@ -1245,7 +1280,8 @@ def main(argv: list[str]) -> int:
         )
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
-    runner = _CellRunner(main_module.__dict__, out, err, max_answer) if bash is None else None
+    reference = init.get("output_format") == "reference"
+    runner = _CellRunner(main_module.__dict__, out, err, max_answer, reference) if bash is None else None
     runner = runner or _bash_runner(bash, init, paths["unix_socket"], err, max_answer)
     home = os.getcwd()  # the working directory the context files are in: `.messages` goes here too
     del init, context

@@ -333,6 +333,7 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
         "code_execution_timeout": float(timeout),
         "sub_call_timeout": float(max(1, timeout - 5)),  # the reference's sub-call timeout
         "rollout_timeout": float(given["sandbox_timeout_minutes"]) * 60.0,
+        "repl_output_format": "reference",  # Out[n], stderr:, (no output), as the reference's REPL
         "tools": list(given["tools"] or []),
         "root_tools": list(given["root_tools"] or []),
         "sub_tools": [t for t in given["sub_tools"] or [] if isinstance(t, str)],

@@ -106,7 +106,11 @@ def _role(message: Any) -> str:
 
 def _prompt_view(step: dict[str, Any]) -> dict[str, Any]:
     """What the tests read of one root step's prompt: its assistant messages' texts (cut)."""
-    return {"assistants": [_text(m)[:300] for m in step.get("prompt") or [] if _role(m) == "assistant"]}
+    prompt = step.get("prompt") or []
+    return {
+        "assistants": [_text(m)[:300] for m in prompt if _role(m) == "assistant"],
+        "tools": [_text(m)[:300] for m in prompt if _role(m) == "tool"],
+    }
 
 
 def _sub_step(step: dict[str, Any]) -> dict[str, Any]:

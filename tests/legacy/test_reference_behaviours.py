@@ -15,6 +15,7 @@ the scripted model (a test double) behind the recording proxy.
 * the sub-tools are described in the root model's system message;
 * summarization: the root model calls ``summarize_turns``; its later prompts lack the dropped
   turns and carry the ``<SUMMARY>`` block, and the rollout goes on to its answer;
+* the Python REPL's output as the reference's: ``stderr:``, ``Out[n]:``, ``(no output)``;
 * a row without a context: the REPL's working directory is empty (no empty ``context.txt``);
 * a nested function (a closure) as a sub-tool: the sub-LLM calls it, the rollout's process runs it;
 * a module's subclass that overrides a hook (``setup_state``, ``add_model_response``) runs, and
@@ -89,6 +90,11 @@ def _summarizing() -> str:
     return " " + " ".join([*codes, call])
 
 
+_FORMAT_CELLS = [
+    "import sys\nprint('hi')\nprint('careful', file=sys.stderr)\n41 + 1",
+    "y = 2",
+    "answer['content'] = 'done'\nanswer['ready'] = True",
+]
 _LISTING_CODE = "import json, os\nanswer['content'] = json.dumps(sorted(os.listdir('.')))\nanswer['ready'] = True\n"
 _CLOSURE_PROMPT = '[[mock:tool:add:{"x": 2, "y": 3}]] [[mock:echo-tool-result]] add 2 and 3'
 _CLOSURE_CODE = f"answer['content'] = llm_batch([{_CLOSURE_PROMPT!r}])[0]\nanswer['ready'] = True\n"
@@ -103,6 +109,8 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
     summarized = _question_rows(tmp / "summarized.jsonl", _summarizing())
     closure = _question_rows(tmp / "closure.jsonl", " " + root_code_directive(_CLOSURE_CODE))
     listing = _question_rows(tmp / "listing.jsonl", " " + root_code_directive(_LISTING_CODE))
+    cells = [root_code_directive(c, turn=k) for k, c in enumerate(_FORMAT_CELLS, start=1)]
+    formatted = _question_rows(tmp / "formatted.jsonl", " " + " ".join(cells))
     specs: list[dict[str, Any]] = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
@@ -111,6 +119,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         {"rows_path": str(summarized), "enable_summarization": True, "min_turns_in_context": 1},
         {"rows_path": str(closure), "closure_sub_tool": True},
         {"rows_path": str(listing), "no_context": True},
+        {"rows_path": str(formatted)},
     ]
     before = len(fleet.proxy.requests())
     outputs = evaluate(legacy, fleet, tmp, specs)
@@ -122,6 +131,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         "summarized": outputs[4][0],
         "closure": outputs[5][0],
         "no_context": outputs[6][0],
+        "formatted": outputs[7][0],
         "requests": fleet.proxy.requests()[before:],
     }
 
@@ -207,6 +217,13 @@ def test_a_closure_sub_tool_is_called_by_the_sub_llm_and_run_by_the_rollout(runs
 def test_a_row_without_a_context_gets_an_empty_working_directory(runs: dict[str, Any]) -> None:
     listed = json.loads(runs["no_context"]["final_answer"])
     assert [name for name in listed if name != ".messages"] == [], listed  # .messages: written before each cell
+
+
+def test_the_python_repl_output_reads_as_the_references(runs: dict[str, Any]) -> None:
+    out = runs["formatted"]
+    assert out["final_answer"] == "done", out
+    tools = out["root_prompts"][-1]["tools"]  # the last root call saw both cells' outputs
+    assert tools[0] == "hi\nstderr:\ncareful\nOut[1]: 42\n" and tools[1] == "(no output)", tools
 
 
 def test_vf_eval_saves_the_sub_llm_steps(legacy: Path, fleet: Fleet, tmp_path: Path) -> None:
