@@ -97,6 +97,7 @@ TESTED_ELSEWHERE = {
     "--repl-language": "tests/e2e/test_bash_repl.py (rlmq run --repl-language bash, a child rollout in bash)",
     "--expose-message-history": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
     "--retain-filesystem-after-rollout": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
+    "--repl-output-format": "tests/legacy/test_reference_behaviours.py (the same setting through the legacy RLMEnv)",
 }
 
 
