@@ -101,6 +101,7 @@ def sandbox_repl(
         files=context_files(row),
         language=options.repl_language,
         output_format=options.repl_output_format,
+        sub_llms=options.enable_sub_llms,
         endpoint_url=interception.url,
         unix_socket=interception.unix_path_of(token),
         token=token,
@@ -412,6 +413,7 @@ class _RolloutRun:
             language=o.repl_language,
             message_history=o.expose_message_history,
             sub_tools=sub_tool_lines(o.sub_tools),
+            sub_llms=o.enable_sub_llms,
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]
@@ -461,7 +463,12 @@ class _RolloutRun:
         return self._repl.serving()
 
     async def handle_batch(self, prompts: list[str]) -> tuple[list[str], str]:
-        """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout."""
+        """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout.
+
+        Raises:
+            RuntimeError: the rollout has no sub-LLMs (``enable_sub_llms=False``).
+        """
+        self._check_sub_llms()
         async with self._serving(), self.batch_sem:
             t0 = time.perf_counter()
             try:
@@ -470,9 +477,18 @@ class _RolloutRun:
                 self.ro.stats.llm_batch_seconds.append(time.perf_counter() - t0)
 
     async def handle_rlm(self, tasks: list[RlmTask]) -> tuple[list[str], str]:
-        """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time."""
+        """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time.
+
+        Raises:
+            RuntimeError: the rollout has no sub-LLMs (``enable_sub_llms=False``).
+        """
+        self._check_sub_llms()
         async with self._serving(), self.rlm_sem:
             return await self.rlm.run(self.ro, tasks, self.pos, self.ends_at - time.monotonic())
+
+    def _check_sub_llms(self) -> None:
+        if not self.options.enable_sub_llms:  # the REPL has no llm_batch: a call that finds the endpoint anyway
+            raise RuntimeError("this rollout has no sub-LLMs (enable_sub_llms is off)")
 
     async def handle_tool(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[bool, str]:
         """A root tool's call: served like a batch (the tool has its own timeout). One call of a

@@ -136,6 +136,7 @@ class RLMEnv:
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
         repl_language: ReplLanguage | _FromSettings = FROM_SETTINGS,
         expose_message_history: bool | _FromSettings = FROM_SETTINGS,
+        enable_sub_llms: bool | _FromSettings = FROM_SETTINGS,
         repl_output_format: Literal["rlmq", "reference"] | _FromSettings = FROM_SETTINGS,
         retain_filesystem_after_rollout: bool | _FromSettings = FROM_SETTINGS,
         abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,

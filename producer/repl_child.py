@@ -28,7 +28,7 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "tools": [{"name": str, "doc": str}, ...],
         "tool_timeout": float (s), "max_tool_bytes": int,
         "files_dir": str | null, "language": "python" | "bash",
-        "output_format": "rlmq" | "reference"}
+        "output_format": "rlmq" | "reference", "sub_llms": bool}
 
    ``files_dir``: the context files (``context.txt`` / ``context.json`` / a copied
    ``context_dir``), copied into the working directory once the child runs as its own uid.
@@ -1160,7 +1160,8 @@ def _helper_env(init: dict[str, Any], unix_socket: str | None) -> dict[str, str]
 
 def _bash_runner(bash: Any, init: dict[str, Any], unix_socket: str | None, err: TextIO, max_answer: int) -> Any:
     """The bash cell runner (``repl_bash.BashRunner``), its commands reaching the rollout's endpoint."""
-    names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
+    batches = ["llm_batch", "rlm_batch"] if init.get("sub_llms") is not False else []
+    names = [*batches, *(str(t["name"]) for t in init.get("tools") or [])]
     env = {**os.environ, **_helper_env(init, unix_socket)}
     return bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
 
@@ -1278,6 +1279,8 @@ def main(argv: list[str]) -> int:
             paths["unix_socket"],
             int(init.get("max_tool_bytes") or 1024 * 1024),
         )
+    if init.get("sub_llms") is False:  # enable_sub_llms off: no sub-LLMs to call
+        del main_module.__dict__["llm_batch"], main_module.__dict__["rlm_batch"]
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
     reference = init.get("output_format") == "reference"

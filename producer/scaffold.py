@@ -84,6 +84,7 @@ def root_system_prompt(
     language: str = "python",
     message_history: bool = False,
     sub_tools: Sequence[str] = (),
+    sub_llms: bool = True,
 ) -> str:
     """The root model's system message.
 
@@ -104,6 +105,8 @@ def root_system_prompt(
         message_history: the REPL's working directory has ``.messages`` (``expose_message_history``).
         sub_tools: one line per sub-LLM tool (:func:`sub_tool_lines`): the root is told what the
             sub-LLMs of ``llm_batch`` can call, as verifiers 0.1.14's ``RLMEnv`` tells it.
+        sub_llms: ``False`` (``enable_sub_llms``): nothing is said of sub-LLMs, ``llm_batch``,
+            ``rlm_batch``, their tools or their budget.
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
@@ -122,6 +125,9 @@ def root_system_prompt(
             "cell; that ends the task.",
         ]
     )
+    if not sub_llms:
+        parts = [p for p in parts if "llm_batch" not in p]
+        max_depth, sub_tools, budget = 1, (), None
     if message_history:
         how = "cat .messages" if language == "bash" else '[json.loads(line) for line in open(".messages")]'
         parts.append(
@@ -164,8 +170,13 @@ def root_system_prompt(
         turns = f"You have at most {max_turns} turns." if max_turns > 0 else "You have no turn limit, but a time limit."
         parts.append(
             f"Output of a cell is cut to {max_output_length:,} characters, so print summaries, not the whole "
-            f"context. {turns} Up to {parallelism} sub-LLM calls run at once; "
-            f"each may take up to {sub_llm_max_turns} turns of its own."
+            f"context. {turns}"
+            + (
+                f" Up to {parallelism} sub-LLM calls run at once; each may take up to {sub_llm_max_turns} turns "
+                "of its own."
+                if sub_llms
+                else ""
+            )
         )
     if verbosity == "heavy":
         parts.append(
@@ -174,6 +185,8 @@ def root_system_prompt(
             "answers in code (for example by majority) before setting `answer`. Errors from sub-LLM calls "
             "come back as strings starting with `[error]` or `[rejected]`."
         )
+    if not sub_llms:
+        parts = [p for p in parts if "llm_batch" not in p and "sub-LLM" not in p]
     return "\n\n".join(parts)
 
 

@@ -125,6 +125,7 @@ class Repl:
         output_format: ``"rlmq"`` or ``"reference"`` (verifiers 0.1.14's ``RLMEnv``: a Python
             cell's Python-level stderr after a ``stderr:`` line, its last expression as
             ``Out[n]: repr``; a cell of either language with no output reads ``(no output)``).
+        sub_llms: ``False``: the REPL has no ``llm_batch`` nor ``rlm_batch`` (``enable_sub_llms``).
 
     Raises:
         TypeError: ``context`` is not JSON-serializable.
@@ -162,6 +163,7 @@ class Repl:
         files: ContextFiles | None = None,
         language: str = "python",
         output_format: str = "rlmq",
+        sub_llms: bool = True,
     ) -> None:
         if max_output_length < 0 or max_answer_length < 0:
             raise ValueError("max_output_length and max_answer_length must be >= 0")
@@ -188,6 +190,7 @@ class Repl:
         self.max_output_length = max_output_length
         self.max_answer_length = max_answer_length
         self.output_format = output_format
+        self.sub_llms = sub_llms
         self._max_message_bytes = 6 * max_answer_length + _MESSAGE_SLACK
         self.code_execution_timeout = code_execution_timeout
         self.max_startup_wait_seconds = max_startup_wait_seconds
@@ -535,6 +538,7 @@ class Repl:
             "files_dir": self._files_dir() if self._files is not None else None,
             "language": self.language,
             "output_format": self.output_format,
+            "sub_llms": self.sub_llms,
             "sys_path": [self._site_packages()] if self._pip_packages else [],
             "cpu_seconds": self._cpu_seconds,
             "memory_bytes": self._memory_bytes,

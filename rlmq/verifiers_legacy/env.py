@@ -101,7 +101,8 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
             budget of a rollout (0.1.14's / #966's name; give one, or both equal); hard here.
         root_max_completion_tokens: root turns run while the root model's completion tokens
             are below it (the reference's meaning; :mod:`~rlmq.verifiers_legacy.root_turns`).
-        enable_sub_llms: ``False`` is refused (``ArgumentError``): rlmq always offers ``llm_batch``.
+        enable_sub_llms: ``False``: no ``llm_batch`` (nor ``rlm_batch``) in the REPL and nothing of
+            sub-LLMs in the root's system message, as in the reference.
         enable_summarization / min_turns_in_context: the ``summarize_turns`` tool
             (:mod:`~rlmq.verifiers_legacy.summarize`).
         max_turns_in_context: turns in the model's context at most; without summarization a
@@ -168,8 +169,6 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
     ) -> None:
         given = dict(locals())
         _check_choices(repl_language, sub_prompt_verbosity, root_prompt_verbosity)
-        if not enable_sub_llms:
-            raise ArgumentError("RLMEnv(enable_sub_llms=False) is not supported by rlmq: llm_batch is always offered")
         _log_sandbox({k: given[k] for k in _SANDBOX_DEFAULTS})
         capped = (
             not enable_summarization
@@ -195,7 +194,7 @@ class RLMEnv(ReferenceHooks, vf.StatefulToolEnv):
         if enable_summarization:
             self.add_tool(self.summarize_turns, args_to_skip=["state"])
         names = list(self._rlmq_check.toolbox.names)
-        self.root_tool_names: list[str] = ["llm_batch", *names]
+        self.root_tool_names: list[str] = ["llm_batch", *names] if enable_sub_llms else names
         self.add_rubric(LegacyMonitorRubric(root_tool_names=names, extra=_RLMQ_METRICS))
         self._rlmq: RlmqEnv | None = None
         self._rlmq_loop: asyncio.AbstractEventLoop | None = None
@@ -334,6 +333,7 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
         "sub_call_timeout": float(max(1, timeout - 5)),  # the reference's sub-call timeout
         "rollout_timeout": float(given["sandbox_timeout_minutes"]) * 60.0,
         "repl_output_format": "reference",  # Out[n], stderr:, (no output), as the reference's REPL
+        "enable_sub_llms": bool(given["enable_sub_llms"]),
         "tools": list(given["tools"] or []),
         "root_tools": list(given["root_tools"] or []),
         "sub_tools": [t for t in given["sub_tools"] or [] if isinstance(t, str)],

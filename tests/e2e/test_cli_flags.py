@@ -97,6 +97,8 @@ TESTED_ELSEWHERE = {
     "--repl-language": "tests/e2e/test_bash_repl.py (rlmq run --repl-language bash, a child rollout in bash)",
     "--expose-message-history": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
     "--retain-filesystem-after-rollout": "tests/e2e/test_bash_repl.py (the same setting through RLMEnv)",
+    "--enable-sub-llms": "the default: every rollout of these tests has sub-LLMs",
+    "--no-enable-sub-llms": "tests/legacy/test_reference_behaviours.py (the same setting through the legacy RLMEnv)",
     "--repl-output-format": "tests/legacy/test_reference_behaviours.py (the same setting through the legacy RLMEnv)",
 }
 

@@ -15,6 +15,7 @@ the scripted model (a test double) behind the recording proxy.
 * the sub-tools are described in the root model's system message;
 * summarization: the root model calls ``summarize_turns``; its later prompts lack the dropped
   turns and carry the ``<SUMMARY>`` block, and the rollout goes on to its answer;
+* ``enable_sub_llms=False``: no ``llm_batch`` in the REPL, nothing of sub-LLMs in the prompt;
 * the Python REPL's output as the reference's: ``stderr:``, ``Out[n]:``, ``(no output)``;
 * a row without a context: the REPL's working directory is empty (no empty ``context.txt``);
 * a nested function (a closure) as a sub-tool: the sub-LLM calls it, the rollout's process runs it;
@@ -90,6 +91,13 @@ def _summarizing() -> str:
     return " " + " ".join([*codes, call])
 
 
+_ALONE_CODE = (
+    "import json\n"
+    "system = json.loads(open('.messages').readline())['content']\n"
+    "seen = {'llm_batch': 'llm_batch' in globals(), 'told': 'llm_batch' in system or 'sub-LLM' in system}\n"
+    "answer['content'] = json.dumps(seen)\n"
+    "answer['ready'] = True\n"
+)
 _FORMAT_CELLS = [
     "import sys\nprint('hi')\nprint('careful', file=sys.stderr)\n41 + 1",
     "y = 2",
@@ -111,6 +119,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
     listing = _question_rows(tmp / "listing.jsonl", " " + root_code_directive(_LISTING_CODE))
     cells = [root_code_directive(c, turn=k) for k, c in enumerate(_FORMAT_CELLS, start=1)]
     formatted = _question_rows(tmp / "formatted.jsonl", " " + " ".join(cells))
+    alone = _question_rows(tmp / "alone.jsonl", " " + root_code_directive(_ALONE_CODE))
     specs: list[dict[str, Any]] = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
@@ -120,6 +129,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         {"rows_path": str(closure), "closure_sub_tool": True},
         {"rows_path": str(listing), "no_context": True},
         {"rows_path": str(formatted)},
+        {"rows_path": str(alone), "enable_sub_llms": False},
     ]
     before = len(fleet.proxy.requests())
     outputs = evaluate(legacy, fleet, tmp, specs)
@@ -132,6 +142,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         "closure": outputs[5][0],
         "no_context": outputs[6][0],
         "formatted": outputs[7][0],
+        "alone": outputs[8][0],
         "requests": fleet.proxy.requests()[before:],
     }
 
@@ -224,6 +235,12 @@ def test_the_python_repl_output_reads_as_the_references(runs: dict[str, Any]) ->
     assert out["final_answer"] == "done", out
     tools = out["root_prompts"][-1]["tools"]  # the last root call saw both cells' outputs
     assert tools[0] == "hi\nstderr:\ncareful\nOut[1]: 42\n" and tools[1] == "(no output)", tools
+
+
+def test_without_sub_llms_the_repl_and_the_prompt_have_none(runs: dict[str, Any]) -> None:
+    out = runs["alone"]
+    assert json.loads(out["final_answer"]) == {"llm_batch": False, "told": False}, out
+    assert out["metrics"]["sub_llm_call_count"] == 0
 
 
 def test_vf_eval_saves_the_sub_llm_steps(legacy: Path, fleet: Fleet, tmp_path: Path) -> None:
