@@ -16,6 +16,8 @@ from typing import Any
 import verifiers as vf
 from verifiers.utils.message_utils import normalize_messages
 
+from rlmq.verifiers_legacy.errors import RLMCodeExecutionTimeout
+
 __all__ = ["REFERENCE_METRICS", "STOP_CONDITIONS", "LegacyMonitorRubric", "fill_state"]
 
 STOP_CONDITIONS: dict[str, str] = {
@@ -85,7 +87,9 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
         state["completion"] = messages[len(first_prompt) :]
     else:
         state["completion"] = []
-    if stop == "has_error":
+    if row.stop_reason == "code_timeout":  # the reference's rollout ends with this error here
+        state["error"] = RLMCodeExecutionTimeout(row.error or "a cell ran past code_execution_timeout")
+    elif stop == "has_error":
         state["error"] = vf.Error(row.error or f"rlmq rollout ended with {row.stop_reason}")
     if row.stop_reason == "budget_spent" and (
         state.get("root_budget_stopped") or state.get("max_turns_in_context_stopped")

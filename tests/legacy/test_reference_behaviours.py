@@ -15,6 +15,9 @@ the scripted model (a test double) behind the recording proxy.
 * the sub-tools are described in the root model's system message;
 * summarization: the root model calls ``summarize_turns``; its later prompts lack the dropped
   turns and carry the ``<SUMMARY>`` block, and the rollout goes on to its answer;
+* a cell past ``code_execution_timeout`` with ``abort_on_code_timeout`` ends the rollout with the
+  reference's ``RLMCodeExecutionTimeout`` in ``state["error"]``, a class importable from
+  ``rlmq.verifiers_legacy`` (the reference's own);
 * ``enable_sub_llms=False``: no ``llm_batch`` in the REPL, nothing of sub-LLMs in the prompt;
 * the Python REPL's output as the reference's: ``stderr:``, ``Out[n]:``, ``(no output)``;
 * a row without a context: the REPL's working directory is empty (no empty ``context.txt``);
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -37,7 +41,7 @@ import pytest
 
 from rlmq.scripted.markers import root_call_directive, root_code_directive
 from tests.e2e.test_verifiers import proxied_fleet
-from tests.legacy.conftest import BUILD_TIMEOUT
+from tests.legacy.conftest import BUILD_TIMEOUT, legacy_env
 from tests.legacy.test_reference_module import Fleet, _rows, evaluate, vf_eval
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(BUILD_TIMEOUT + 600)]  # the first test may build the venv
@@ -120,6 +124,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
     cells = [root_code_directive(c, turn=k) for k, c in enumerate(_FORMAT_CELLS, start=1)]
     formatted = _question_rows(tmp / "formatted.jsonl", " " + " ".join(cells))
     alone = _question_rows(tmp / "alone.jsonl", " " + root_code_directive(_ALONE_CODE))
+    slow = _question_rows(tmp / "slow.jsonl", " " + root_code_directive("import time\ntime.sleep(60)"))
     specs: list[dict[str, Any]] = [
         {"rows_path": str(plain), "sampling_args": SAMPLING, "include_sub_llm_in_trajectory": True},
         {"rows_path": str(limited), "root_max_completion_tokens": ROOT_LIMIT},
@@ -130,6 +135,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         {"rows_path": str(listing), "no_context": True},
         {"rows_path": str(formatted)},
         {"rows_path": str(alone), "enable_sub_llms": False},
+        {"rows_path": str(slow), "abort_on_code_timeout": True, "code_execution_timeout": 6},
     ]
     before = len(fleet.proxy.requests())
     outputs = evaluate(legacy, fleet, tmp, specs)
@@ -143,6 +149,7 @@ def runs(legacy: Path, fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -
         "no_context": outputs[6][0],
         "formatted": outputs[7][0],
         "alone": outputs[8][0],
+        "slow": outputs[9][0],
         "requests": fleet.proxy.requests()[before:],
     }
 
@@ -241,6 +248,20 @@ def test_without_sub_llms_the_repl_and_the_prompt_have_none(runs: dict[str, Any]
     out = runs["alone"]
     assert json.loads(out["final_answer"]) == {"llm_batch": False, "told": False}, out
     assert out["metrics"]["sub_llm_call_count"] == 0
+
+
+def test_an_aborted_cell_ends_the_rollout_with_the_references_error(runs: dict[str, Any], legacy: Path) -> None:
+    out = runs["slow"]
+    assert out["stop_condition"] == "has_error" and out["error"]["error"] == "RLMCodeExecutionTimeout", out
+    check = (
+        "import rlmq.verifiers_legacy as ours\n"
+        "from verifiers.envs.experimental import rlm_env as ref\n"
+        "names = ['RLMCodeExecutionTimeout', 'RLMSessionError', 'RLMSetupError', 'RLMWorkerError',\n"
+        "         'RLMWorkerRecoveryError', 'SubLLMEmptyModelResponseError']\n"
+        "assert all(getattr(ours, n) is getattr(ref, n) for n in names)\n"
+    )
+    proc = subprocess.run([str(legacy), "-c", check], env=legacy_env({}), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_vf_eval_saves_the_sub_llm_steps(legacy: Path, fleet: Fleet, tmp_path: Path) -> None:
