@@ -49,12 +49,10 @@ def build_steps(venv: Path) -> dict[str, list[str]]:
     on two busy cores)."""
     base = getattr(sys, "_base_executable", sys.executable)
     python = str(venv / "bin" / "python")
+    packages = [f"{ROOT}[verifiers-legacy]", "pytest", "pytest-asyncio"]  # pytest: the reference's test file
     return {
         "venv": [base, "-m", "venv", str(venv)],
-        "pip_install": [
-            python, "-m", "pip", "install", "-q", "--no-compile", "-e", f"{ROOT}[verifiers-legacy]",
-            "pytest", "pytest-asyncio",  # the reference's own test file runs in this venv (test_reference_suite.py)
-        ],  # fmt: skip
+        "pip_install": [python, "-m", "pip", "install", "-q", "--no-compile", "-e", *packages],
     }
 
 
