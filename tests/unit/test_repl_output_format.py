@@ -30,3 +30,14 @@ async def test_the_default_format_is_unchanged() -> None:
     async with _repl() as r:
         assert (await r.execute("x = 1")).output == ""
         assert (await r.execute("x + 1")).output == "2\n"
+
+
+async def test_without_sub_llms_neither_repl_has_llm_batch() -> None:
+    """``enable_sub_llms=False`` (``sub_llms=False``): no ``llm_batch`` / ``rlm_batch`` global nor command."""
+    async with _repl(sub_llms=False) as r:
+        assert (await r.execute("print('llm_batch' in globals(), 'rlm_batch' in globals())")).output == "False False\n"
+    async with _repl(sub_llms=False, language="bash") as r:
+        out = (await r.execute("type llm_batch >/dev/null 2>&1; echo $?")).output
+        assert out.strip().splitlines()[-1] != "0", out
+    async with _repl(language="bash") as r:
+        assert (await r.execute("type llm_batch >/dev/null 2>&1; echo $?")).output.strip().splitlines()[-1] == "0"
