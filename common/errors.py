@@ -4,6 +4,7 @@ Every error rlmq raises on purpose derives from :class:`RlmqError`. The tree::
 
     RlmqError
     ├── ConfigError            bad settings or arguments (unknown RLMEnv argument, bad flag)
+    │   ├── ArgumentError      a bad argument of the verifiers 0.1.14 RLMEnv (also a ValueError)
     │   └── UncontainedReplError  a worker asked to host REPLs on a host that cannot contain them
     ├── EmbeddedRedisError     no embedded redis-server could be started
     ├── PayloadError           a job, result or request body failed pydantic validation
@@ -43,6 +44,11 @@ class ConfigError(RlmqError):
 class UncontainedReplError(ConfigError):
     """``rlmq worker --repl-slots N`` on a host where the probe REPL is not fully contained (own
     uid, no network, private file system), without ``--allow-uncontained-repl``."""
+
+
+class ArgumentError(ConfigError, ValueError):
+    """A bad argument of ``rlmq.verifiers_legacy.RLMEnv``: a ``ValueError`` as verifiers 0.1.14's
+    ``RLMEnv`` raises for one, and a :class:`ConfigError` as rlmq raises for one."""
 
 
 class PayloadError(RlmqError):

@@ -149,6 +149,19 @@ class RolloutOptions(BaseModel):
         "per line) in the REPL's working directory, and tell the root model so",
         json_schema_extra=meta(group="repl"),
     )
+    enable_sub_llms: bool = Field(
+        default=True,
+        description="offer sub-LLMs: llm_batch (and rlm_batch) in the REPL and in the root model's system "
+        "message; false: the REPL has neither and the root works alone (verifiers 0.1.14's enable_sub_llms)",
+        json_schema_extra=meta(group="repl"),
+    )
+    repl_output_format: Literal["rlmq", "reference"] = Field(
+        default="rlmq",
+        description="how a Python cell's output reads to the root model: rlmq (the streams as printed, a last "
+        "expression's repr after them) or reference (verifiers 0.1.14's RLMEnv: the cell's Python-level stderr "
+        "after a 'stderr:' line, the last expression as 'Out[n]: repr', '(no output)' for an empty cell)",
+        json_schema_extra=meta(group="repl"),
+    )
     retain_filesystem_after_rollout: bool = Field(
         default=False,
         description="when a rollout ends, copy the REPL's working directory to a new host folder, named by a "

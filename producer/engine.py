@@ -48,7 +48,7 @@ from rlmq.producer.rollout import Rollout, RolloutResult, normalize_answer
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_loop import CellRunner, root_loop
 from rlmq.producer.root_tools import RootToolbox, RootToolService
-from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt
+from rlmq.producer.scaffold import compose_system_prompt, files_text, root_system_prompt, sub_tool_lines
 from rlmq.producer.tree_metrics import first_sub_call_error, tree_metrics
 from rlmq.producer.tree_node import TreeNode, chain_of, tree_position
 
@@ -101,6 +101,8 @@ def sandbox_repl(
         context=repl_context(row),
         files=context_files(row),
         language=options.repl_language,
+        output_format=options.repl_output_format,
+        sub_llms=options.enable_sub_llms,
         endpoint_url=interception.url,
         unix_socket=interception.unix_path_of(token),
         token=token,
@@ -417,6 +419,8 @@ class _RolloutRun:
             files=files_text(file_name(ro.row)),
             language=o.repl_language,
             message_history=o.expose_message_history,
+            sub_tools=sub_tool_lines(o.sub_tools),
+            sub_llms=o.enable_sub_llms,
         )
         system = compose_system_prompt(scaffold, o.system_prompt, o.system_prompt_mode)
         ro.messages += [{"role": "system", "content": system}, {"role": "user", "content": ro.row.question}]
@@ -466,7 +470,12 @@ class _RolloutRun:
         return self._repl.serving()
 
     async def handle_batch(self, prompts: list[str]) -> tuple[list[str], str]:
-        """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout."""
+        """``llm_batch(prompts)``: one batch of a rollout at a time, its parallelism is per rollout.
+
+        Raises:
+            RuntimeError: the rollout has no sub-LLMs (``enable_sub_llms=False``).
+        """
+        self._check_sub_llms()
         async with self._serving(), self.batch_sem:
             t0 = time.perf_counter()
             try:
@@ -475,9 +484,18 @@ class _RolloutRun:
                 self.ro.stats.llm_batch_seconds.append(time.perf_counter() - t0)
 
     async def handle_rlm(self, tasks: list[RlmTask]) -> tuple[list[str], str]:
-        """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time."""
+        """``rlm_batch(tasks)``: served like ``llm_batch``, one of a rollout at a time.
+
+        Raises:
+            RuntimeError: the rollout has no sub-LLMs (``enable_sub_llms=False``).
+        """
+        self._check_sub_llms()
         async with self._serving(), self.rlm_sem:
             return await self.rlm.run(self.ro, tasks, self.pos, self.ends_at - time.monotonic())
+
+    def _check_sub_llms(self) -> None:
+        if not self.options.enable_sub_llms:  # the REPL has no llm_batch: a call that finds the endpoint anyway
+            raise RuntimeError("this rollout has no sub-LLMs (enable_sub_llms is off)")
 
     async def handle_tool(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[bool, str]:
         """A root tool's call: served like a batch (the tool has its own timeout). One call of a

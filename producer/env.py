@@ -28,8 +28,8 @@ import enum
 import inspect
 import logging
 import re
-from collections.abc import Container, Iterable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Any, Final, Literal
 
 from redis.asyncio import Redis
 
@@ -38,7 +38,7 @@ from rlmq.common.connection import async_client
 from rlmq.common.errors import ConfigError
 from rlmq.common.fleet_checks import check_eviction_policy
 from rlmq.common.metrics import Metrics
-from rlmq.common.schemas import DatasetRow, ResultRow
+from rlmq.common.schemas import DatasetRow, ResultRow, normalize_sampling
 from rlmq.common.settings import (
     ReplLanguage,
     RolloutOptions,
@@ -55,7 +55,14 @@ from rlmq.producer.hosted_tools import HostedTools
 from rlmq.producer.interception import InterceptionServer
 from rlmq.producer.rollout import RolloutResult, normalize_answer
 from rlmq.producer.root import RootModel
-from rlmq.producer.root_tools import RootToolbox, ToolLike, import_path, resolve_tool, shared_tool_paths
+from rlmq.producer.root_tools import (
+    RootToolbox,
+    ToolLike,
+    hosted_sub_tool_path,
+    import_path,
+    resolve_tool,
+    shared_tool_paths,
+)
 
 __all__ = ["FROM_SETTINGS", "RLMEnv", "RolloutResult", "normalize_answer", "raise_if_cancelled"]
 
@@ -96,6 +103,9 @@ class RLMEnv:
             ``settings.tools``.
         root_tools: tools for the root REPL only (callables or dotted paths; a lambda will
             do). Default: ``settings.root_tools``.
+        hosted_sub_tools: callables for the sub-LLMs only (the reference's ``sub_tools`` as
+            callables), nested functions included: they join ``sub_tools`` and run here, in the
+            rollout's process, for every worker that does not allow-list their import path.
         settings: the base settings (Redis URL, queue, model server); default
             :func:`~rlmq.common.settings.load_settings` (the ``RLMQ_*`` and ``REDIS_URL`` variables).
         root: the root model client (a seam for tests); built from ``settings`` if ``None``.
@@ -126,6 +136,8 @@ class RLMEnv:
         max_startup_wait_seconds: float | _FromSettings = FROM_SETTINGS,
         repl_language: ReplLanguage | _FromSettings = FROM_SETTINGS,
         expose_message_history: bool | _FromSettings = FROM_SETTINGS,
+        enable_sub_llms: bool | _FromSettings = FROM_SETTINGS,
+        repl_output_format: Literal["rlmq", "reference"] | _FromSettings = FROM_SETTINGS,
         retain_filesystem_after_rollout: bool | _FromSettings = FROM_SETTINGS,
         abort_on_code_timeout: bool | _FromSettings = FROM_SETTINGS,
         root_context_tokens: int | None | _FromSettings = FROM_SETTINGS,
@@ -149,6 +161,7 @@ class RLMEnv:
         sub_llm_final_answer_turn: bool | _FromSettings = FROM_SETTINGS,
         tools: Sequence[ToolLike] | None = None,
         root_tools: Sequence[ToolLike] | None = None,
+        hosted_sub_tools: Sequence[Callable[..., Any]] = (),
         sampling_args: dict[str, Any] | _FromSettings = FROM_SETTINGS,
         sub_sampling_args: dict[str, Any] | _FromSettings = FROM_SETTINGS,
         settings: Settings | None = None,
@@ -168,10 +181,13 @@ class RLMEnv:
         base = settings if settings is not None else build_settings(overrides, label=_argument)
         shared = list(base.tools if tools is None else tools)
         root_only = list(base.root_tools if root_tools is None else root_tools)
-        paths = {
+        sub_only = [(hosted_sub_tool_path(fn), fn) for fn in hosted_sub_tools]
+        paths: dict[str, Any] = {
             "tools": shared_tool_paths(shared),
             "root_tools": [t if isinstance(t, str) else import_path(t) or repr(t) for t in root_only],  # as recorded
         }
+        if sub_only:
+            paths["sub_tools"] = [*overrides.get("sub_tools", base.sub_tools), *(p for p, _ in sub_only)]
         # The arguments over the given settings, or over the RLMQ_* variables (validated with them).
         self.settings: Settings = base.with_values({**overrides, **paths} if settings is not None else paths, _argument)
         s = self.settings
@@ -180,7 +196,7 @@ class RLMEnv:
         )
         """The root (REPL) tools: refused here when a name collides or does not resolve."""
         self.hosted = HostedTools(
-            [(path, resolve_tool(tool)) for path, tool in zip(paths["tools"], shared, strict=True)],
+            [(path, resolve_tool(tool)) for path, tool in zip(paths["tools"], shared, strict=True)] + sub_only,
             timeout=s.hosted_tool_timeout,
             max_args_bytes=s.root_tool_max_args_bytes,
         )
@@ -248,11 +264,20 @@ class RLMEnv:
     # ------------------------------------------------------------------ one rollout
 
     async def rollout(
-        self, row: DatasetRow, *, model: str, rollout_id: str | None = None, rollout_index: int | None = None
+        self,
+        row: DatasetRow,
+        *,
+        model: str,
+        rollout_id: str | None = None,
+        rollout_index: int | None = None,
+        sampling_args: dict[str, Any] | None = None,
     ) -> RolloutResult:
         """Run one rollout of ``row`` with root model ``model`` (:func:`~rlmq.producer.engine.run_rollout`
         with this environment's rollout options and connections); ``rollout_index`` (which of the
-        row's rollouts, from 0; ``None``: the row has one) goes into the result row's ``rollout``.
+        row's rollouts, from 0; ``None``: the row has one) goes into the result row's ``rollout``;
+        ``sampling_args`` (a verifiers rollout's own), when given, replace the ``sampling_args``
+        setting for this rollout, root turns and sub-LLM calls alike (the per-call cap and the
+        budget still apply).
 
         Never raises for a failure inside the rollout: it ends with ``stop_reason="error"``
         and the message in ``row.error``.
@@ -267,8 +292,11 @@ class RLMEnv:
             raise RuntimeError("RLMEnv.start() first (or use `async with`)")
         s = self.settings
         queue = s.producer_queue(s.sub_model or model)
+        options = self._options
+        if sampling_args is not None:
+            options = options.model_copy(update={"sampling_args": normalize_sampling(sampling_args, sub=False)})
         return await run_rollout(
-            self._host, row, self._options, model=model, queue=queue, rollout_id=rollout_id, rollout_index=rollout_index
+            self._host, row, options, model=model, queue=queue, rollout_id=rollout_id, rollout_index=rollout_index
         )
 
     # ------------------------------------------------------------------ many rollouts

@@ -199,6 +199,7 @@ def _as_prompts(data: Any) -> list[Any]:
 def _batch_input(args: list[str]) -> list[Any]:
     """The prompts (tasks) of ``llm_batch`` / ``rlm_batch`` from its arguments or stdin."""
     if args[:1] == ["--json"]:
+        _no_extra_args(args)
         payload = args[1] if len(args) > 1 else sys.stdin.read()
         return _as_prompts(json.loads(payload))
     if args[:1] == ["--lines"]:
@@ -213,6 +214,13 @@ def _batch_input(args: list[str]) -> list[Any]:
         raise RuntimeError("no prompts: give them as arguments, --json, --lines or on stdin")
     decoded = _decode(raw)
     return _as_prompts(decoded) if not isinstance(decoded, str) else [raw]
+
+
+def _no_extra_args(args: list[str]) -> None:
+    """``--json PAYLOAD`` takes nothing after the payload, as the reference's helper (verifiers
+    0.1.14) refuses it: a stray word is a mistake, not an argument to drop silently."""
+    if len(args) > 2:
+        raise RuntimeError(f"--json does not accept extra args: {' '.join(args[2:])}")
 
 
 def _call_of(data: Any) -> tuple[list[Any], dict[str, Any]]:
@@ -245,6 +253,7 @@ def command(argv: list[str], make: Callable[[str], Callable[..., Any]]) -> int:
             print(json.dumps(result))
             return 0
         if args[:1] == ["--json"]:
+            _no_extra_args(args)
             call_args, kwargs = _call_of(json.loads(args[1] if len(args) > 1 else sys.stdin.read()))
             result = func(*call_args, **kwargs)
         else:

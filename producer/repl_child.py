@@ -27,7 +27,8 @@ repr of a last expression, output of subprocesses) goes there, in order.
         "max_batch_prompts": int, "refuse_shared_memory": bool,
         "tools": [{"name": str, "doc": str}, ...],
         "tool_timeout": float (s), "max_tool_bytes": int,
-        "files_dir": str | null, "language": "python" | "bash"}
+        "files_dir": str | null, "language": "python" | "bash",
+        "output_format": "rlmq" | "reference", "sub_llms": bool}
 
    ``files_dir``: the context files (``context.txt`` / ``context.json`` / a copied
    ``context_dir``), copied into the working directory once the child runs as its own uid.
@@ -756,6 +757,16 @@ def _opener(unix_socket: str | None) -> urllib.request.OpenerDirector:
     return urllib.request.build_opener(*handlers)
 
 
+def _non_string_prompts(prompts: list[Any]) -> dict[int, str]:
+    """Place -> the error answer of each prompt that is not a str (verifiers 0.1.14's
+    ``llm_batch`` answers such a prompt with an error and runs the others)."""
+    return {
+        i: f"Error: llm_batch prompt at index {i} must be a string, not {type(p).__name__}"
+        for i, p in enumerate(prompts)
+        if not isinstance(p, str)
+    }
+
+
 def _make_llm_batch(
     url: str,
     token: str,
@@ -780,8 +791,11 @@ def _make_llm_batch(
             One answer string per prompt, in the order of ``prompts``. A summary of
             the batch (tokens, turns, seconds per prompt, budget) is printed.
 
+        A prompt that is not a str gets ``Error: llm_batch prompt at index i must be a
+        string, ...`` as its answer; the other prompts run.
+
         Raises:
-            TypeError: ``prompts`` is not a list of str.
+            TypeError: ``prompts`` is not a list.
             ValueError: the batch is over the limits (prompts, bytes), or a prompt is not valid
                 Unicode text (a lone surrogate); send smaller batches of text.
             RuntimeError: the batch was refused (for example the budget is spent)
@@ -789,11 +803,11 @@ def _make_llm_batch(
         """
         if not isinstance(prompts, list):
             raise TypeError(f"llm_batch(prompts) expects a list of str, got {type(prompts).__name__}")
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str):
-                raise TypeError(
-                    f"llm_batch(prompts) expects a list of str, but prompts[{i}] is {type(prompt).__name__}"
-                )
+        refused = _non_string_prompts(prompts)
+        if refused:  # those answered with an error, the rest sent, as the reference's llm_batch does
+            sent = [p for i, p in enumerate(prompts) if i not in refused]
+            answers = iter(llm_batch(sent) if sent else [])
+            return [refused[i] if i in refused else next(answers) for i in range(len(prompts))]
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
@@ -967,13 +981,17 @@ def _format_exception(exc: BaseException) -> str:
 class _CellRunner:
     """The child's side: the persistent namespace and the runner of cells in it."""
 
-    def __init__(self, namespace: dict[str, Any], out: TextIO, err: TextIO, max_answer_length: int) -> None:
+    def __init__(
+        self, namespace: dict[str, Any], out: TextIO, err: TextIO, max_answer_length: int, reference: bool = False
+    ) -> None:
         self.namespace = namespace
         self.max_answer_length = max_answer_length
         self.out = out
         self.err = err
         self.cells = 0
         self.pid = os.getpid()
+        self.reference = reference
+        """verifiers 0.1.14's output format (the ``output_format`` ``"reference"`` of the init message)."""
 
     def _register_source(self, filename: str, code: str) -> None:
         lines = code.splitlines(keepends=True)
@@ -984,22 +1002,15 @@ class _CellRunner:
         filename = f"<cell-{self.cells}>"
         self._register_source(filename, code)
         started = time.perf_counter()
-        try:
+        if self.reference:
+            self._run_reference(code, filename)
+        else:
             try:
-                tree = ast.parse(code, filename, "exec")
-            except (SyntaxError, ValueError) as exc:  # ValueError: null bytes in the source
-                raise exc.with_traceback(None) from None
-            last: ast.Expression | None = None
-            if tree.body and isinstance(tree.body[-1], ast.Expr):
-                last = ast.Expression(tree.body[-1].value)
-                tree.body.pop()
-            exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
-            if last is not None:
-                value = eval(compile(last, filename, "eval"), self.namespace)  # noqa: S307
+                value = self._exec(code, filename)
                 if value is not None:
                     self._write(self.out, repr(value) + "\n")
-        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
-            self._write(self.err, _format_exception(exc))
+            except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+                self._write(self.err, _format_exception(exc))
         if os.getpid() != self.pid:
             os._exit(0)  # a process the cell forked came back here: it must not answer nor read commands
         seconds = time.perf_counter() - started
@@ -1011,6 +1022,43 @@ class _CellRunner:
             "answer_content": content,
             "seconds": seconds,
         }
+
+    def _exec(self, code: str, filename: str) -> Any:
+        """Run ``code``; the value of its last statement when that is an expression, else ``None``."""
+        try:
+            tree = ast.parse(code, filename, "exec")
+        except (SyntaxError, ValueError) as exc:  # ValueError: null bytes in the source
+            raise exc.with_traceback(None) from None
+        last: ast.Expression | None = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body[-1].value)
+            tree.body.pop()
+        exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
+        if last is None:
+            return None
+        return eval(compile(last, filename, "eval"), self.namespace)  # noqa: S307
+
+    def _run_reference(self, code: str, filename: str) -> None:
+        """Run a cell with verifiers 0.1.14's output: what it printed, then what it wrote to
+        ``sys.stderr`` after a ``stderr:`` line, then ``Out[n]: repr`` of its last expression
+        or its traceback. (What subprocesses write to the file descriptors stays in place.)"""
+        saved, caught = sys.stderr, io.StringIO()
+        sys.stderr = caught
+        tail = ""
+        try:
+            value = self._exec(code, filename)
+            if value is not None:
+                tail = f"Out[{self.cells}]: {value!r}\n"
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+            tail = _format_exception(exc)
+        finally:
+            sys.stderr = saved
+        self._flush()
+        stderr = caught.getvalue().rstrip()
+        if stderr:
+            self._write(self.out, f"stderr:\n{stderr}\n")
+        if tail:
+            self._write(self.out, tail)
 
     def _write(self, stream: TextIO, text: str) -> None:
         try:
@@ -1186,7 +1234,8 @@ def _probe_helper(env: dict[str, str]) -> str | None:
 
 def _bash_runner(bash: Any, init: dict[str, Any], unix_socket: str | None, err: TextIO, max_answer: int) -> Any:
     """The bash cell runner (``repl_bash.BashRunner``), its commands reaching the rollout's endpoint."""
-    names = ["llm_batch", "rlm_batch", *(str(t["name"]) for t in init.get("tools") or [])]
+    batches = ["llm_batch", "rlm_batch"] if init.get("sub_llms") is not False else []
+    names = [*batches, *(str(t["name"]) for t in init.get("tools") or [])]
     env = {**os.environ, **_helper_env(init, unix_socket)}
     return bash.BashRunner(os.getcwd(), env, names, max_answer, lambda text: runner_note(err, text))
 
@@ -1310,9 +1359,12 @@ def main(argv: list[str]) -> int:
             paths["unix_socket"],
             int(init.get("max_tool_bytes") or 1024 * 1024),
         )
+    if init.get("sub_llms") is False:  # enable_sub_llms off: no sub-LLMs to call
+        del main_module.__dict__["llm_batch"], main_module.__dict__["rlm_batch"]
     sys.modules["__main__"] = main_module
     max_answer = int(init.get("max_answer_length", 1_000_000))
-    runner = _CellRunner(main_module.__dict__, out, err, max_answer) if bash is None else None
+    reference = init.get("output_format") == "reference"
+    runner = _CellRunner(main_module.__dict__, out, err, max_answer, reference) if bash is None else None
     runner = runner or _bash_runner(bash, init, paths["unix_socket"], err, max_answer)
     home = os.getcwd()  # the working directory the context files are in: `.messages` goes here too
     del init, context

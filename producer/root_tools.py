@@ -81,6 +81,19 @@ def import_path(fn: Callable[..., Any]) -> str | None:
         return None
 
 
+def hosted_sub_tool_path(fn: Callable[..., Any]) -> str:
+    """The path a sub-LLM-only tool travels under when the rollout's process runs it (a hosted
+    tool): its import path when it has one (a worker that allow-lists it runs it itself), else
+    ``module:qualname`` with ``<locals>`` spelled ``locals`` (a nested function: no worker can
+    import that path, so every call comes back to the rollout's process)."""
+    path = import_path(fn)
+    if path is not None:
+        return path
+    module = getattr(fn, "__module__", None) or "__main__"
+    qualname = str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or "tool")
+    return f"{module}:{qualname.replace('<locals>', 'locals').replace('<lambda>', 'lambda')}"
+
+
 def _no_import_path(tool: Any) -> str:
     return (
         f"tool {getattr(tool, '__name__', tool)!r} has no import path (a lambda or a nested function), "
@@ -265,7 +278,9 @@ class RootToolbox:
         for tool in tools:
             described = RootTool.of(resolve_tool(tool))
             if described.name in self.tools:
-                raise ConfigError(f"two tools are named {described.name!r}; each must be a REPL global of its own")
+                raise ConfigError(
+                    f"tool name collision: two tools are named {described.name!r}; each must be its own REPL global"
+                )
             self.tools[described.name] = described
         self.timeout = timeout
         self.max_result_bytes = max_result_bytes

@@ -7,6 +7,8 @@ the long input is never in the prompt, only described; the model reads it from c
 
 from __future__ import annotations
 
+import inspect
+import pkgutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +83,8 @@ def root_system_prompt(
     files: str | None = None,
     language: str = "python",
     message_history: bool = False,
+    sub_tools: Sequence[str] = (),
+    sub_llms: bool = True,
 ) -> str:
     """The root model's system message.
 
@@ -99,6 +103,10 @@ def root_system_prompt(
         files: what the REPL's working directory holds (:func:`files_text`), or ``None``.
         language: ``"python"`` or ``"bash"`` (:func:`bash_parts` then says how the bash REPL works).
         message_history: the REPL's working directory has ``.messages`` (``expose_message_history``).
+        sub_tools: one line per sub-LLM tool (:func:`sub_tool_lines`): the root is told what the
+            sub-LLMs of ``llm_batch`` can call, as verifiers 0.1.14's ``RLMEnv`` tells it.
+        sub_llms: ``False`` (``enable_sub_llms``): nothing is said of sub-LLMs, ``llm_batch``,
+            ``rlm_batch``, their tools or their budget.
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
@@ -117,6 +125,9 @@ def root_system_prompt(
             "cell; that ends the task.",
         ]
     )
+    if not sub_llms:
+        parts = [p for p in parts if "llm_batch" not in p]
+        max_depth, sub_tools, budget = 1, (), None
     if message_history:
         how = "cat .messages" if language == "bash" else '[json.loads(line) for line in open(".messages")]'
         parts.append(
@@ -135,6 +146,12 @@ def root_system_prompt(
             "are JSON values; a failure raises RuntimeError with its message):\n"
         )
         parts.append(how + "\n".join(f"- {line}" for line in tools))
+    if sub_tools:
+        parts.append(
+            "llm_batch tools: the sub-LLMs that `llm_batch` calls can use these tools themselves (you cannot "
+            "call them from the REPL; ask for them in your prompts when they help):\n"
+            + "\n".join(f"- {line}" for line in sub_tools)
+        )
     if budget is not None:
         parts.append(
             f"Sub-LLM calls share a budget of {budget:,} completion tokens for this task. Each `llm_batch` "
@@ -153,8 +170,13 @@ def root_system_prompt(
         turns = f"You have at most {max_turns} turns." if max_turns > 0 else "You have no turn limit, but a time limit."
         parts.append(
             f"Output of a cell is cut to {max_output_length:,} characters, so print summaries, not the whole "
-            f"context. {turns} Up to {parallelism} sub-LLM calls run at once; "
-            f"each may take up to {sub_llm_max_turns} turns of its own."
+            f"context. {turns}"
+            + (
+                f" Up to {parallelism} sub-LLM calls run at once; each may take up to {sub_llm_max_turns} turns "
+                "of its own."
+                if sub_llms
+                else ""
+            )
         )
     if verbosity == "heavy":
         parts.append(
@@ -163,7 +185,27 @@ def root_system_prompt(
             "answers in code (for example by majority) before setting `answer`. Errors from sub-LLM calls "
             "come back as strings starting with `[error]` or `[rejected]`."
         )
+    if not sub_llms:
+        parts = [p for p in parts if "llm_batch" not in p and "sub-LLM" not in p]
     return "\n\n".join(parts)
+
+
+def sub_tool_lines(paths: Sequence[str]) -> list[str]:
+    """One line per sub-LLM tool (a ``pkg.mod:func`` / ``pkg.mod.func`` path): its signature and
+    the first line of its docstring when the producer can import it, else its name (the workers
+    import it; the producer need not be able to)."""
+    lines: list[str] = []
+    for path in paths:
+        name = path.replace(":", ".").rsplit(".", 1)[-1]
+        try:
+            func = pkgutil.resolve_name(path.strip())
+            signature = f"{name}{inspect.signature(func)}"
+            doc = (inspect.getdoc(func) or "").strip().splitlines()
+        except Exception:  # noqa: BLE001 - not importable here (or no signature): the name is enough
+            lines.append(f"{name}(...)")
+            continue
+        lines.append(f"{signature}: {doc[0]}" if doc else signature)
+    return lines
 
 
 def bash_parts(files: str | None) -> list[str]:

@@ -122,6 +122,10 @@ class Repl:
             REPL finds them as they were at first. ``None``: an empty working directory.
         language: ``"python"`` (cells are Python) or ``"bash"`` (cells are bash, as the
             verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_bash.py``).
+        output_format: ``"rlmq"`` or ``"reference"`` (verifiers 0.1.14's ``RLMEnv``: a Python
+            cell's Python-level stderr after a ``stderr:`` line, its last expression as
+            ``Out[n]: repr``; a cell of either language with no output reads ``(no output)``).
+        sub_llms: ``False``: the REPL has no ``llm_batch`` nor ``rlm_batch`` (``enable_sub_llms``).
 
     Raises:
         TypeError: ``context`` is not JSON-serializable.
@@ -158,6 +162,8 @@ class Repl:
         cgroup: bool | str = True,
         files: ContextFiles | None = None,
         language: str = "python",
+        output_format: str = "rlmq",
+        sub_llms: bool = True,
     ) -> None:
         if max_output_length < 0 or max_answer_length < 0:
             raise ValueError("max_output_length and max_answer_length must be >= 0")
@@ -183,6 +189,8 @@ class Repl:
         self._token = token
         self.max_output_length = max_output_length
         self.max_answer_length = max_answer_length
+        self.output_format = output_format
+        self.sub_llms = sub_llms
         self._max_message_bytes = 6 * max_answer_length + _MESSAGE_SLACK
         self.code_execution_timeout = code_execution_timeout
         self.max_startup_wait_seconds = max_startup_wait_seconds
@@ -396,6 +404,8 @@ class Repl:
                 child.drain_output()
                 text, dropped = child.output.take()
                 output = with_marker(text, dropped)
+                if not output and self.output_format == "reference":
+                    output = "(no output)"
                 content = reply.get("answer_content", "")
                 content = content if isinstance(content, str) else ""
                 if len(content) > self.max_answer_length:  # the child's own cut was bypassed
@@ -528,6 +538,8 @@ class Repl:
             "context_path": context_path,
             "files_dir": self._files_dir() if self._files is not None else None,
             "language": self.language,
+            "output_format": self.output_format,
+            "sub_llms": self.sub_llms,
             "sys_path": [self._site_packages()] if self._pip_packages else [],
             "cpu_seconds": self._cpu_seconds,
             "memory_bytes": self._memory_bytes,

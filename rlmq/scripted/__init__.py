@@ -64,6 +64,9 @@ Directives, read from the FIRST user message (which carries the question):
 * ``[[mock:root-code:<base64>]]`` (alias ``root-code-1``): turn 1 runs exactly this code.
 * ``[[mock:root-code-<k>:<base64>]]``: turn ``k`` (k >= 2) runs this code; a later turn
   without code gets plain text. Build them with :func:`root_code_directive`.
+* ``[[mock:root-call-<k>:<name>:<base64 JSON>]]``: turn ``k`` calls the function tool
+  ``<name>`` with these arguments instead of the REPL (``summarize_turns`` of verifiers 0.1.14's
+  ``RLMEnv``, say). Build them with :func:`~rlmq.scripted.markers.root_call_directive`.
 * ``[[mock:no-tool]]``: every reply is plain text, no tool call.
 * ``[[mock:context-tokens:<n>]]``: a context window of ``n`` tokens (words): a request whose
   prompt tokens (counted as below) pass ``n`` is answered with HTTP 400 and vLLM's message

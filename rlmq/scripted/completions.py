@@ -23,6 +23,7 @@ from rlmq.scripted.markers import (
     NO_TOOL_REPLY,
     ROOT_FOLLOW_UP,
     ROOT_TOOL_NAME,
+    _root_calls,
     _root_codes,
 )
 from rlmq.scripted.recursion import is_needle_prompt, needle_answer, recursion_of, split_parts, split_root_code
@@ -219,6 +220,9 @@ def _root_reply(messages: Sequence[dict[str, Any]], tool: str = ROOT_TOOL_NAME) 
     if "[[mock:" in first_user:
         if "[[mock:no-tool]]" in first_user:
             return _Reply(content=NO_TOOL_REPLY)
+        call = _root_calls(first_user).get(turn)
+        if call is not None:
+            return _Reply(tool_calls=[call])
         code = _root_codes(first_user).get(turn)
         if code is not None:
             return _Reply(tool_calls=[(tool, json.dumps({"code": code}))])

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 MODEL_FINGERPRINT = "rlmq-scripted-model"
 """``system_fingerprint`` of every completion, and the first name in ``GET /v1/models``."""
@@ -27,6 +29,7 @@ LISTEN_LINE = "rlmq scripted model (test double) listening on {url}"
 
 _DIRECTIVE_RE = re.compile(r"\[\[mock:.*?\]\]", re.DOTALL)
 _ROOT_CODE_RE = re.compile(r"\[\[mock:root-code(?:-(\d+))?:([A-Za-z0-9+/=_\-\s]*)\]\]")
+_ROOT_CALL_RE = re.compile(r"\[\[mock:root-call-(\d+):([A-Za-z_][A-Za-z0-9_]*):([A-Za-z0-9+/=_\-\s]*)\]\]")
 _ROOT_TOOL_RE = re.compile(r"\[\[mock:root-tool:([A-Za-z_][A-Za-z0-9_]*)\]\]")
 _TOOL_RE = re.compile(r"\[\[mock:tool:([^:\]\s]+):(.*?)\]\]", re.DOTALL)
 _STATUS_RE = re.compile(r"\[\[mock:status:(\d{3})(?::retry-after=(\d+(?:\.\d+)?))?\]\]")
@@ -104,6 +107,21 @@ def _decode_b64(data: str) -> str:
         return base64.b64decode(data, validate=True).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError) as exc:
         raise ValueError(f"bad base64 in root-code directive: {exc}") from exc
+
+
+def root_call_directive(name: str, arguments: dict[str, Any], turn: int) -> str:
+    """The directive that makes root turn ``turn`` (1-based: one plus the assistant messages of
+    the prompt it is sent) call the function tool ``name`` with ``arguments`` instead of the REPL.
+
+    Put it in the question (the first user message) of a rollout.
+    """
+    encoded = base64.b64encode(json.dumps(arguments).encode("utf-8")).decode("ascii")
+    return f"[[mock:root-call-{turn}:{name}:{encoded}]]"
+
+
+def _root_calls(first_user: str) -> dict[int, tuple[str, str]]:
+    """Turn -> (tool name, JSON arguments) of the ``root-call`` directives in ``first_user``."""
+    return {int(m.group(1)): (m.group(2), _decode_b64(m.group(3))) for m in _ROOT_CALL_RE.finditer(first_user)}
 
 
 def _root_codes(first_user: str) -> dict[int, str]:

@@ -9,5 +9,24 @@ verifiers 0.1.14, which cannot share an environment with the verifiers 0.4 of ``
 from __future__ import annotations
 
 from rlmq.verifiers_legacy.env import SANDBOX_ARGUMENTS, RLMEnv
+from rlmq.verifiers_legacy.errors import (
+    RLMCodeExecutionTimeout,
+    RLMSandboxCommandTimeout,
+    RLMSessionError,
+    RLMSetupError,
+    RLMWorkerError,
+    RLMWorkerRecoveryError,
+    SubLLMEmptyModelResponseError,
+)
 
-__all__ = ["RLMEnv", "SANDBOX_ARGUMENTS"]
+__all__ = [
+    "SANDBOX_ARGUMENTS",
+    "RLMCodeExecutionTimeout",
+    "RLMEnv",
+    "RLMSandboxCommandTimeout",
+    "RLMSessionError",
+    "RLMSetupError",
+    "RLMWorkerError",
+    "RLMWorkerRecoveryError",
+    "SubLLMEmptyModelResponseError",
+]

@@ -16,6 +16,8 @@ from typing import Any
 import verifiers as vf
 from verifiers.utils.message_utils import normalize_messages
 
+from rlmq.verifiers_legacy.errors import RLMCodeExecutionTimeout
+
 __all__ = ["REFERENCE_METRICS", "STOP_CONDITIONS", "LegacyMonitorRubric", "fill_state"]
 
 STOP_CONDITIONS: dict[str, str] = {
@@ -78,15 +80,21 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
         state[key] = value
     state["final_answer"] = _final_answer(row, result)
     state["rollout_id"] = state["trajectory_id"]
-    state["raw_prompt"] = state["prompt"]
+    state.setdefault("raw_prompt", state["prompt"])
     if first_prompt is not None:
         state["prompt"] = first_prompt
         messages = normalize_messages(list(result.messages), field_name="rlmq messages")
         state["completion"] = messages[len(first_prompt) :]
     else:
         state["completion"] = []
-    if stop == "has_error":
+    if row.stop_reason == "code_timeout":  # the reference's rollout ends with this error here
+        state["error"] = RLMCodeExecutionTimeout(row.error or "a cell ran past code_execution_timeout")
+    elif stop == "has_error":
         state["error"] = vf.Error(row.error or f"rlmq rollout ended with {row.stop_reason}")
+    if row.stop_reason == "budget_spent" and (
+        state.get("root_budget_stopped") or state.get("max_turns_in_context_stopped")
+    ):
+        stop = "has_final_env_response"  # the reference's env_response ends the rollout on these
     state["stop_condition"] = stop
     state["is_completed"] = True
     state["rlmq"] = {

@@ -100,6 +100,9 @@ TESTED_ELSEWHERE = {
     "--token-ids-api": "tests/e2e/test_token_servers_e2e.py (rlmq run --token-ids-api sglang: root turns as served)",
     "--weight-versions": "tests/e2e/test_token_servers_e2e.py (spans on every turn, into the samples)",
     "--no-weight-versions": "the default: tests/unit/test_token_servers.py (nothing asked or carried)",
+    "--enable-sub-llms": "the default: every rollout of these tests has sub-LLMs",
+    "--no-enable-sub-llms": "tests/legacy/test_reference_behaviours.py (the same setting through the legacy RLMEnv)",
+    "--repl-output-format": "tests/legacy/test_reference_behaviours.py (the same setting through the legacy RLMEnv)",
 }
 
 

@@ -44,14 +44,15 @@ def _stamp() -> str:
 
 def build_steps(venv: Path) -> dict[str, list[str]]:
     """The commands that build the venv at ``venv``: ``python -m venv``, then ``pip install -e
-    '.[verifiers-legacy]'`` without compiling every module up front (``--no-compile``: Python
+    '.[verifiers-legacy]' pytest pytest-asyncio`` without compiling every module up front (``--no-compile``: Python
     compiles what the tests import when they import it; measured 258-508 s with, 101 s without,
     on two busy cores)."""
     base = getattr(sys, "_base_executable", sys.executable)
     python = str(venv / "bin" / "python")
+    packages = [f"{ROOT}[verifiers-legacy]", "pytest", "pytest-asyncio"]  # pytest: the reference's test file
     return {
         "venv": [base, "-m", "venv", str(venv)],
-        "pip_install": [python, "-m", "pip", "install", "-q", "--no-compile", "-e", f"{ROOT}[verifiers-legacy]"],
+        "pip_install": [python, "-m", "pip", "install", "-q", "--no-compile", "-e", *packages],
     }
 
 

@@ -14,8 +14,9 @@ from tests.legacy.conftest import BUILD_TIMEOUT, ROOT, legacy_env
 
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)  # the first test may build the venv
 
-OF_966 = {"sub_llm_max_completion_tokens": "None", "expose_message_history": "False"}
-"""#966's arguments that 0.1.14 renamed or dropped, with #966's defaults."""
+OF_966 = {"sub_llm_max_completion_tokens": "None", "expose_message_history": "True"}
+"""#966's arguments that 0.1.14 renamed or dropped, with their defaults here (``expose_message_history``:
+``True``, since 0.1.14 always wrote ``.messages``; #966's default was ``False``)."""
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +62,11 @@ def test_max_turns_in_context_caps_the_turns_even_without_a_turn_limit(facts: di
 def test_values_rlmq_cannot_honour_are_refused_in_one_line(facts: dict[str, Any]) -> None:
     refused = facts["refused"]
     assert refused["same_budgets"] == "accepted"
-    assert refused["both_budgets"].startswith("ConfigError: RLMEnv: sub_max_completion_tokens=5 and")
-    assert refused["no_sub_llms"].startswith("ConfigError: RLMEnv(enable_sub_llms=False) is not supported")
-    assert refused["summarization"].startswith("ConfigError: RLMEnv(enable_summarization=True) is not supported")
+    assert refused["both_budgets"].startswith("ArgumentError: RLMEnv: sub_max_completion_tokens=5 and")
+    assert refused["no_sub_llms"] == "accepted", refused["no_sub_llms"]
+    assert refused["summarization"] == "accepted", refused["summarization"]
     assert "RLMEnv argument max_sub_llm_parallelism" in refused["bad_parallelism"]
-    assert refused["lambda_sub_tool"].startswith("ConfigError: RLMEnv(sub_tools=[<function")
+    assert refused["lambda_sub_tool"].startswith("ArgumentError: RLMEnv(sub_tools=[<function")  # no name to call
     assert refused["no_redis"].startswith("ConfigError: RLMEnv: no Redis for the sub-LLM fleet: set REDIS_URL")
     assert refused["bash"] == "accepted", refused["bash"]  # rlmq has the bash REPL and .messages
     assert refused["message_history"] == "accepted", refused["message_history"]

@@ -18,7 +18,7 @@ from datasets import Dataset
 from rlmq.verifiers_legacy import RLMEnv  # the reference: from verifiers.envs.experimental.rlm_env import RLMEnv
 
 
-def _rows(rows_path: str, num_examples: int) -> Dataset:
+def _rows(rows_path: str, num_examples: int, no_context: bool = False) -> Dataset:
     with open(rows_path, encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     if num_examples > 0:
@@ -28,7 +28,7 @@ def _rows(rows_path: str, num_examples: int) -> Dataset:
             {
                 "question": row["question"],
                 "answer": row["answer"],
-                "info": {"context": row["context"], "row_id": row["id"]},
+                "info": {"row_id": row["id"]} if no_context else {"context": row["context"], "row_id": row["id"]},
             }
             for row in rows
         ]
@@ -46,6 +46,20 @@ async def answered(state: vf.State, **_: Any) -> float:
     return 1.0 if (state.get("final_answer") or "").strip() else 0.0
 
 
+class HookedRLMEnv(RLMEnv):
+    """A subclass as public environments write them: it overrides hooks and calls ``super()``;
+    each call is counted in ``state["hook_calls"]``."""
+
+    async def setup_state(self, state: vf.State, **kwargs: Any) -> None:
+        await super().setup_state(state, **kwargs)
+        calls = state.setdefault("hook_calls", {"setup_state": 0, "add_model_response": 0})
+        calls["setup_state"] += 1
+
+    async def add_model_response(self, state: vf.State, prompt_messages: Any, response: Any) -> None:
+        await super().add_model_response(state, prompt_messages, response)
+        state["hook_calls"]["add_model_response"] += 1
+
+
 def load_environment(
     rows_path: str,
     num_examples: int = -1,
@@ -53,11 +67,23 @@ def load_environment(
     max_turns: int = 10,
     sub_max_completion_tokens: int | None = None,
     code_execution_timeout: int = 120,
+    subclass: bool = False,
+    closure_sub_tool: bool = False,
+    no_context: bool = False,
     **kwargs: Any,
 ) -> vf.Environment:
-    dataset = _rows(rows_path, num_examples)
+    dataset = _rows(rows_path, num_examples, no_context)
     rubric = vf.Rubric(funcs=[exact_passphrase, answered], weights=[1.0, 0.0])
-    return RLMEnv(
+    cls = HookedRLMEnv if subclass else RLMEnv
+    if closure_sub_tool:
+        offset = len(dataset)  # a value of this call: the tool is a closure, as authors write them
+
+        def add(x: int, y: int) -> int:
+            """Add two numbers (and the rows' count, minus itself)."""
+            return x + y + offset - len(dataset)
+
+        kwargs["sub_tools"] = [add]
+    return cls(
         dataset=dataset,
         rubric=rubric,
         repl_language=repl_language,
