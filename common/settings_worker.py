@@ -95,6 +95,13 @@ class WorkerOptions(BaseModel):
         "root with namespaces) or --allow-uncontained-repl",
         json_schema_extra=meta(group="common", unit="child rollouts per depth"),
     )
+    turn_token_max_ids: int = Field(
+        default=262_144,
+        ge=1,
+        description="token ids (prompt + completion) one model turn's record carries off a worker; a reply with "
+        "more is untrainable (too_many_ids), its ids dropped before they reach Redis, its answer kept",
+        json_schema_extra=meta(group="repl", unit="token ids"),
+    )
     frozen_fleet: bool = Field(default=False, description="this worker's server is not the trained policy: its "
         "turns are untrainable (frozen_fleet)", json_schema_extra=meta(group="common", flag="--frozen"))  # fmt: skip
     allow_uncontained_repl: bool = Field(

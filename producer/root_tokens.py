@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmq.common.token_wire import served_tokens, token_request_fields
+from rlmq.common.settings import setting_default
+from rlmq.common.token_wire import completion_id_count, served_tokens, token_request_fields, validate_served
 from rlmq.producer.rollout import Rollout
 
-__all__ = ["ask_for_tokens", "root_turn_tokens"]
+__all__ = ["ask_for_tokens", "root_turn_tokens", "served_completion_ids"]
+
+ROOT_TURN_MAX_IDS: int = setting_default("turn_token_max_ids")
+"""Most token ids one root turn's record keeps (the workers' default bound, ``turn_token_max_ids``)."""
 
 _NOT_SAMPLING = frozenset({"model", "messages", "tools", "extra_body"})
 
@@ -54,5 +58,20 @@ def root_turn_tokens(
     sampling = {k: v for k, v in kwargs.items() if k not in _NOT_SAMPLING}
     extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in token_request_fields()}
     served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(_body(resp), usage)
+    cap = kwargs.get("max_tokens", kwargs.get("max_completion_tokens"))
+    cap = cap if isinstance(cap, int) and not isinstance(cap, bool) else None
+    served, reason = validate_served(served, reason, max_tokens=cap, max_ids=ROOT_TURN_MAX_IDS)
     record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, {**extra, **sampling})
     return rollout.token_cap.admit(record).model_dump()
+
+
+def served_completion_ids(resp: Any) -> int:
+    """How many completion ids a root reply ``resp`` carried (``choices[0].token_ids``; 0 when none):
+    the least its turn is charged, whatever its ``usage`` says."""
+    choices = resp.get("choices") if isinstance(resp, dict) else getattr(resp, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        return 0
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        choice = {"token_ids": getattr(choice, "token_ids", None)}
+    return completion_id_count({"choices": [choice]}) or 0

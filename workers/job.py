@@ -71,6 +71,7 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
                 worker_name=f"rq:{job.worker_name or ''}",
                 frozen=settings.frozen_fleet,
                 redis=redis,
+                turn_token_max_ids=settings.turn_token_max_ids,
             )
             result = await _run(request, ctx, job_id=job.id, started_at=started)
             async with redis.pipeline(transaction=False) as pipe:

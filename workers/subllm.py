@@ -57,7 +57,8 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
-from rlmq.common.token_wire import TurnEncoder, TurnTokens
+from rlmq.common.settings import setting_default
+from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
 from rlmq.common.tool_registry import canonical_tool_path
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
 from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
@@ -85,6 +86,8 @@ class SubLLMContext:
             its turns are marked untrainable (``frozen_fleet``) and no token is asked for.
         redis: the client a hosted tool's call travels on (``None``: hosted tools are refused as
             tools not allowed on this worker).
+        turn_token_max_ids: most token ids (prompt + completion) one turn's record carries off this
+            worker (``turn_token_max_ids``); past it the turn is untrainable (``too_many_ids``).
     """
 
     client: ChatClient
@@ -95,6 +98,7 @@ class SubLLMContext:
     tool_timeout: float = 30.0
     frozen: bool = False
     redis: Redis | None = None
+    turn_token_max_ids: int | None = setting_default("turn_token_max_ids")
 
 
 FINAL_ANSWER_PROMPT = (
@@ -155,6 +159,7 @@ class _Run:
         self.granted_tokens = 0
         self.released_tokens = 0
         self.overrun_tokens = 0
+        self.underreported_tokens = 0
         self.waits = 0
         self.wait_seconds = 0.0
         self.truncated = False
@@ -243,6 +248,7 @@ class _Run:
                 self.overrun_tokens += response.completion_tokens - max_tokens  # charged, and recorded
             if grant is not None:
                 used = response.completion_tokens if response.usage_reported else grant.tokens
+                used = max(used, response.completion_ids or 0)  # never below the ids it served
                 final = not response.tool_calls or turn == last_turn
                 if final and self.settle_out is not None:
                     # The last settlement rides with the worker's FINISH round trip; until then
@@ -384,6 +390,7 @@ class _Run:
             raise
         self.prompt_tokens += response.prompt_tokens
         self.completion_tokens += response.completion_tokens
+        self.underreported_tokens += response.underreported
         if request.include_tokens:
             self._record_tokens(turn, response, max_tokens, tools)
         return response
@@ -401,6 +408,7 @@ class _Run:
             sampling["tools"] = sorted(t["function"]["name"] for t in tools)
         reason = "frozen_fleet" if self.ctx.frozen else response.untrainable
         served = None if self.ctx.frozen else response.served
+        served, reason = validate_served(served, reason, max_tokens=max_tokens, max_ids=self.ctx.turn_token_max_ids)
         self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling))
 
     def _offered_tools(self) -> tuple[list[dict[str, Any]], set[str]]:
@@ -544,6 +552,7 @@ async def run_sub_llm(
         granted_tokens=run.granted_tokens,
         released_tokens=run.released_tokens,
         overrun_tokens=run.overrun_tokens,
+        underreported_tokens=run.underreported_tokens,
         budget_waits=run.waits,
         budget_wait_seconds=round(run.wait_seconds, 4),
         truncated=run.truncated,

@@ -239,6 +239,7 @@ class SubLLMWorker:
             worker_name=self.name,
             frozen=s.frozen_fleet,
             redis=self.redis,
+            turn_token_max_ids=s.turn_token_max_ids,
         )
         rq_worker = self.upkeep.register_birth()
         loop = asyncio.get_running_loop()

@@ -181,6 +181,16 @@ async def _answer(
 
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
+    result: dict[str, Any] = {
+        "id": f"chatcmpl-scripted-{next(state.ids)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": MODEL_FINGERPRINT,
+        "choices": [{"index": 0, **choice, "logprobs": None}],
+    }
+    role = "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub"
+    completion_tokens = served_fields(state.served, body, result, messages, role) or completion_tokens
     if "[[mock:t" in first_user:  # paced like a real server, and counted per tag
         await asyncio.sleep(decode_seconds(first_user, completion_tokens))  # decoding time
         tag = tag_of(first_user)
@@ -191,21 +201,13 @@ async def _answer(
     for counts in counted:
         counts.completions += 1
         counts.prompt_tokens += prompt_tokens
-        counts.completion_tokens += completion_tokens
-    result: dict[str, Any] = {
-        "id": f"chatcmpl-scripted-{next(state.ids)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": MODEL_FINGERPRINT,
-        "choices": [{"index": 0, **choice, "logprobs": None}],
-    }
-    served_fields(state.served, body, result, messages, "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub")
+        counts.completion_tokens += completion_tokens  # what it served, whatever its usage says
     if not no_usage:
+        reported = completion_tokens // 4 if "[[mock:usage-quarter]]" in first_user else completion_tokens
         result["usage"] = {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": reported,
+            "total_tokens": prompt_tokens + reported,
         }
     return web.Response(body=json.dumps(result).encode(), content_type=_JSON)
 

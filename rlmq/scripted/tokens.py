@@ -10,7 +10,13 @@ float32-exact, distinct per reply). Directives in a user message change that:
 * ``[[mock:token-ids:mismatch]]``: one logprob fewer than completion ids;
 * ``[[mock:token-ids:usage]]``: one completion id more than ``usage.completion_tokens``;
 * ``[[mock:token-ids:sglang]]``: SGLang's shape: ``prompt_token_ids`` on ``choices[0]``, not at
-  the top of the reply.
+  the top of the reply;
+* ``[[mock:token-ids:nan]]``, ``[[mock:token-ids:inf]]``, ``[[mock:token-ids:-inf]]``,
+  ``[[mock:token-ids:positive]]``: a lying server: its last logprob is ``NaN``, ``+inf``,
+  ``-inf`` or ``0.5`` (the JSON body then holds ``NaN`` / ``Infinity`` as Python writes them);
+* ``[[mock:token-ids:flood-<n>]]``: a flooding server: ``n`` completion ids (and logprobs), its
+  ``usage`` saying ``n`` too, whatever ``max_tokens`` was (the served count :func:`served_fields`
+  returns).
 
 Every reply that carried the fields is recorded (:class:`ServedLog`, ``GET /served``): its
 ``id``, ``user``, role and the three lists, so a test compares what a trajectory holds with what
@@ -20,6 +26,7 @@ was served, element by element.
 from __future__ import annotations
 
 import collections
+import math
 import re
 import struct
 import zlib
@@ -27,7 +34,8 @@ from typing import Any
 
 __all__ = ["ServedLog", "served_fields", "word_id"]
 
-_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang)\]\]")
+_MODE_RE = re.compile(r"\[\[mock:token-ids:(none|mismatch|usage|sglang|nan|inf|-inf|positive|flood-\d{1,8})\]\]")
+_LIES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "positive": 0.5}
 SERVED_KEPT = 200_000
 """Served replies :class:`ServedLog` keeps (newest last)."""
 
@@ -68,16 +76,19 @@ class ServedLog:
 
 def served_fields(
     log: ServedLog, body: dict[str, Any], result: dict[str, Any], messages: list[dict[str, Any]], role: str
-) -> None:
+) -> int | None:
     """Add vLLM's token fields to ``result`` (a chat completion about to be sent) when ``body`` asked,
-    as the directives in the user messages say, and record what was served in ``log``."""
+    as the directives in the user messages say, and record what was served in ``log``. Returns the
+    completion ids served when a flood directive made them more than the reply's text, else ``None``."""
     if body.get("return_token_ids") is not True:
-        return
+        return None
     users = " ".join(_content(m) for m in messages if m.get("role") == "user")
     match = _MODE_RE.search(users)
     mode = match.group(1) if match else "vllm"
     if mode == "none":
-        return
+        return None
+    if mode.startswith("flood-"):
+        return _flood(log, result, messages, body.get("user"), int(mode.removeprefix("flood-")))
     choice = result["choices"][0]
     message = choice["message"]
     prompt = [i for m in messages for i in _ids(_content(m))]
@@ -92,6 +103,8 @@ def served_fields(
         logprobs = [*logprobs, -0.5]
     if mode == "mismatch" and logprobs:
         logprobs = logprobs[:-1]
+    if mode in _LIES and logprobs:
+        logprobs[-1] = _LIES[mode]
     (choice if mode == "sglang" else result)["prompt_token_ids"] = prompt
     choice["token_ids"] = completion
     choice["logprobs"] = {
@@ -101,3 +114,15 @@ def served_fields(
         "id": result["id"], "user": body.get("user"), "role": role, "prompt_token_ids": prompt,
         "completion_token_ids": completion, "completion_logprobs": logprobs,
     })  # fmt: skip
+    return None
+
+
+def _flood(log: ServedLog, result: dict[str, Any], messages: list[dict[str, Any]], user: Any, n: int) -> int:
+    """``n`` completion ids and logprobs in ``result`` (compact items); logged without its lists."""
+    choice = result["choices"][0]
+    result["prompt_token_ids"] = [i for m in messages for i in _ids(_content(m))]
+    choice["token_ids"] = [100 + i % 150_000 for i in range(n)]
+    choice["logprobs"] = {"content": [{"logprob": -0.5}] * n}
+    log.serial += 1
+    log.items.append({"id": result["id"], "user": user, "role": "sub", "flood": n})
+    return n
