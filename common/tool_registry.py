@@ -28,8 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from rlmq.common.aio import OverrunThreads
 from rlmq.common.errors import ConfigError, PayloadError
+from rlmq.common.settings import setting_default
 
-__all__ = ["MAX_OVERRUN_THREADS", "ToolRegistry", "canonical_tool_path"]
+__all__ = ["MAX_OUTPUT_CHARS", "MAX_OVERRUN_THREADS", "ToolRegistry", "canonical_tool_path", "cut_text"]
+
+MAX_OUTPUT_CHARS: int = setting_default("sub_tool_max_result_chars")
+"""Characters of a tool call's answer (result or error) a registry keeps by default."""
 
 MAX_OVERRUN_THREADS = 16
 """Threads of a registry's sync tools that may run on after their calls gave up (a timeout or a
@@ -184,6 +188,14 @@ async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any], threads: Ov
         raise _ToolExit(exc) from None
 
 
+def cut_text(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with a marker saying how many were cut (``sub_tool_max_result_chars``):
+    what a tool answers travels through Redis, into the next model request and the trajectory."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... [tool output truncated: {len(text) - limit} more characters]"
+
+
 def _to_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -205,7 +217,7 @@ class ToolRegistry:
         max_output_chars: a tool's answer is cut to this many characters, with a marker.
     """
 
-    def __init__(self, tools: Sequence[_Tool] = (), *, max_output_chars: int = 20_000) -> None:
+    def __init__(self, tools: Sequence[_Tool] = (), *, max_output_chars: int = MAX_OUTPUT_CHARS) -> None:
         self._by_path: dict[str, _Tool] = {t.path: t for t in tools}
         by_name: dict[str, list[_Tool]] = {}
         for t in self._by_path.values():
@@ -215,7 +227,7 @@ class ToolRegistry:
         self._overruns = OverrunThreads(MAX_OVERRUN_THREADS)
 
     @classmethod
-    def from_paths(cls, paths: Sequence[str], *, max_output_chars: int = 20_000) -> ToolRegistry:
+    def from_paths(cls, paths: Sequence[str], *, max_output_chars: int = MAX_OUTPUT_CHARS) -> ToolRegistry:
         """Import and register the tools at ``paths`` (``pkg.mod:func`` or ``pkg.mod.func``).
 
         Raises:
@@ -238,7 +250,7 @@ class ToolRegistry:
 
     @classmethod
     def from_callables(
-        cls, tools: Sequence[tuple[str, Callable[..., Any]]], *, max_output_chars: int = 20_000
+        cls, tools: Sequence[tuple[str, Callable[..., Any]]], *, max_output_chars: int = MAX_OUTPUT_CHARS
     ) -> ToolRegistry:
         """Register already-resolved callables under their dotted paths (the rollout's hosted tools).
 
@@ -298,6 +310,8 @@ class ToolRegistry:
 
     async def call(self, name: str, arguments_json: str, *, timeout: float = 30.0) -> str:
         """Run a tool with the JSON arguments a model sent; never raises (except cancellation).
+        Its answer, result or error, is at most ``max_output_chars`` characters (plus a marker):
+        a tool raising with a 52 MB message answers 20,000 characters of it by default.
 
         Args:
             name: the tool's dotted path or its model-facing name.
@@ -309,6 +323,9 @@ class ToolRegistry:
             The tool's answer as text (``str`` as is, anything else as JSON), cut to
             ``max_output_chars``; or ``"[tool error] ..."`` saying what went wrong.
         """
+        return cut_text(await self._call(name, arguments_json, timeout), self.max_output_chars)
+
+    async def _call(self, name: str, arguments_json: str, timeout: float) -> str:
         tool = self._find(name)
         if tool is None:
             return f"[tool error] unknown tool {name!r}"
@@ -351,8 +368,4 @@ class ToolRegistry:
             return f"[tool error] {tool.name}: {type(exc.raised).__name__}: {exc.raised}"
         except Exception as exc:
             return f"[tool error] {tool.name}: {type(exc).__name__}: {exc}"
-        text = _to_text(result)
-        if len(text) > self.max_output_chars:
-            cut = len(text) - self.max_output_chars
-            text = text[: self.max_output_chars] + f"\n... [tool output truncated: {cut} more characters]"
-        return text
+        return _to_text(result)

@@ -9,7 +9,8 @@ serves the requests of its own sub-calls with :class:`HostedToolServer` while it
 A call runs once per request id (a request sent again after a dropped connection, or by a job
 re-run after its worker died, gets the stored answer), under ``hosted_tool_timeout`` seconds
 (a sync callable in a daemon thread of its own, an async one awaited), its arguments at most
-``root_tool_max_args_bytes`` and its result cut to 20,000 characters, as a worker's own tool.
+``root_tool_max_args_bytes`` and its answer (result or error) cut to ``sub_tool_max_result_chars``
+characters, as a worker's own tool.
 Its answer is kept ``rollout_key_ttl`` seconds.
 """
 
@@ -28,7 +29,7 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
-from rlmq.common.tool_registry import ToolRegistry, canonical_tool_path
+from rlmq.common.tool_registry import MAX_OUTPUT_CHARS, ToolRegistry, canonical_tool_path
 from rlmq.common.tool_wire import FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
 
 __all__ = ["HostedToolServer", "HostedTools"]
@@ -46,12 +47,21 @@ class HostedTools:
         tools: ``(dotted path, callable)`` per shared tool.
         timeout: seconds one call may run (``hosted_tool_timeout``).
         max_args_bytes: largest arguments text of one call (``root_tool_max_args_bytes``).
+        max_result_chars: characters of one call's answer, result or error
+            (``sub_tool_max_result_chars``); the rest is cut with a marker before it reaches Redis.
 
     Raises:
         ConfigError: a callable's name or parameters cannot make a tool schema.
     """
 
-    def __init__(self, tools: Sequence[tuple[str, Callable[..., Any]]], *, timeout: float, max_args_bytes: int) -> None:
+    def __init__(
+        self,
+        tools: Sequence[tuple[str, Callable[..., Any]]],
+        *,
+        timeout: float,
+        max_args_bytes: int,
+        max_result_chars: int = MAX_OUTPUT_CHARS,
+    ) -> None:
         canonical: list[tuple[str, Callable[..., Any]]] = []
         for path, func in tools:
             try:  # one without a tool schema stays a REPL tool; its sub-LLM calls fail as not allowed
@@ -60,7 +70,7 @@ class HostedTools:
                 log.warning("shared tool %s is not offered to the sub-LLMs by this process: %s", path, exc)
                 continue
             canonical.append((canonical_tool_path(path), func))
-        self.registry = ToolRegistry.from_callables(canonical)
+        self.registry = ToolRegistry.from_callables(canonical, max_output_chars=max_result_chars)
         self.specs = tuple(HostedTool(path=p, tool_schema=self.registry.schemas([p])[0]) for p, _ in canonical)
         self.timeout = timeout
         self.max_args_bytes = max_args_bytes

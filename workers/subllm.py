@@ -59,7 +59,7 @@ from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.settings import setting_default
 from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
-from rlmq.common.tool_registry import canonical_tool_path
+from rlmq.common.tool_registry import canonical_tool_path, cut_text
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
 from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
@@ -465,7 +465,8 @@ class _Run:
                 id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
             )
             deadline = min(time.time() + wait, self.request.deadline)  # nobody reads a late result
-            return await call_hosted(self.ctx.redis, self.request.tool_host, call, name=name, deadline=deadline)
+            text = await call_hosted(self.ctx.redis, self.request.tool_host, call, name=name, deadline=deadline)
+            return cut_text(text, self.ctx.tools.max_output_chars)  # the rollout's answer, bounded here too
         return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
 
 

@@ -235,7 +235,7 @@ class SubLLMWorker:
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,
-            tools=ToolRegistry.from_paths(s.allowed_sub_tools),
+            tools=ToolRegistry.from_paths(s.allowed_sub_tools, max_output_chars=s.sub_tool_max_result_chars),
             worker_name=self.name,
             frozen=s.frozen_fleet,
             redis=self.redis,

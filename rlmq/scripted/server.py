@@ -74,11 +74,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+MAX_REQUEST_BYTES = 256 * 2**20
+"""Largest request body taken (as a vLLM server takes large ones; ``/stats`` says the largest seen)."""
+
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[_STATE]
     try:
-        body = json.loads(await request.read())
+        raw = await request.read()
+        state.largest_request_bytes = max(state.largest_request_bytes, len(raw))
+        body = json.loads(raw)
     except ValueError:
         state.invalid += 1
         return _error(400, "the request body is not valid JSON")
@@ -264,7 +269,7 @@ def create_app(*, latency: float = 0.0, spend_all: bool = False) -> web.Applicat
     """
     if latency < 0:
         raise ConfigError("latency must be >= 0 seconds")
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
     app[_STATE] = _State(latency, spend_all)
     for prefix in ("/v1", ""):
         app.router.add_post(f"{prefix}/chat/completions", _chat_completions)
