@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
@@ -75,8 +76,10 @@ class HostedTools:
         self.timeout = timeout
         self.max_args_bytes = max_args_bytes
 
-    async def run(self, request: ToolCallRequest) -> ToolCallAnswer:
-        """Run one request; never raises (except cancellation): an error is a one-line answer."""
+    async def run(self, request: ToolCallRequest, owner: str = "") -> ToolCallAnswer:
+        """Run one request; never raises (except cancellation): an error is a one-line answer.
+        ``owner``: the rollout whose tree made it (sync calls hung past their timeout are capped
+        per rollout, :data:`~rlmq.common.tool_registry.MAX_OVERRUN_THREADS`)."""
         if not self.registry.is_allowed(request.tool):
             text = f"{TOOL_ERROR} unknown tool {request.tool!r}: this rollout hosts {', '.join(self.registry.paths)}"
             return ToolCallAnswer(id=request.id, ok=False, text=text)
@@ -85,7 +88,7 @@ class HostedTools:
             name = self.registry.tool_name(request.tool)
             text = f"{TOOL_ERROR} {name}: arguments too large ({size} bytes, at most {self.max_args_bytes})"
             return ToolCallAnswer(id=request.id, ok=False, text=text)
-        text = await self.registry.call(request.tool, request.arguments, timeout=self.timeout)
+        text = await self.registry.call(request.tool, request.arguments, timeout=self.timeout, owner=owner)
         return ToolCallAnswer(id=request.id, ok=not text.startswith(TOOL_ERROR), text=text)
 
 
@@ -109,13 +112,22 @@ class HostedToolServer:
         """Calls run (each request id once)."""
         self._seen: set[str] = set()
         self._running: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to end at its next turn (at most one blocking read later), whether
+        or not its cancellation reaches it (see :func:`rlmq.common.aio.raise_if_cancelling`)."""
+        self._stopped = True
 
     async def serve(self) -> None:
-        """Read requests until cancelled; each new id runs in a task of its own. A Redis error is
-        retried (the stream is read again from the last entry seen)."""
+        """Read requests until cancelled or stopped (:meth:`stop`); each new id runs in a task of
+        its own. A Redis error is retried (the stream is read again from the last entry seen).
+        Every read blocks at most 1 s, and each turn checks both the stop flag and a swallowed
+        cancellation: a cancelled server ends within about a second, never reads on."""
         last = "0-0"
         try:
-            while True:
+            while not self._stopped:
+                raise_if_cancelling()
                 try:
                     got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
                         {self.keys.tool_requests: last}, count=64, block=_READ_BLOCK_MS
@@ -155,7 +167,7 @@ class HostedToolServer:
 
     async def _answer(self, request: ToolCallRequest) -> None:
         self.calls += 1
-        answer = await self.tools.run(request)
+        answer = await self.tools.run(request, self.keys.rollout_id)
         if self.metrics is not None:
             self.metrics.hosted_tool_calls.labels(outcome="ok" if answer.ok else "error").inc()
         key = self.keys.tool_answer(request.id)

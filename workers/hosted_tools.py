@@ -17,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.tool_wire import FIELD, TOOL_ERROR, ToolCallAnswer, ToolCallRequest
 
@@ -51,6 +52,7 @@ async def call_hosted(redis: Redis, rollout_id: str, request: ToolCallRequest, *
     sent = False
     last_error = ""
     while time.time() < deadline:
+        raise_if_cancelling()  # a cancelled job never reads on until the deadline
         try:
             if not sent:
                 async with redis.pipeline(transaction=True) as pipe:

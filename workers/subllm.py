@@ -467,7 +467,7 @@ class _Run:
             deadline = min(time.time() + wait, self.request.deadline)  # nobody reads a late result
             text = await call_hosted(self.ctx.redis, self.request.tool_host, call, name=name, deadline=deadline)
             return cut_text(text, self.ctx.tools.max_output_chars)  # the rollout's answer, bounded here too
-        return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
+        return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout, owner=self.request.rollout_id)
 
 
 async def run_sub_llm(
