@@ -400,7 +400,7 @@ class SubLLMWorker:
         self.jobs.finished(
             FinishedJob(
                 job=job, ok=outcome.ok, result_json=outcome.result_json, rq_payload=outcome.rq_payload,
-                settles=outcome.settles,
+                settles=outcome.settles, spill_key=outcome.spill_key,
             )
         )  # fmt: skip
         self.update_gauge()  # before the flush: no producer sees the result while it still counts
@@ -454,6 +454,28 @@ class SubLLMWorker:
         async with self._flush_lock:
             await self._flush_held()
 
+    async def _drop_unrecorded_spills(self, batch: list[FinishedJob]) -> None:
+        """Delete the spilled payloads of ``batch``'s results that ``FINISH`` did not record (no
+        result entry of their execution): their jobs were taken back while this worker was
+        stopped, nobody will read them, and they would stay until their TTL otherwise."""
+        spilled = [d for d in batch if d.spill_key is not None]
+        if not spilled:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for d in spilled:
+                    pipe.xrevrange(K.rq_results(d.job.job_id), count=10)
+                entries = await pipe.execute()
+            eid = b"execution_id"
+            stale = [
+                d.spill_key for d, got in zip(spilled, entries, strict=True)
+                if d.spill_key is not None and not any(f.get(eid) == d.job.execution_id.encode() for _, f in got or [])
+            ]  # fmt: skip
+            if stale:
+                await self.redis.delete(*stale)
+        except redis.RedisError as exc:  # the TTL still ends them
+            log.warning("worker %s: could not delete unrecorded spilled payloads: %s", self.name, exc)
+
     async def _flush_held(self) -> None:
         batch = self.jobs.take_done()
         if not batch:
@@ -466,6 +488,8 @@ class SubLLMWorker:
         except BaseException:
             self.jobs.put_back(batch)
             raise
+        if sum(r for r, _ in outcomes) < len(batch):  # some were taken back (and re-run) meanwhile
+            await self._drop_unrecorded_spills(batch)
         undeliverable = sum(u for _, u in outcomes)
         if undeliverable:
             log.error("worker %s: %d results had a reply key that is not a stream; recorded as failed",
