@@ -42,7 +42,9 @@ class WorkerOptions(BaseModel):
     job_heartbeat_ttl: int = Field(
         default=10,
         ge=2,
-        description="a started job whose worker has not heartbeated for this long is taken back",
+        description="a started job whose worker has not heartbeated for this long is taken back; a worker "
+        "heartbeats at least 4 times per this TTL (every min(heartbeat_interval, TTL / 4) s, on a fixed rate), so "
+        "only a host whose event loop stalled for 3/4 of it is declared dead",
         json_schema_extra=meta(unit="seconds", flag="--heartbeat-ttl"),
     )
     job_max_attempts: int = Field(
