@@ -346,7 +346,8 @@ class ToolRegistry:
         """
         self._callers[owner] = self._callers.get(owner, 0) + 1
         try:
-            return cut_text(await self._call(name, arguments_json, timeout, self._threads(owner)), self.max_output_chars)
+            text = await self._call(name, arguments_json, timeout, self._threads(owner))
+            return cut_text(text, self.max_output_chars)
         finally:
             left = self._callers[owner] - 1
             if left:

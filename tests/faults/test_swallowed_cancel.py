@@ -110,7 +110,9 @@ async def test_200_short_rollouts_with_a_hosted_tool_all_end(
         async with RLMEnv(settings=settings, tools=[lookup]) as env:
             ids = [f"swallow-{repeat}-{i}-{uuid.uuid4().hex[:4]}" for i in range(ROLLOUTS)]
             rows = [DatasetRow(id=str(i), question="Hi. [[mock:no-tool]]", context="x") for i in range(ROLLOUTS)]
-            tasks = [asyncio.create_task(env.rollout(r, model="m", rollout_id=rid)) for r, rid in zip(rows, ids)]
+            tasks = [
+                asyncio.create_task(env.rollout(r, model="m", rollout_id=rid)) for r, rid in zip(rows, ids, strict=True)
+            ]
 
             async def cancel_later(task: asyncio.Task[Any]) -> None:
                 await asyncio.sleep(rng.uniform(0.0, 1.5))

@@ -114,7 +114,9 @@ async def test_one_rollouts_hung_calls_cost_other_rollouts_nothing() -> None:
         )
         assert all(o.startswith("[tool error] stuck") for o in outs), outs
         assert tools.overrun_threads("hog") == 20 > MAX_OVERRUN_THREADS  # all started at once, all hung
-        assert (await tools.call("fine", '{"key": "a"}', timeout=5, owner="hog")).startswith("[tool error] fine: refused")
+        assert (await tools.call("fine", '{"key": "a"}', timeout=5, owner="hog")).startswith(
+            "[tool error] fine: refused"
+        )
         t0 = time.monotonic()
         assert await tools.call("fine", '{"key": "b"}', timeout=5, owner="victim") == "fine b"
         assert time.monotonic() - t0 < 1.0
