@@ -31,7 +31,7 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
 from rlmq.common.tool_registry import MAX_OUTPUT_CHARS, ToolRegistry, canonical_tool_path
-from rlmq.common.tool_wire import FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
+from rlmq.common.tool_wire import CALLS_PER_ROLLOUT, FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
 
 __all__ = ["HostedToolServer", "HostedTools"]
 
@@ -121,16 +121,22 @@ class HostedToolServer:
 
     async def serve(self) -> None:
         """Read requests until cancelled or stopped (:meth:`stop`); each new id runs in a task of
-        its own. A Redis error is retried (the stream is read again from the last entry seen).
-        Every read blocks at most 1 s, and each turn checks both the stop flag and a swallowed
-        cancellation: a cancelled server ends within about a second, never reads on."""
+        its own, at most :data:`~rlmq.common.tool_wire.CALLS_PER_ROLLOUT` at once (the rest wait in
+        the rollout's stream: its flood costs the process's other rollouts nothing measurable). A
+        Redis error is retried (the stream is read again from the last entry seen). Every read
+        blocks at most 1 s, and each turn checks both the stop flag and a swallowed cancellation:
+        a cancelled server ends within about a second, never reads on."""
         last = "0-0"
         try:
             while not self._stopped:
                 raise_if_cancelling()
+                room = CALLS_PER_ROLLOUT - len(self._running)
+                if room <= 0:  # its calls wait in its stream: a flood runs this many at once, no more
+                    await asyncio.wait(self._running, timeout=_READ_BLOCK_MS / 1000, return_when="FIRST_COMPLETED")
+                    continue
                 try:
                     got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
-                        {self.keys.tool_requests: last}, count=64, block=_READ_BLOCK_MS
+                        {self.keys.tool_requests: last}, count=room, block=_READ_BLOCK_MS
                     )  # type: ignore[assignment]
                 except RedisError as exc:
                     log.warning("hosted tools of %s: reading requests failed: %s", self.keys.rollout_id, exc)

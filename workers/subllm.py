@@ -48,7 +48,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -61,7 +61,7 @@ from rlmq.common.settings import setting_default
 from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
 from rlmq.common.tool_registry import canonical_tool_path, cut_text
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
-from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
+from rlmq.workers.hosted_tools import ANSWER_GRACE, RolloutSlots, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
 
@@ -88,6 +88,7 @@ class SubLLMContext:
             tools not allowed on this worker).
         turn_token_max_ids: most token ids (prompt + completion) one turn's record carries off this
             worker (``turn_token_max_ids``); past it the turn is untrainable (``too_many_ids``).
+        hosted_slots: hosted-tool calls in flight per rollout (one rollout's flood waits for its own).
     """
 
     client: ChatClient
@@ -99,6 +100,7 @@ class SubLLMContext:
     frozen: bool = False
     redis: Redis | None = None
     turn_token_max_ids: int | None = setting_default("turn_token_max_ids")
+    hosted_slots: RolloutSlots = field(default_factory=RolloutSlots)
 
 
 FINAL_ANSWER_PROMPT = (
@@ -465,7 +467,8 @@ class _Run:
                 id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
             )
             deadline = min(time.time() + wait, self.request.deadline)  # nobody reads a late result
-            text = await call_hosted(self.ctx.redis, self.request.tool_host, call, name=name, deadline=deadline)
+            host, slots = self.request.tool_host, self.ctx.hosted_slots
+            text = await call_hosted(self.ctx.redis, host, call, name=name, deadline=deadline, slots=slots)
             return cut_text(text, self.ctx.tools.max_output_chars)  # the rollout's answer, bounded here too
         return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout, owner=self.request.rollout_id)
 
