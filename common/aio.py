@@ -289,6 +289,21 @@ async def cancel_and_wait(tasks: Collection[asyncio.Future[Any]]) -> None:
             t.exception()
 
 
+def raise_if_cancelling() -> None:
+    """Raise :class:`asyncio.CancelledError` when the current task was asked to cancel and is
+    still running: the cancellation was swallowed on its way (redis-py's asyncio client now and
+    then swallows one that lands inside a blocking command, see ``docs/redis-py-cancel.md``)
+    but ``Task.cancelling()`` still counts it. Call it at the top of every loop around a
+    blocking read, so a loop ends at its next turn (one block timeout later), not never.
+
+    Raises:
+        asyncio.CancelledError: ``asyncio.current_task().cancelling()`` is above 0.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def start_in_daemon_thread(
     call: Callable[[], T], *, name: str, on_end: Callable[[], None] | None = None
 ) -> asyncio.Future[T]:

@@ -134,6 +134,8 @@ class FinishedJob:
     """:func:`rq_return_value` of a summary when ok, :func:`rq_exc_string` otherwise."""
     settles: list[tuple[str, str, int]] = field(default_factory=list)
     """Budget settlements sent in the same round trip as ``FINISH`` (rollout, reservation, used)."""
+    spill_key: str | None = None
+    """Where the result's token payload was spilled (:mod:`rlmq.common.spill`), if it was."""
 
 
 class JobStore:

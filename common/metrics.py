@@ -68,7 +68,8 @@ class Metrics:
         self.tokens = Counter(
             "rlmq_tokens",
             "Sub-LLM tokens by kind: prompt, completion (reported by the server), granted and released "
-            "(budget reservations), overrun (completion tokens beyond the max_tokens sent, included in completion)",
+            "(budget reservations), overrun (completion tokens beyond the max_tokens sent, included in completion), "
+            "underreported (completion ids served beyond the usage the server reported, included in completion)",
             ["kind"],
             registry=r,
         )
@@ -172,6 +173,7 @@ class Metrics:
             ("granted", result.granted_tokens),
             ("released", result.released_tokens),
             ("overrun", result.overrun_tokens),
+            ("underreported", result.underreported_tokens),
         ):
             if value > 0:
                 self.tokens.labels(kind=name).inc(value)

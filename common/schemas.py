@@ -310,6 +310,9 @@ class SubLLMResult(_Strict):
     overrun_tokens: int = Field(default=0, ge=0)
     """Completion tokens the server returned beyond the ``max_tokens`` it was sent (a server
     that ignores ``max_tokens``); they are in ``completion_tokens`` and charged to the budget."""
+    underreported_tokens: int = Field(default=0, ge=0)
+    """Completion ids the server served beyond the ``usage.completion_tokens`` it reported (a server
+    that under-reports); they are in ``completion_tokens`` and charged to the budget."""
     budget_waits: int = Field(default=0, ge=0)
     """Times the call parked waiting for a release of its rollout's budget."""
     budget_wait_seconds: float = Field(default=0.0, ge=0)

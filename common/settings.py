@@ -300,6 +300,13 @@ class RolloutOptions(BaseModel):
         "rollout's own process, where the callable lives (the worker waits 10 s more for the answer)",
         json_schema_extra=meta(group="repl", unit="seconds"),
     )
+    sub_tool_max_result_chars: int = Field(
+        default=20_000,
+        ge=100,
+        description="characters of a sub-LLM tool call's answer, its result or its error text (a worker's own "
+        "tools and shared tools run for it); the rest is cut with a marker before it travels",
+        json_schema_extra=meta(group="repl", unit="characters"),
+    )
     system_prompt: str | None = Field(
         default=None,
         description="the environment author's own system prompt for the root model (see system_prompt_mode)",

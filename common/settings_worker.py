@@ -42,7 +42,9 @@ class WorkerOptions(BaseModel):
     job_heartbeat_ttl: int = Field(
         default=10,
         ge=2,
-        description="a started job whose worker has not heartbeated for this long is taken back",
+        description="a started job whose worker has not heartbeated for this long is taken back; a worker "
+        "heartbeats at least 4 times per this TTL (every min(heartbeat_interval, TTL / 4) s, on a fixed rate), so "
+        "only a host whose event loop stalled for 3/4 of it is declared dead",
         json_schema_extra=meta(unit="seconds", flag="--heartbeat-ttl"),
     )
     job_max_attempts: int = Field(
@@ -136,6 +138,13 @@ class WorkerOptions(BaseModel):
         "0: it hosts none. A host needs a contained REPL (own uid, no network, private file system: run it as "
         "root with namespaces) or --allow-uncontained-repl",
         json_schema_extra=meta(group="common", unit="child rollouts per depth"),
+    )
+    turn_token_max_ids: int = Field(
+        default=262_144,
+        ge=1,
+        description="token ids (prompt + completion) one model turn's record carries off a worker; a reply with "
+        "more is untrainable (too_many_ids), its ids dropped before they reach Redis, its answer kept",
+        json_schema_extra=meta(group="repl", unit="token ids"),
     )
     frozen_fleet: bool = Field(default=False, description="this worker's server is not the trained policy: its "
         "turns are untrainable (frozen_fleet)", json_schema_extra=meta(group="common", flag="--frozen"))  # fmt: skip

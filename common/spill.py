@@ -26,7 +26,7 @@ from rlmq.common import keys as K
 from rlmq.common.schemas import SubLLMResult
 from rlmq.common.token_wire import TurnTokens
 
-__all__ = ["SPILL_BYTES", "SPILL_TTL_SLACK", "spill_result", "unspill"]
+__all__ = ["SPILL_BYTES", "SPILL_TTL_SLACK", "spill_key_of", "spill_result", "unspill"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,13 @@ async def spill_result(
     if result.child is not None:
         result.child.trajectory = []
     return result
+
+
+def spill_key_of(result: SubLLMResult) -> str | None:
+    """The key ``result``'s payload was spilled to, ``None`` when it was not spilled: a worker
+    whose ``FINISH`` did not record the result (its job was taken back and re-run while the
+    worker was stopped) deletes it, as nobody will read it."""
+    return K.RolloutKeys(result.rollout_id).spill(result.job_id, result.attempt) if result.spilled else None
 
 
 async def unspill(redis: Redis, results: list[SubLLMResult]) -> None:

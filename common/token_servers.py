@@ -115,6 +115,11 @@ class TokenApi:
         return SERVER_SAMPLING_DEFAULTS[self.server]
 
 
+KNOWN_TOKEN_APIS: tuple[TokenApi, ...] = tuple(TokenApi(server) for server in get_args(TokenIdsApi))
+"""One reader per server rlmq knows (:data:`TokenIdsApi`): where a charge floor must count the
+completion ids a reply carried, whichever server's field names it used."""
+
+
 def check_versions(value: Any, completion_length: int) -> list[VersionSpan] | None:
     """Weight-version spans as a server sent them, checked: a list of ``{"version": str, "start":
     int, "end": int}`` in order, each non-empty, the first starting at 0, each starting where the

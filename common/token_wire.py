@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import sys
 from array import array
 from collections.abc import Iterator, Mapping
@@ -40,20 +41,24 @@ from rlmq.common.token_servers import TokenApi, VersionSpan, check_versions
 
 __all__ = [
     "UNTRAINABLE_REASONS", "ServedTokens", "TokenCap", "TurnDecoder", "TurnEncoder", "TurnTokens",
-    "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs", "expand_trajectory", "served_tokens",
-    "turn_counts",
+    "completion_id_count", "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs", "expand_trajectory",
+    "served_tokens", "turn_counts", "validate_served",
 ]  # fmt: skip
 
 UNTRAINABLE_REASONS: tuple[str, ...] = (
     "no_token_ids", "length_mismatch", "usage_mismatch", "payload_cap", "bad_payload", "spill_lost", "frozen_fleet",
     "version_mismatch",
+    "bad_logprob", "over_max_tokens", "too_many_ids",
 )  # fmt: skip
 """Why a turn carries no tokens: the server returned none (``no_token_ids``: llama.cpp, OpenAI),
 its completion ids and logprobs differ in length (``length_mismatch``), a list disagrees with
 ``usage`` (``usage_mismatch``), the rollout's byte cap was passed (``payload_cap``), a worker's
 payload did not decode (``bad_payload``), a spilled payload expired before it was read
-(``spill_lost``), the queue's servers declare that they are not the policy (``frozen_fleet``), or
-the weight-version spans the server sent do not cover its completion ids (``version_mismatch``)."""
+(``spill_lost``), the queue's servers declare that they are not the policy (``frozen_fleet``), the
+weight-version spans the server sent do not cover its completion ids (``version_mismatch``), a
+logprob is ``NaN``, infinite or above 0 (``bad_logprob``), the completion is longer than the
+request's ``max_tokens`` (``over_max_tokens``), or the reply carries more ids than a worker keeps
+for one turn (``too_many_ids``, :func:`validate_served`)."""
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the wire carries (int32)."""
@@ -194,6 +199,49 @@ def served_tokens(
     return ServedTokens(prompt, completion, logprobs, versions), None
 
 
+def _bad_logprob(values: list[float]) -> bool:
+    """A logprob no sampler gives: ``NaN``, infinite, or above 0 (a probability above 1)."""
+    return any(not (math.isfinite(v) and v <= 0.0) for v in values)
+
+
+def validate_served(
+    served: ServedTokens | None, reason: str | None, *, max_tokens: int | None, max_ids: int | None
+) -> tuple[ServedTokens | None, str | None]:
+    """What :func:`served_tokens` read, checked against what no training may take: a server that
+    lies or ignores the request. Called once per turn, before the turn is encoded for the wire.
+
+    Args:
+        served: the turn's tokens (``None`` when already untrainable).
+        reason: why it is untrainable (kept when ``served`` is ``None``).
+        max_tokens: the ``max_tokens`` the request sent (``None``: none sent).
+        max_ids: most ids (prompt + completion) one turn's record may carry (``None``: no bound).
+
+    Returns:
+        ``(served, None)`` when it holds, else ``(None, reason)``: ``too_many_ids`` (more than
+        ``max_ids``: the payload would be its size in Redis), ``over_max_tokens`` (more completion
+        ids than ``max_tokens``), ``bad_logprob`` (``NaN``, ``±inf`` or above 0: invalid JSON for
+        many readers, a probability above 1).
+    """
+    if served is None:
+        return None, reason
+    if max_ids is not None and len(served.prompt_ids) + len(served.completion_ids) > max_ids:
+        return None, "too_many_ids"
+    if max_tokens is not None and len(served.completion_ids) > max_tokens:
+        return None, "over_max_tokens"
+    if _bad_logprob(served.logprobs):
+        return None, "bad_logprob"
+    return served, None
+
+
+def completion_id_count(body: Mapping[str, Any], api: TokenApi | None = None) -> int | None:
+    """How many completion ids a chat completion ``body`` carries where ``api``'s server writes
+    them (:meth:`TokenApi.fields`: vLLM's ``choices[0].token_ids``, SGLang's
+    ``choices[0].response_token_ids``; a list whatever its items), ``None`` when it carries none:
+    the count a charge is at least."""
+    ids = (api or TokenApi()).fields(body).completion
+    return len(ids) if isinstance(ids, list) else None
+
+
 # ---------------------------------------------------------------------------- the wire record
 
 
@@ -305,6 +353,8 @@ class TurnDecoder:
             if len(completion) != len(logprobs):
                 raise ValueError("completion ids and logprobs differ in length")
             versions = _versions_out(rec.versions, len(completion))
+            if _bad_logprob(logprobs):
+                raise ValueError("a logprob that is NaN, infinite or above 0")
         except (ValueError, binascii.Error):
             self._previous = []
             return _untrainable(rec.turn, rec.sampling, "bad_payload", rec.sampled_with)

@@ -28,13 +28,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from rlmq.common.aio import OverrunThreads
 from rlmq.common.errors import ConfigError, PayloadError
+from rlmq.common.settings import setting_default
 
-__all__ = ["MAX_OVERRUN_THREADS", "ToolRegistry", "canonical_tool_path"]
+__all__ = ["MAX_OUTPUT_CHARS", "MAX_OVERRUN_THREADS", "ToolRegistry", "canonical_tool_path", "cut_text"]
+
+MAX_OUTPUT_CHARS: int = setting_default("sub_tool_max_result_chars")
+"""Characters of a tool call's answer (result or error) a registry keeps by default."""
 
 MAX_OVERRUN_THREADS = 16
-"""Threads of a registry's sync tools that may run on after their calls gave up (a timeout or a
-cancelled job: a thread cannot be stopped). While that many run, a sync tool's call is refused at
-once with a ``[tool error]`` line, so a tool that hangs costs a bounded number of threads."""
+"""Threads of one rollout's sync tool calls (per registry) that may run on after their calls gave
+up (a timeout or a cancelled job: a thread cannot be stopped). While that many run, that rollout's
+sync tool calls are refused at once with a ``[tool error]`` line, so a tool that hangs costs a
+bounded number of threads, and one rollout's hang costs other rollouts nothing."""
+_PRUNE_AT = 256
+"""Rollouts a registry keeps a thread count for before it forgets those with nothing running."""
 
 _ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters):\s*$")
 _SECTION = re.compile(r"^\s*[A-Z][A-Za-z ]*:\s*$")
@@ -184,6 +191,14 @@ async def _run(tool: _Tool, args: list[Any], kwargs: dict[str, Any], threads: Ov
         raise _ToolExit(exc) from None
 
 
+def cut_text(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with a marker saying how many were cut (``sub_tool_max_result_chars``):
+    what a tool answers travels through Redis, into the next model request and the trajectory."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... [tool output truncated: {len(text) - limit} more characters]"
+
+
 def _to_text(value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -205,17 +220,18 @@ class ToolRegistry:
         max_output_chars: a tool's answer is cut to this many characters, with a marker.
     """
 
-    def __init__(self, tools: Sequence[_Tool] = (), *, max_output_chars: int = 20_000) -> None:
+    def __init__(self, tools: Sequence[_Tool] = (), *, max_output_chars: int = MAX_OUTPUT_CHARS) -> None:
         self._by_path: dict[str, _Tool] = {t.path: t for t in tools}
         by_name: dict[str, list[_Tool]] = {}
         for t in self._by_path.values():
             by_name.setdefault(t.name, []).append(t)
         self._by_name = {n: ts[0] for n, ts in by_name.items() if len(ts) == 1}
         self.max_output_chars = max_output_chars
-        self._overruns = OverrunThreads(MAX_OVERRUN_THREADS)
+        self._overruns: dict[str, OverrunThreads] = {}
+        self._callers: dict[str, int] = {}
 
     @classmethod
-    def from_paths(cls, paths: Sequence[str], *, max_output_chars: int = 20_000) -> ToolRegistry:
+    def from_paths(cls, paths: Sequence[str], *, max_output_chars: int = MAX_OUTPUT_CHARS) -> ToolRegistry:
         """Import and register the tools at ``paths`` (``pkg.mod:func`` or ``pkg.mod.func``).
 
         Raises:
@@ -238,7 +254,7 @@ class ToolRegistry:
 
     @classmethod
     def from_callables(
-        cls, tools: Sequence[tuple[str, Callable[..., Any]]], *, max_output_chars: int = 20_000
+        cls, tools: Sequence[tuple[str, Callable[..., Any]]], *, max_output_chars: int = MAX_OUTPUT_CHARS
     ) -> ToolRegistry:
         """Register already-resolved callables under their dotted paths (the rollout's hosted tools).
 
@@ -296,19 +312,50 @@ class ToolRegistry:
             raise PayloadError(f"sub-tool not allowed on this worker: {name}")
         return tool.name
 
-    async def call(self, name: str, arguments_json: str, *, timeout: float = 30.0) -> str:
+    def overrun_threads(self, owner: str = "") -> int:
+        """Threads of ``owner``'s sync tool calls running on past their callers now."""
+        threads = self._overruns.get(owner)
+        return threads.count if threads is not None else 0
+
+    def _threads(self, owner: str) -> OverrunThreads:
+        threads = self._overruns.get(owner)
+        if threads is None:
+            if len(self._overruns) >= _PRUNE_AT:  # forget the rollouts with nothing left running
+                for key, t in list(self._overruns.items()):
+                    if t.count == 0 and not self._callers.get(key):
+                        del self._overruns[key]
+            threads = self._overruns[owner] = OverrunThreads(MAX_OVERRUN_THREADS)
+        return threads
+
+    async def call(self, name: str, arguments_json: str, *, timeout: float = 30.0, owner: str = "") -> str:
         """Run a tool with the JSON arguments a model sent; never raises (except cancellation).
+        Its answer, result or error, is at most ``max_output_chars`` characters (plus a marker):
+        a tool raising with a 52 MB message answers 20,000 characters of it by default.
 
         Args:
             name: the tool's dotted path or its model-facing name.
             arguments_json: a JSON object of arguments (empty string: no arguments).
             timeout: seconds the tool may run. A sync tool that overruns keeps its thread
                 until it returns (Python threads cannot be killed), but the call returns.
+            owner: whose call (the rollout id): the cap on threads run on past their callers
+                (:data:`MAX_OVERRUN_THREADS`) is counted per owner.
 
         Returns:
             The tool's answer as text (``str`` as is, anything else as JSON), cut to
             ``max_output_chars``; or ``"[tool error] ..."`` saying what went wrong.
         """
+        self._callers[owner] = self._callers.get(owner, 0) + 1
+        try:
+            text = await self._call(name, arguments_json, timeout, self._threads(owner))
+            return cut_text(text, self.max_output_chars)
+        finally:
+            left = self._callers[owner] - 1
+            if left:
+                self._callers[owner] = left
+            else:
+                del self._callers[owner]
+
+    async def _call(self, name: str, arguments_json: str, timeout: float, threads: OverrunThreads) -> str:
         tool = self._find(name)
         if tool is None:
             return f"[tool error] unknown tool {name!r}"
@@ -333,13 +380,13 @@ class ToolRegistry:
                 args.append(value)
             else:
                 kwargs[pname] = value
-        if not tool.is_async and self._overruns.full:
+        if not tool.is_async and threads.full:
             return (
-                f"[tool error] {tool.name}: refused: {self._overruns.count} earlier sync tool calls still run "
+                f"[tool error] {tool.name}: refused: {threads.count} earlier sync tool calls still run "
                 "past their timeout here; try again later"
             )
         try:
-            result = await asyncio.wait_for(_run(tool, args, kwargs, self._overruns), timeout)
+            result = await asyncio.wait_for(_run(tool, args, kwargs, threads), timeout)
         except TimeoutError:
             return f"[tool error] {tool.name} timed out after {timeout:g} s"
         except asyncio.CancelledError:
@@ -351,8 +398,4 @@ class ToolRegistry:
             return f"[tool error] {tool.name}: {type(exc.raised).__name__}: {exc.raised}"
         except Exception as exc:
             return f"[tool error] {tool.name}: {type(exc).__name__}: {exc}"
-        text = _to_text(result)
-        if len(text) > self.max_output_chars:
-            cut = len(text) - self.max_output_chars
-            text = text[: self.max_output_chars] + f"\n... [tool output truncated: {cut} more characters]"
-        return text
+        return _to_text(result)

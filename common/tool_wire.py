@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["FIELD", "HostedTool", "ToolCallAnswer", "ToolCallRequest", "request_id"]
+__all__ = ["CALLS_PER_ROLLOUT", "FIELD", "HostedTool", "ToolCallAnswer", "ToolCallRequest", "request_id"]
+
+CALLS_PER_ROLLOUT = 16
+"""Hosted-tool calls of one rollout in flight at once on a worker (each holds a Redis connection
+while it waits) and run at once by the rollout's process: past it, a rollout's calls wait their
+turn (its stream holds them), so one rollout's flood costs other rollouts nothing and never
+takes a worker's whole connection pool."""
 
 FIELD = "m"
 """The field of a request or answer stream entry that holds the JSON message."""

@@ -33,6 +33,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
+from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.errors import PayloadError
 from rlmq.common.jobs_lua import ENQUEUE_LUA
 from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
@@ -527,7 +528,8 @@ class _BatchRun:
 
     async def read_replies(self) -> list[bytes]:
         """The results added to the reply stream since the last read (blocks up to 2 s, or to
-        the next deadline)."""
+        the next deadline). A cancellation swallowed by an earlier read is raised here again."""
+        raise_if_cancelling()
         wait = max(0.01, min(self.deadlines.values()) - time.time())
         if self.unserved_since is not None:
             wait = min(wait, max(0.01, self.unserved_since + self.d.no_worker_grace - time.time()))

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
+from rlmq.common.aio import cancel_and_wait
 from rlmq.common.metrics import Metrics
 from rlmq.common.sampling import root_turn_max_tokens
 from rlmq.common.schemas import DatasetRow, ResultRow, RlmTask, StopReason
@@ -355,10 +356,8 @@ class _RolloutRun:
         task = asyncio.create_task(server.serve(), name=f"rlmq-hosted-tools-{self.ro.id}")
 
         async def stop() -> None:
-            server.close()  # ends it even where the cancel below is swallowed by the Redis client
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            server.stop()  # it ends at its next turn even where a cancellation is swallowed
+            await cancel_and_wait([task])
 
         stack.push_async_callback(stop)
 

@@ -156,6 +156,7 @@ class RLMEnv:
         root_tool_max_args_bytes: int | _FromSettings = FROM_SETTINGS,
         root_tool_max_result_bytes: int | _FromSettings = FROM_SETTINGS,
         hosted_tool_timeout: float | _FromSettings = FROM_SETTINGS,
+        sub_tool_max_result_chars: int | _FromSettings = FROM_SETTINGS,
         system_prompt: str | None | _FromSettings = FROM_SETTINGS,
         system_prompt_mode: SystemPromptMode | _FromSettings = FROM_SETTINGS,
         sub_llm_final_answer_turn: bool | _FromSettings = FROM_SETTINGS,
@@ -199,6 +200,7 @@ class RLMEnv:
             [(path, resolve_tool(tool)) for path, tool in zip(paths["tools"], shared, strict=True)] + sub_only,
             timeout=s.hosted_tool_timeout,
             max_args_bytes=s.root_tool_max_args_bytes,
+            max_result_chars=s.sub_tool_max_result_chars,
         )
         """The shared tools, run here for the sub-LLMs' workers that do not allow-list them."""
         self._root = root

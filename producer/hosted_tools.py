@@ -9,7 +9,8 @@ serves the requests of its own sub-calls with :class:`HostedToolServer` while it
 A call runs once per request id (a request sent again after a dropped connection, or by a job
 re-run after its worker died, gets the stored answer), under ``hosted_tool_timeout`` seconds
 (a sync callable in a daemon thread of its own, an async one awaited), its arguments at most
-``root_tool_max_args_bytes`` and its result cut to 20,000 characters, as a worker's own tool.
+``root_tool_max_args_bytes`` and its answer (result or error) cut to ``sub_tool_max_result_chars``
+characters, as a worker's own tool.
 Its answer is kept ``rollout_key_ttl`` seconds.
 """
 
@@ -25,11 +26,12 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
-from rlmq.common.tool_registry import ToolRegistry, canonical_tool_path
-from rlmq.common.tool_wire import FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
+from rlmq.common.tool_registry import MAX_OUTPUT_CHARS, ToolRegistry, canonical_tool_path
+from rlmq.common.tool_wire import CALLS_PER_ROLLOUT, FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
 
 __all__ = ["HostedToolServer", "HostedTools"]
 
@@ -46,12 +48,21 @@ class HostedTools:
         tools: ``(dotted path, callable)`` per shared tool.
         timeout: seconds one call may run (``hosted_tool_timeout``).
         max_args_bytes: largest arguments text of one call (``root_tool_max_args_bytes``).
+        max_result_chars: characters of one call's answer, result or error
+            (``sub_tool_max_result_chars``); the rest is cut with a marker before it reaches Redis.
 
     Raises:
         ConfigError: a callable's name or parameters cannot make a tool schema.
     """
 
-    def __init__(self, tools: Sequence[tuple[str, Callable[..., Any]]], *, timeout: float, max_args_bytes: int) -> None:
+    def __init__(
+        self,
+        tools: Sequence[tuple[str, Callable[..., Any]]],
+        *,
+        timeout: float,
+        max_args_bytes: int,
+        max_result_chars: int = MAX_OUTPUT_CHARS,
+    ) -> None:
         canonical: list[tuple[str, Callable[..., Any]]] = []
         for path, func in tools:
             try:  # one without a tool schema stays a REPL tool; its sub-LLM calls fail as not allowed
@@ -60,13 +71,15 @@ class HostedTools:
                 log.warning("shared tool %s is not offered to the sub-LLMs by this process: %s", path, exc)
                 continue
             canonical.append((canonical_tool_path(path), func))
-        self.registry = ToolRegistry.from_callables(canonical)
+        self.registry = ToolRegistry.from_callables(canonical, max_output_chars=max_result_chars)
         self.specs = tuple(HostedTool(path=p, tool_schema=self.registry.schemas([p])[0]) for p, _ in canonical)
         self.timeout = timeout
         self.max_args_bytes = max_args_bytes
 
-    async def run(self, request: ToolCallRequest) -> ToolCallAnswer:
-        """Run one request; never raises (except cancellation): an error is a one-line answer."""
+    async def run(self, request: ToolCallRequest, owner: str = "") -> ToolCallAnswer:
+        """Run one request; never raises (except cancellation): an error is a one-line answer.
+        ``owner``: the rollout whose tree made it (sync calls hung past their timeout are capped
+        per rollout, :data:`~rlmq.common.tool_registry.MAX_OVERRUN_THREADS`)."""
         if not self.registry.is_allowed(request.tool):
             text = f"{TOOL_ERROR} unknown tool {request.tool!r}: this rollout hosts {', '.join(self.registry.paths)}"
             return ToolCallAnswer(id=request.id, ok=False, text=text)
@@ -75,7 +88,7 @@ class HostedTools:
             name = self.registry.tool_name(request.tool)
             text = f"{TOOL_ERROR} {name}: arguments too large ({size} bytes, at most {self.max_args_bytes})"
             return ToolCallAnswer(id=request.id, ok=False, text=text)
-        text = await self.registry.call(request.tool, request.arguments, timeout=self.timeout)
+        text = await self.registry.call(request.tool, request.arguments, timeout=self.timeout, owner=owner)
         return ToolCallAnswer(id=request.id, ok=not text.startswith(TOOL_ERROR), text=text)
 
 
@@ -95,27 +108,35 @@ class HostedToolServer:
     ) -> None:
         self.redis, self.keys, self.tools = redis, RolloutKeys(rollout_id), tools
         self.answer_ttl, self.metrics = answer_ttl, metrics
-        self._closed = False
         self.calls = 0
         """Calls run (each request id once)."""
         self._seen: set[str] = set()
         self._running: set[asyncio.Task[None]] = set()
+        self._stopped = False
 
-    def close(self) -> None:
-        """Make :meth:`serve` return at its next read (within about a second, or one socket
-        timeout): call it before cancelling the task, since a cancel that lands in the Redis
-        client's own timeout may come back as a Redis error, which :meth:`serve` retries."""
-        self._closed = True
+    def stop(self) -> None:
+        """Ask :meth:`serve` to end at its next turn (at most one blocking read later), whether
+        or not its cancellation reaches it (see :func:`rlmq.common.aio.raise_if_cancelling`)."""
+        self._stopped = True
 
     async def serve(self) -> None:
-        """Read requests until cancelled or :meth:`close`; each new id runs in a task of its own. A
-        Redis error is retried (the stream is read again from the last entry seen)."""
+        """Read requests until cancelled or stopped (:meth:`stop`); each new id runs in a task of
+        its own, at most :data:`~rlmq.common.tool_wire.CALLS_PER_ROLLOUT` at once (the rest wait in
+        the rollout's stream: its flood costs the process's other rollouts nothing measurable). A
+        Redis error is retried (the stream is read again from the last entry seen). Every read
+        blocks at most 1 s, and each turn checks both the stop flag and a swallowed cancellation:
+        a cancelled server ends within about a second, never reads on."""
         last = "0-0"
         try:
-            while not self._closed:
+            while not self._stopped:
+                raise_if_cancelling()
+                room = CALLS_PER_ROLLOUT - len(self._running)
+                if room <= 0:  # its calls wait in its stream: a flood runs this many at once, no more
+                    await asyncio.wait(self._running, timeout=_READ_BLOCK_MS / 1000, return_when="FIRST_COMPLETED")
+                    continue
                 try:
                     got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
-                        {self.keys.tool_requests: last}, count=64, block=_READ_BLOCK_MS
+                        {self.keys.tool_requests: last}, count=room, block=_READ_BLOCK_MS
                     )  # type: ignore[assignment]
                 except RedisError as exc:
                     task = asyncio.current_task()
@@ -155,7 +176,7 @@ class HostedToolServer:
 
     async def _answer(self, request: ToolCallRequest) -> None:
         self.calls += 1
-        answer = await self.tools.run(request)
+        answer = await self.tools.run(request, self.keys.rollout_id)
         if self.metrics is not None:
             self.metrics.hosted_tool_calls.labels(outcome="ok" if answer.ok else "error").inc()
         key = self.keys.tool_answer(request.id)

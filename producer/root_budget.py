@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import RootBudgetSpent
 from rlmq.common.ledger import NO_LEDGER, ROOT, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.producer.root import RootClient
+from rlmq.producer.root_tokens import served_completion_ids
 
 
 class TreeBudgetedRoot:
@@ -117,6 +118,7 @@ class TreeBudgetedRoot:
             reported = getattr(getattr(resp, "usage", None), "completion_tokens", None)
             if isinstance(reported, int) and reported >= 0:
                 used = reported
+            used = max(used, served_completion_ids(resp))  # never below the ids it served
             return resp
         finally:
             self.used_tokens += used

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlmq.common.token_servers import sampled_with
-from rlmq.common.token_wire import served_tokens
+from rlmq.common.settings import setting_default
+from rlmq.common.token_servers import KNOWN_TOKEN_APIS, sampled_with
+from rlmq.common.token_wire import completion_id_count, served_tokens, validate_served
 from rlmq.producer.rollout import Rollout
 
-__all__ = ["ask_for_tokens", "root_turn_tokens"]
+__all__ = ["ask_for_tokens", "root_turn_tokens", "served_completion_ids"]
+
+ROOT_TURN_MAX_IDS: int = setting_default("turn_token_max_ids")
+"""Most token ids one root turn's record keeps (the workers' default bound, ``turn_token_max_ids``)."""
 
 _NOT_SAMPLING = frozenset({"model", "messages", "tools", "extra_body"})
 
@@ -58,6 +62,17 @@ def root_turn_tokens(
     body = _body(resp)
     served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(body, usage, api)
     rollout.token_fields_log.note(body, api, reason, served is not None and served.versions is not None)
+    cap = kwargs.get("max_tokens", kwargs.get("max_completion_tokens"))
+    cap = cap if isinstance(cap, int) and not isinstance(cap, bool) else None
+    served, reason = validate_served(served, reason, max_tokens=cap, max_ids=ROOT_TURN_MAX_IDS)
     sent = {**extra, **sampling}
     record = rollout.root_tokens.encode(rollout.stats.root_turns, served, reason, sent, sampled_with(sent, api))
     return rollout.token_cap.admit(record).model_dump()
+
+
+def served_completion_ids(resp: Any) -> int:
+    """How many completion ids a root reply ``resp`` carried, read where any server rlmq knows
+    writes them (vLLM's ``choices[0].token_ids``, SGLang's ``choices[0].response_token_ids``; the
+    most of them, 0 when none): the least its turn is charged, whatever its ``usage`` says."""
+    body = _body(resp)
+    return max((completion_id_count(body, api) or 0 for api in KNOWN_TOKEN_APIS), default=0)

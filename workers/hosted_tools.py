@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -17,10 +18,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.keys import RolloutKeys
-from rlmq.common.tool_wire import FIELD, TOOL_ERROR, ToolCallAnswer, ToolCallRequest
+from rlmq.common.tool_wire import CALLS_PER_ROLLOUT, FIELD, TOOL_ERROR, ToolCallAnswer, ToolCallRequest
 
-__all__ = ["ANSWER_GRACE", "REQUESTS_TTL_MARGIN", "call_hosted"]
+__all__ = ["ANSWER_GRACE", "REQUESTS_TTL_MARGIN", "RolloutSlots", "call_hosted"]
 
 ANSWER_GRACE = 10.0
 """Seconds a worker waits for an answer past the tool's own timeout (the rollout's turn-around)."""
@@ -32,7 +34,47 @@ _READ_BLOCK = 2.0
 """Seconds of one blocking read: short, so a connection gone quiet is noticed and retried."""
 
 
-async def call_hosted(redis: Redis, rollout_id: str, request: ToolCallRequest, *, name: str, deadline: float) -> str:
+class RolloutSlots:
+    """A worker's hosted-tool calls in flight, at most ``per_rollout`` per rollout at once (one
+    rollout's flood waits for its own slots; other rollouts' calls never queue behind it).
+
+    Args:
+        per_rollout: calls of one rollout in flight at once (:data:`CALLS_PER_ROLLOUT`).
+    """
+
+    def __init__(self, per_rollout: int = CALLS_PER_ROLLOUT) -> None:
+        self.per_rollout = per_rollout
+        self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+
+    async def run(self, rollout_id: str, deadline: float, call: Callable[[], Awaitable[str]]) -> str | None:
+        """``call()`` in one of ``rollout_id``'s slots; ``None`` when none freed up before ``deadline``
+        (Unix seconds)."""
+        sem, users = self._slots.setdefault(rollout_id, (asyncio.Semaphore(self.per_rollout), [0]))
+        users[0] += 1
+        try:
+            try:
+                await asyncio.wait_for(sem.acquire(), max(0.0, deadline - time.time()))
+            except TimeoutError:
+                return None
+            try:
+                return await call()
+            finally:
+                sem.release()
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._slots[rollout_id]
+
+
+async def call_hosted(
+    redis: Redis,
+    rollout_id: str,
+    request: ToolCallRequest,
+    *,
+    name: str,
+    deadline: float,
+    slots: RolloutSlots | None = None,
+) -> str:
     """Send ``request`` to rollout ``rollout_id`` and return its answer text; never raises
     (except cancellation).
 
@@ -40,17 +82,28 @@ async def call_hosted(redis: Redis, rollout_id: str, request: ToolCallRequest, *
         redis: the worker's asyncio client.
         name: the tool's model-facing name (for error lines).
         deadline: Unix time (``time.time()``) past which the answer is no longer waited for.
+        slots: the worker's per-rollout cap on calls in flight (``None``: no cap).
 
     Returns:
         The tool's result text, or one ``[tool error] ...`` line: the tool's own error (from the
         rollout), or no answer before ``deadline`` (the rollout's process is gone or stuck).
     """
+    if slots is not None:
+        text = await slots.run(rollout_id, deadline, lambda: _call(redis, rollout_id, request, name, deadline))
+        if text is None:
+            return f"{TOOL_ERROR} {name}: no free slot for this rollout's tool calls within {request.wait:g} s"
+        return text
+    return await _call(redis, rollout_id, request, name, deadline)
+
+
+async def _call(redis: Redis, rollout_id: str, request: ToolCallRequest, name: str, deadline: float) -> str:
     keys = RolloutKeys(rollout_id)
     answer_key = keys.tool_answer(request.id)
     body = request.model_dump_json()
     sent = False
     last_error = ""
     while time.time() < deadline:
+        raise_if_cancelling()  # a cancelled job never reads on until the deadline
         try:
             if not sent:
                 async with redis.pipeline(transaction=True) as pipe:

@@ -70,10 +70,13 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
             ctx = SubLLMContext(
                 client=client,
                 ledger=BudgetLedger(redis),
-                tools=ToolRegistry.from_paths(settings.allowed_sub_tools),
+                tools=ToolRegistry.from_paths(
+                    settings.allowed_sub_tools, max_output_chars=settings.sub_tool_max_result_chars
+                ),
                 worker_name=f"rq:{job.worker_name or ''}",
                 frozen=settings.frozen_fleet,
                 redis=redis,
+                turn_token_max_ids=settings.turn_token_max_ids,
             )
             result = await _run(request, ctx, job_id=job.id, started_at=started)
             async with redis.pipeline(transaction=False) as pipe:

@@ -35,12 +35,14 @@ class Outcome:
         result_json: the result added to the job's reply stream.
         rq_payload: RQ's result record (see :func:`rlmq.common.rqjobs.rq_return_value`).
         settles: budget settlements sent in the same round trip (ledger id, reservation id, tokens used).
+        spill_key: where its token payload was spilled (deleted when ``FINISH`` does not record it).
     """
 
     ok: bool
     result_json: str
     rq_payload: str
     settles: list[tuple[str, str, int]] = field(default_factory=list)
+    spill_key: str | None = None
 
 
 Failure = Callable[[str, "bytes | None", str, str, int], Outcome]

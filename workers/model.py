@@ -53,7 +53,7 @@ from rlmq.common.connection import mask_url
 from rlmq.common.errors import ConfigError, ModelError
 from rlmq.common.settings import setting_default
 from rlmq.common.token_servers import TokenApi, TokenFieldsLog
-from rlmq.common.token_wire import ServedTokens, served_tokens
+from rlmq.common.token_wire import ServedTokens, completion_id_count, served_tokens
 from rlmq.workers.transport import AiohttpTransport, HttpReply, Transport
 
 log = logging.getLogger("rlmq.model")
@@ -85,6 +85,10 @@ class ChatResponse:
             ``None`` when not asked for or when the turn is untrainable.
         untrainable: why a turn asked for its tokens has none (see
             :data:`rlmq.common.token_wire.UNTRAINABLE_REASONS`); ``None`` otherwise.
+        completion_ids: how many completion ids the reply carried (asked for with ``tokens=True``),
+            ``None`` when it carried none; ``completion_tokens`` is never below it.
+        underreported: completion ids beyond the ``usage.completion_tokens`` the server reported
+            (``completion_tokens`` counts them: a charge is never below what was served).
     """
 
     content: str | None
@@ -96,6 +100,8 @@ class ChatResponse:
     message: dict[str, Any]
     served: ServedTokens | None = None
     untrainable: str | None = None
+    completion_ids: int | None = None
+    underreported: int = 0
 
 
 MAX_COUNT = 100_000_000
@@ -293,7 +299,24 @@ def _with_tokens(asked: _Asked | None, data: dict[str, Any], response: ChatRespo
         response.served, response.untrainable = served_tokens(data, usage, api)
         sent = response.served is not None and response.served.versions is not None
         fields_log.note(data, api, response.untrainable, sent)
+        _count_served_ids(response, completion_id_count(data, api))
     return response
+
+
+def _count_served_ids(response: ChatResponse, ids: int | None) -> None:
+    """Raise ``response.completion_tokens`` to the ``ids`` completion ids the reply carried: a
+    server that reports a ``usage`` below what it served is charged what it served, and the
+    difference is recorded (``underreported``)."""
+    response.completion_ids = ids
+    if ids is None or ids <= response.completion_tokens:
+        return
+    if response.usage_reported:
+        response.underreported = ids - response.completion_tokens
+        log.warning(
+            "model server reported usage.completion_tokens=%d but served %d completion ids: charged %d",
+            response.completion_tokens, ids, ids,
+        )  # fmt: skip
+    response.completion_tokens = ids
 
 
 def with_token_fields(payload: dict[str, Any], api: TokenApi | None = None) -> dict[str, Any]:

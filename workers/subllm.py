@@ -48,7 +48,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from redis.asyncio import Redis
@@ -57,11 +57,12 @@ from redis.exceptions import RedisError
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
+from rlmq.common.settings import setting_default
 from rlmq.common.token_servers import sampled_with
-from rlmq.common.token_wire import TurnEncoder, TurnTokens
-from rlmq.common.tool_registry import canonical_tool_path
+from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
+from rlmq.common.tool_registry import canonical_tool_path, cut_text
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
-from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
+from rlmq.workers.hosted_tools import ANSWER_GRACE, RolloutSlots, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.tools import ToolRegistry
 
@@ -86,6 +87,9 @@ class SubLLMContext:
             its turns are marked untrainable (``frozen_fleet``) and no token is asked for.
         redis: the client a hosted tool's call travels on (``None``: hosted tools are refused as
             tools not allowed on this worker).
+        turn_token_max_ids: most token ids (prompt + completion) one turn's record carries off this
+            worker (``turn_token_max_ids``); past it the turn is untrainable (``too_many_ids``).
+        hosted_slots: hosted-tool calls in flight per rollout (one rollout's flood waits for its own).
     """
 
     client: ChatClient
@@ -96,6 +100,8 @@ class SubLLMContext:
     tool_timeout: float = 30.0
     frozen: bool = False
     redis: Redis | None = None
+    turn_token_max_ids: int | None = setting_default("turn_token_max_ids")
+    hosted_slots: RolloutSlots = field(default_factory=RolloutSlots)
 
 
 FINAL_ANSWER_PROMPT = (
@@ -156,6 +162,7 @@ class _Run:
         self.granted_tokens = 0
         self.released_tokens = 0
         self.overrun_tokens = 0
+        self.underreported_tokens = 0
         self.waits = 0
         self.wait_seconds = 0.0
         self.truncated = False
@@ -244,6 +251,7 @@ class _Run:
                 self.overrun_tokens += response.completion_tokens - max_tokens  # charged, and recorded
             if grant is not None:
                 used = response.completion_tokens if response.usage_reported else grant.tokens
+                used = max(used, response.completion_ids or 0)  # never below the ids it served
                 final = not response.tool_calls or turn == last_turn
                 if final and self.settle_out is not None:
                     # The last settlement rides with the worker's FINISH round trip; until then
@@ -385,6 +393,7 @@ class _Run:
             raise
         self.prompt_tokens += response.prompt_tokens
         self.completion_tokens += response.completion_tokens
+        self.underreported_tokens += response.underreported
         if request.include_tokens:
             self._record_tokens(turn, response, max_tokens, tools)
         return response
@@ -402,6 +411,7 @@ class _Run:
             sampling["tools"] = sorted(t["function"]["name"] for t in tools)
         reason = "frozen_fleet" if self.ctx.frozen else response.untrainable
         served = None if self.ctx.frozen else response.served
+        served, reason = validate_served(served, reason, max_tokens=max_tokens, max_ids=self.ctx.turn_token_max_ids)
         drawn = sampled_with(sampling, self.ctx.client.token_api)  # the request's, else the server's default
         self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling, drawn))
 
@@ -459,8 +469,10 @@ class _Run:
                 id=request_id(self.job_id, turn, index, name, arguments), tool=spec.path, arguments=arguments, wait=wait
             )
             deadline = min(time.time() + wait, self.request.deadline)  # nobody reads a late result
-            return await call_hosted(self.ctx.redis, self.request.tool_host, call, name=name, deadline=deadline)
-        return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout)
+            host, slots = self.request.tool_host, self.ctx.hosted_slots
+            text = await call_hosted(self.ctx.redis, host, call, name=name, deadline=deadline, slots=slots)
+            return cut_text(text, self.ctx.tools.max_output_chars)  # the rollout's answer, bounded here too
+        return await self.ctx.tools.call(name, arguments, timeout=self.ctx.tool_timeout, owner=self.request.rollout_id)
 
 
 async def run_sub_llm(
@@ -546,6 +558,7 @@ async def run_sub_llm(
         granted_tokens=run.granted_tokens,
         released_tokens=run.released_tokens,
         overrun_tokens=run.overrun_tokens,
+        underreported_tokens=run.underreported_tokens,
         budget_waits=run.waits,
         budget_wait_seconds=round(run.wait_seconds, 4),
         truncated=run.truncated,

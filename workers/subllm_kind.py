@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rlmq.common.jobstore import ABANDONED_CONTENT, StartedJob, slot_of
 from rlmq.common.rqjobs import SUB_LLM_FUNC, rq_exc_string, rq_return_value
 from rlmq.common.schemas import SubLLMRequest, SubLLMResult, load_request
-from rlmq.common.spill import spill_result
+from rlmq.common.spill import spill_key_of, spill_result
 from rlmq.workers.capacity import MODEL_CALLS
 from rlmq.workers.kinds import JobKind, Outcome
 from rlmq.workers.subllm import run_sub_llm
@@ -110,7 +110,9 @@ def sub_llm_outcome(result: SubLLMResult, settles: list[tuple[str, str, int]]) -
     payload = (
         rq_return_value(summary) if ok else rq_exc_string(f"{result.error_kind}: {result.error or result.content}")
     )
-    return Outcome(ok=ok, result_json=result.model_dump_json(), rq_payload=payload, settles=settles)
+    return Outcome(
+        ok=ok, result_json=result.model_dump_json(), rq_payload=payload, settles=settles, spill_key=spill_key_of(result)
+    )
 
 
 def sub_llm_failure(

@@ -4,7 +4,8 @@
   rq-dashboard list the worker; registered again when Redis forgot it (restarted without
   persistence); and an entry in ``rlmq:serving:<queue>`` (name -> heartbeat expiry) that tells
   producers, within seconds, whether anybody serves a queue;
-* the heartbeat (every ``heartbeat_interval`` seconds) extends the started-registry scores of
+* the heartbeat (every ``heartbeat_interval`` seconds, and at least :data:`HEARTBEAT_MARGIN`
+  times per ``job_heartbeat_ttl``, on a fixed rate) extends the started-registry scores of
   all in-flight jobs, the worker's own key and its serving entry;
 * the reaper (every ``max(0.5, job_heartbeat_ttl / 4)`` seconds, jittered) re-queues, or
   fails when out of attempts, jobs of workers that stopped heartbeating, so a ``kill -9``
@@ -39,6 +40,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlmq.worker")
 
 
+HEARTBEAT_MARGIN = 4
+"""Heartbeats a worker sends per ``job_heartbeat_ttl`` at least: its jobs are taken back only after
+it missed this many in a row (its event loop stalled for 3/4 of the TTL), so a host under load is
+not declared dead while alive. The bound: heartbeat period <= ``job_heartbeat_ttl / HEARTBEAT_MARGIN``."""
+
+
+def heartbeat_period(interval: float, ttl: float) -> float:
+    """Seconds between two heartbeats: ``interval`` (``heartbeat_interval``), at most
+    ``ttl / HEARTBEAT_MARGIN`` (``job_heartbeat_ttl``): ``--heartbeat-ttl 2`` beats every 0.5 s."""
+    return min(interval, ttl / HEARTBEAT_MARGIN)
+
+
 class Upkeep:
     """Registration, heartbeat and reaper of one worker.
 
@@ -48,6 +61,9 @@ class Upkeep:
 
     def __init__(self, worker: SubLLMWorker) -> None:
         self.w = worker
+        self.late_beats = 0
+        """Heartbeats that came more than half a ``job_heartbeat_ttl`` after the one before (a
+        stalled event loop: the host is near being declared dead while alive)."""
 
     # ------------------------------------------------------------------ RQ registration
 
@@ -108,9 +124,23 @@ class Upkeep:
         await asyncio.gather(*(w.records_for(q).heartbeat(m, state) for q, m in by_queue.items()))
 
     async def heartbeat_loop(self) -> None:
-        """:meth:`heartbeat_once` every ``heartbeat_interval`` seconds, for ever."""
-        interval = self.w.settings.heartbeat_interval
+        """:meth:`heartbeat_once` at a fixed rate, for ever: every :func:`heartbeat_period`
+        seconds, counted from the previous beat's start (a slow beat does not push the next one
+        later). A beat later than half the TTL is counted (``late_beats``) and logged."""
+        settings = self.w.settings
+        period = heartbeat_period(settings.heartbeat_interval, settings.job_heartbeat_ttl)
+        loop = asyncio.get_running_loop()
+        next_at = previous = loop.time()
         while True:
+            now = loop.time()
+            if now - previous > settings.job_heartbeat_ttl / 2:
+                self.late_beats += 1
+                log.warning(
+                    "worker %s: heartbeat %.1f s after the last one (its jobs are taken back after %d s): "
+                    "its event loop is stalled; a larger --heartbeat-ttl suits a host this loaded",
+                    self.w.name, now - previous, settings.job_heartbeat_ttl,
+                )  # fmt: skip
+            previous = now
             try:
                 await self.heartbeat_once()
             except redis.exceptions.NoPermissionError:
@@ -118,7 +148,8 @@ class Upkeep:
             except (redis.RedisError, OSError) as exc:
                 log.warning("worker %s: heartbeat failed (%s)", self.w.name, exc)
                 self.w.metrics.reconnect()
-            await asyncio.sleep(interval)  # periodic timer, not synchronisation
+            next_at = max(next_at + period, loop.time())  # fixed rate; never a burst after a stall
+            await asyncio.sleep(next_at - loop.time())  # periodic timer, not synchronisation
 
     # ------------------------------------------------------------------ reaper
 

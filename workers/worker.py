@@ -251,10 +251,11 @@ class SubLLMWorker:
         self.ctx = SubLLMContext(
             client=self._client_factory(),
             ledger=self.ledger,
-            tools=ToolRegistry.from_paths(s.allowed_sub_tools),
+            tools=ToolRegistry.from_paths(s.allowed_sub_tools, max_output_chars=s.sub_tool_max_result_chars),
             worker_name=self.name,
             frozen=s.frozen_fleet,
             redis=self.redis,
+            turn_token_max_ids=s.turn_token_max_ids,
         )
         self.ctx.client.token_fields_log = self.token_fields_log  # one warning per worker, children's roots too
         rq_worker = self.upkeep.register_birth()
@@ -416,7 +417,7 @@ class SubLLMWorker:
         self.jobs.finished(
             FinishedJob(
                 job=job, ok=outcome.ok, result_json=outcome.result_json, rq_payload=outcome.rq_payload,
-                settles=outcome.settles,
+                settles=outcome.settles, spill_key=outcome.spill_key,
             )
         )  # fmt: skip
         self.update_gauge()  # before the flush: no producer sees the result while it still counts
@@ -470,6 +471,28 @@ class SubLLMWorker:
         async with self._flush_lock:
             await self._flush_held()
 
+    async def _drop_unrecorded_spills(self, batch: list[FinishedJob]) -> None:
+        """Delete the spilled payloads of ``batch``'s results that ``FINISH`` did not record (no
+        result entry of their execution): their jobs were taken back while this worker was
+        stopped, nobody will read them, and they would stay until their TTL otherwise."""
+        spilled = [d for d in batch if d.spill_key is not None]
+        if not spilled:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for d in spilled:
+                    pipe.xrevrange(K.rq_results(d.job.job_id), count=10)
+                entries = await pipe.execute()
+            eid = b"execution_id"
+            stale = [
+                d.spill_key for d, got in zip(spilled, entries, strict=True)
+                if d.spill_key is not None and not any(f.get(eid) == d.job.execution_id.encode() for _, f in got or [])
+            ]  # fmt: skip
+            if stale:
+                await self.redis.delete(*stale)
+        except redis.RedisError as exc:  # the TTL still ends them
+            log.warning("worker %s: could not delete unrecorded spilled payloads: %s", self.name, exc)
+
     async def _flush_held(self) -> None:
         batch = self.jobs.take_done()
         if not batch:
@@ -482,6 +505,8 @@ class SubLLMWorker:
         except BaseException:
             self.jobs.put_back(batch)
             raise
+        if sum(r for r, _ in outcomes) < len(batch):  # some were taken back (and re-run) meanwhile
+            await self._drop_unrecorded_spills(batch)
         undeliverable = sum(u for _, u in outcomes)
         if undeliverable:
             log.error("worker %s: %d results had a reply key that is not a stream; recorded as failed",

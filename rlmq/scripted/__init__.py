@@ -125,6 +125,10 @@ Directives in the prompt:
   (``finish_reason: "length"``); otherwise ``"stop"``.
 * ``[[mock:ignore-max-tokens]]``: a server that ignores ``max_tokens``: the answer is not cut
   at the request's limit (``[[mock:tokens:300]]`` with ``max_tokens=100`` serves 300).
+* ``[[mock:usage-quarter]]`` in the first user message: a server that under-reports: its
+  ``usage.completion_tokens`` is a quarter of what it served (``/stats`` counts what it served).
+* Token ids and logprobs (``return_token_ids``), lies included (``[[mock:token-ids:nan]]``,
+  ``flood-<n>``, ...): see :mod:`rlmq.scripted.tokens`.
 * Faults, for resilience tests:
   ``[[mock:status:<code>]]`` / ``[[mock:status:<code>:retry-after=<seconds>]]`` (HTTP error
   with an OpenAI-style body, and a ``Retry-After`` header when given);

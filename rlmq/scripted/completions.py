@@ -101,6 +101,7 @@ class _State:
     def reset(self) -> None:
         self.total = _Counts()
         self.invalid = 0
+        self.largest_request_bytes = 0
         self.per_user: dict[str, _Counts] = {}
         self.per_model: dict[str, _Counts] = {}
         self.per_role: dict[str, _Counts] = {"root": _Counts(), "sub": _Counts()}
@@ -140,6 +141,7 @@ class _State:
             "server": f"{MODEL_FINGERPRINT} (test double)",
             **self.total.as_dict(),
             "invalid_requests": self.invalid,
+            "largest_request_bytes": self.largest_request_bytes,
             "per_user": {k: v.as_dict() for k, v in self.per_user.items()},
             "per_model": {k: v.as_dict() for k, v in self.per_model.items()},
             "per_role": {k: v.as_dict() for k, v in self.per_role.items()},

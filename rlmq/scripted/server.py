@@ -76,12 +76,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _QUOTA = web.AppKey("quota", ProviderQuota)
+MAX_REQUEST_BYTES = 256 * 2**20
+"""Largest request body taken (as a vLLM server takes large ones; ``/stats`` says the largest seen)."""
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[_STATE]
     try:
-        body = json.loads(await request.read())
+        raw = await request.read()
+        state.largest_request_bytes = max(state.largest_request_bytes, len(raw))
+        body = json.loads(raw)
     except ValueError:
         state.invalid += 1
         return _error(400, "the request body is not valid JSON")
@@ -203,6 +207,16 @@ async def _answer(
 
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
+    result: dict[str, Any] = {
+        "id": f"chatcmpl-scripted-{next(state.ids)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": MODEL_FINGERPRINT,
+        "choices": [{"index": 0, **choice, "logprobs": None}],
+    }
+    role = "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub"
+    completion_tokens = served_fields(state.served, body, result, messages, role) or completion_tokens
     if "[[mock:t" in first_user:  # paced like a real server, and counted per tag
         await asyncio.sleep(decode_seconds(first_user, completion_tokens))  # decoding time
         tag = tag_of(first_user)
@@ -213,21 +227,13 @@ async def _answer(
     for counts in counted:
         counts.completions += 1
         counts.prompt_tokens += prompt_tokens
-        counts.completion_tokens += completion_tokens
-    result: dict[str, Any] = {
-        "id": f"chatcmpl-scripted-{next(state.ids)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": MODEL_FINGERPRINT,
-        "choices": [{"index": 0, **choice, "logprobs": None}],
-    }
-    served_fields(state.served, body, result, messages, "root" if ROOT_TOOL_NAME in tool_names or rlm_root else "sub")
+        counts.completion_tokens += completion_tokens  # what it served, whatever its usage says
     if not no_usage:
+        reported = completion_tokens // 4 if "[[mock:usage-quarter]]" in first_user else completion_tokens
         result["usage"] = {
             "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": reported,
+            "total_tokens": prompt_tokens + reported,
         }
     return web.Response(body=json.dumps(result).encode(), content_type=_JSON)
 
@@ -308,7 +314,7 @@ def create_app(
         served = ServedLog(token_shape)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
     app[_STATE] = _State(latency, spend_all)
     app[_STATE].served = served
     if quota is not None:

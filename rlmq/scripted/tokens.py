@@ -27,7 +27,13 @@ reply. Its weights carry a label (``step-0`` at start; ``POST /update_weight_ver
   answered ``response_token_ids``: ``choices[0].prompt_token_ids`` and ``choices[0].token_ids``;
 * ``[[mock:weight-update:K]]``: the weights are updated after the reply's first ``K`` completion
   tokens: its tokens span two versions (``[0, K)`` the old label, ``[K, n)`` the next one: the
-  trailing number of the label plus one), and later replies carry the next label.
+  trailing number of the label plus one), and later replies carry the next label;
+* ``[[mock:token-ids:nan]]``, ``[[mock:token-ids:inf]]``, ``[[mock:token-ids:-inf]]``,
+  ``[[mock:token-ids:positive]]``: a lying server (vLLM's shape): its last logprob is ``NaN``,
+  ``+inf``, ``-inf`` or ``0.5`` (the JSON body then holds ``NaN`` / ``Infinity`` as Python writes them);
+* ``[[mock:token-ids:flood-<n>]]``: a flooding server (vLLM's shape): ``n`` completion ids (and
+  logprobs), its ``usage`` saying ``n`` too, whatever ``max_tokens`` was (the served count
+  :func:`served_fields` returns).
 
 Every reply that carried token fields is recorded (:class:`ServedLog`, ``GET /served``): its
 ``id``, ``user``, role, the three lists and its ``weight_versions``, so a test compares what a
@@ -37,6 +43,7 @@ trajectory holds with what was served, element by element.
 from __future__ import annotations
 
 import collections
+import math
 import re
 import struct
 import zlib
@@ -44,9 +51,10 @@ from typing import Any
 
 __all__ = ["TOKEN_SHAPES", "ServedLog", "next_label", "served_fields", "word_id"]
 
-_MODES = "none|mismatch|usage|sglang-token-ids|sglang|vllm-no-weight-versions|vllm"
+_MODES = r"none|mismatch|usage|sglang-token-ids|sglang|vllm-no-weight-versions|vllm|nan|inf|-inf|positive|flood-\d{1,8}"
 _MODE_RE = re.compile(rf"\[\[mock:token-ids:({_MODES})\]\]")
 _UPDATE_RE = re.compile(r"\[\[mock:weight-update:(\d{1,6})\]\]")
+_LIES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "positive": 0.5}
 TOKEN_SHAPES = ("vllm", "sglang")
 """The servers whose token fields the scripted model answers in."""
 SERVED_KEPT = 200_000
@@ -124,9 +132,11 @@ def _versions(log: ServedLog, users: str, length: int) -> list[dict[str, Any]]:
 
 def served_fields(
     log: ServedLog, body: dict[str, Any], result: dict[str, Any], messages: list[dict[str, Any]], role: str
-) -> None:
+) -> int | None:
     """Add the token fields of the server it plays to ``result`` (a chat completion about to be sent)
-    when ``body`` asked, as the directives in the user messages say, and record what was served in ``log``."""
+    when ``body`` asked, as the directives in the user messages say, and record what was served in ``log``.
+    Returns the completion ids served when a flood directive made them more than the reply's text,
+    else ``None``."""
     users = " ".join(_content(m) for m in messages if m.get("role") == "user")
     match = _MODE_RE.search(users)
     mode = match.group(1) if match else log.shape
@@ -134,7 +144,9 @@ def served_fields(
     if sglang:
         result["metadata"] = {"weight_version": log.weight_version}
     if mode == "none" or not _asked(body, "sglang" if sglang else mode):
-        return
+        return None
+    if mode.startswith("flood-"):
+        return _flood(log, result, messages, body.get("user"), int(mode.removeprefix("flood-")))
     choice = result["choices"][0]
     message = choice["message"]
     prompt = [i for m in messages for i in _ids(_content(m))]
@@ -149,6 +161,8 @@ def served_fields(
         logprobs = [*logprobs, -0.5]
     if mode == "mismatch" and logprobs:
         logprobs = logprobs[:-1]
+    if mode in _LIES and logprobs:
+        logprobs[-1] = _LIES[mode]
     record: dict[str, Any] = {"id": result["id"], "user": body.get("user"), "role": role, "shape": mode}
     if sglang:
         choice["prompt_token_ids"] = prompt
@@ -166,3 +180,15 @@ def served_fields(
     log.items.append({
         **record, "prompt_token_ids": prompt, "completion_token_ids": completion, "completion_logprobs": logprobs,
     })  # fmt: skip
+    return None
+
+
+def _flood(log: ServedLog, result: dict[str, Any], messages: list[dict[str, Any]], user: Any, n: int) -> int:
+    """``n`` completion ids and logprobs in ``result`` (compact items, vLLM's shape); logged without its lists."""
+    choice = result["choices"][0]
+    result["prompt_token_ids"] = [i for m in messages for i in _ids(_content(m))]
+    choice["token_ids"] = [100 + i % 150_000 for i in range(n)]
+    choice["logprobs"] = {"content": [{"logprob": -0.5}] * n}
+    log.serial += 1
+    log.items.append({"id": result["id"], "user": user, "role": "sub", "flood": n})
+    return n

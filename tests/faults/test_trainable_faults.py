@@ -6,6 +6,7 @@ parent gives turns: none lost, none twice, each equal to what the server served.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -136,3 +137,53 @@ def test_a_child_re_run_after_kill_9_of_its_host_gives_only_the_answering_runs_t
     assert all(served_roots[key(t)] == 1 for t in roots)  # each was served once, and is kept once
     assert sum(served_roots.values()) >= 2  # the dead run's first root turn was served too, and is not kept
     r.close()
+
+
+async def test_a_worker_stopped_and_resumed_after_its_job_was_re_run_leaves_no_spilled_payload(
+    fault_fleet: LocalFleet,
+) -> None:
+    """SIGSTOP of the worker while its calls are at the model, a rescuer re-runs them, then
+    SIGCONT: the stopped worker's late answers spill (their payloads are large), its FINISH is
+    not recorded, and it deletes what it spilled instead of leaving it until the TTL."""
+    fleet = fault_fleet
+    victim, victim_name = start_named_worker(fleet, "stopped")
+    settings = load_settings(redis_url=fleet.redis_url, base_url=fleet.base_url, model=fleet.model, sub_call_timeout=60)
+    rid = f"train-stop-{time.time_ns()}"
+    code = f"""
+out = llm_batch([f"item {{i}} [[mock:sleep:2]] " + "word " * 4000 for i in range({N_CALLS})])
+answer["content"] = str(len(out))
+answer["ready"] = True
+"""
+    row = DatasetRow(id="s", question="Stop a worker. " + root_code_directive(code), context="x")
+    sync = redis.Redis.from_url(str(fleet.redis_url))
+    base = str(fleet.base_url)
+    try:
+        async with RLMEnv(settings=settings, include_sub_llm_in_trajectory=True) as env:
+            task = asyncio.create_task(env.rollout(row, model=fleet.model, rollout_id=rid))
+
+            async def at_model() -> bool:
+                stats = await asyncio.to_thread(model_stats, base)
+                return bool(stats["per_user"].get(rid, {}).get("requests", 0) >= N_CALLS)
+
+            await await_until(at_model, 30, "the victim's calls at the model")
+            os.kill(victim.pid, signal.SIGSTOP)
+            fleet.start_worker("rescuer")
+            res = await asyncio.wait_for(task, 60 + HEARTBEAT_TTL + 30)
+        assert res.row.stop_reason == "answer_ready", res.row.error
+        [batch] = [e for e in res.trajectory if e["type"] == "llm_batch"]
+        assert [r["attempt"] for r in batch["results"]] == [2] * N_CALLS
+        os.kill(victim.pid, signal.SIGCONT)
+        pattern = K.RolloutKeys(rid).spill("*", 1)
+        served_twice = lambda: model_stats(base)["per_user"][rid]["completions"] >= 2 * N_CALLS  # noqa: E731
+        wait_until(served_twice, 30, "the resumed worker's calls answered")
+        # its results spill (within milliseconds), its FINISH records none of them; what it
+        # spilled goes with them, instead of staying until its TTL (minutes)
+        settled = time.monotonic() + 3
+        wait_until(
+            lambda: time.monotonic() > settled and not list(sync.scan_iter(pattern)), 30,
+            "no spilled payload of the stale attempt left",
+        )  # fmt: skip
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.pid, signal.SIGCONT)
+        sync.close()

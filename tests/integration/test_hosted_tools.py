@@ -42,7 +42,7 @@ async def served(redis_url: str) -> AsyncIterator[tuple[object, str, HostedToolS
     try:
         yield redis, rid, server
     finally:
-        server.close()
+        server.stop()
         task.cancel()
         # bounded: a cancel the Redis client swallowed (the server read on forever) held this for 600 s
         done, _ = await asyncio.wait({task}, timeout=30)

@@ -101,3 +101,29 @@ async def test_a_thread_that_fails_to_start_with_any_error_is_not_counted(monkey
         )
     monkeypatch.undo()
     assert await tools.call("fine", '{"key": "y"}', timeout=5) == "fine y"
+
+
+async def test_one_rollouts_hung_calls_cost_other_rollouts_nothing() -> None:
+    """20 hung sync calls of one rollout: that rollout's next sync call is refused, another
+    rollout's sync tool runs at once (the cap is per rollout, not per registry)."""
+    RELEASE.clear()
+    tools = registry()
+    try:
+        outs = await asyncio.gather(
+            *(tools.call("stuck", f'{{"key": "h{i}"}}', timeout=0.2, owner="hog") for i in range(20))
+        )
+        assert all(o.startswith("[tool error] stuck") for o in outs), outs
+        assert tools.overrun_threads("hog") == 20 > MAX_OVERRUN_THREADS  # all started at once, all hung
+        assert (await tools.call("fine", '{"key": "a"}', timeout=5, owner="hog")).startswith(
+            "[tool error] fine: refused"
+        )
+        t0 = time.monotonic()
+        assert await tools.call("fine", '{"key": "b"}', timeout=5, owner="victim") == "fine b"
+        assert time.monotonic() - t0 < 1.0
+        assert tools.overrun_threads("victim") == 0
+    finally:
+        RELEASE.set()
+    deadline = time.monotonic() + 10
+    while tools.overrun_threads("hog") > 0:
+        assert time.monotonic() < deadline, "the released threads did not end"
+        await asyncio.sleep(0.01)
