@@ -116,13 +116,22 @@ ROOT = "root"
 _KIND = re.compile(r"[a-z_]{1,16}")
 
 
-def _reserve_op(kind: str, *, leased: bool = False) -> str:
+def _reserve_op(kind: str, *, leased: bool = False, segment: int | None = None) -> str:
     """The script's op of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``
-    (:attr:`~rlmq.common.ledger_wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``.
+    (:attr:`~rlmq.common.ledger_wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``. With
+    ``segment`` (tokens the answer has spent, 0 for its first segment): ``g:<kind>:<segment>``
+    (``G:...`` leased; the kind empty for :data:`SUB_LLM`).
 
     Raises:
-        ValueError: ``kind`` is not 1-16 characters of ``[a-z_]``.
+        ValueError: ``kind`` is not 1-16 characters of ``[a-z_]``, or ``segment`` is negative.
     """
+    if kind != SUB_LLM and not _KIND.fullmatch(kind):
+        raise ValueError(f"invalid reservation kind {kind!r}: use 1-16 characters of [a-z_]")
+    if segment is not None:
+        if segment < 0:
+            raise ValueError(f"a segment's spent tokens must be >= 0, got {segment}")
+        seg = Op.SEGMENT_LEASED if leased else Op.SEGMENT
+        return f"{seg.value}:{'' if kind == SUB_LLM else kind}:{int(segment)}"
     op = Op.LEASED if leased else Op.RESERVE
     if kind == SUB_LLM:
         return op.value
@@ -191,6 +200,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)
         self._parked_kinds: dict[tuple[str, str], str] = {}  # (ledger, reservation) -> kind, while acquiring
         self._parked_nodes: dict[tuple[str, str], tuple[str, ...]] = {}  # ... -> node chain, while acquiring
+        self._parked_segments: dict[tuple[str, str], int] = {}  # ... -> a segment's spent tokens, while acquiring
         self.on_park: Callable[[], None] | None = None
         """Called whenever the number of :attr:`parked` calls changes (the worker's slot count)."""
         self.resume_gate: Callable[[], Awaitable[None]] | None = None
@@ -256,6 +266,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         kind: str | None = None,
         nodes: Sequence[str] | None = None,
         leased: bool | None = None,
+        segment: int | None = None,
     ) -> Grant:
         """Reserve ``min(cap, ledger cap of the kind, free)`` tokens under ``reservation_id``, or learn to wait.
 
@@ -279,6 +290,9 @@ class BudgetLedger(LedgerTree, LedgerCalls):
                 Its holder calls :meth:`begin` right before the model call; a grant not begun within
                 the lease (``grant_lease`` seconds) is reclaimed by the ledger's next reservation.
                 Default: leased when :meth:`acquire` parked this reservation, else not.
+            segment: reserve a *segment* of an answer instead of a whole cap (``docs/budget.md``):
+                the tokens the answer has spent so far (0: its first segment; ``cap`` is the whole
+                answer's cap). Default: the segment :meth:`acquire` is waiting with, else a whole cap.
 
         Raises:
             ValueError: an invalid ``kind``.
@@ -290,11 +304,13 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         if kind is None:
             kind = self._parked_kinds.get(parked, SUB_LLM)
         chain = tuple(nodes) if nodes is not None else self._parked_nodes.get(parked, ())
+        if segment is None:
+            segment = self._parked_segments.get(parked)
         if chain:
             for node in chain:
                 LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        op = _reserve_op(kind, leased=bool(leased))
+        op = _reserve_op(kind, leased=bool(leased), segment=segment)
         r = await self._submit(ledger_id, op, reservation_id, cap or 0, dl, chain)
         if r.code == Code.NO_LEDGER:
             self._remember_unbudgeted(ledger_id)
@@ -353,6 +369,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         kind: str = SUB_LLM,
         nodes: Sequence[str] = (),
         leased: bool = False,
+        segment: int | None = None,
     ) -> tuple[Grant, int, float]:
         """Reserve, waiting for releases while the ledger says "wait"; the worker's entry point.
 
@@ -368,6 +385,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
             leased: lease the first ask's grant (see :meth:`reserve`); a grant after parking is
                 always leased (it waits for the resume gate): when the returned grant is
                 :attr:`~Grant.leased`, :meth:`begin` it right before the model call.
+            segment: reserve a segment of an answer that has spent this many tokens (see :meth:`reserve`).
 
         Returns:
             ``(grant, waits, wait_seconds)``: the final answer (never ``code`` 4), how many
@@ -385,7 +403,15 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         """
         try:
             grant = await self.reserve_until(
-                deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes, leased=leased
+                deadline - margin,
+                ledger_id,
+                reservation_id,
+                cap,
+                deadline,
+                kind=kind,
+                nodes=nodes,
+                leased=leased,
+                segment=segment,
             )
         except asyncio.CancelledError:
             if leased:
@@ -393,7 +419,14 @@ class BudgetLedger(LedgerTree, LedgerCalls):
             raise
         if grant.code != Code.WAIT:
             return grant, 0, 0.0
-        result = await self._park_until_answered(ledger_id, reservation_id, cap, deadline, margin, grant, kind, nodes)
+        if segment is not None:
+            self._parked_segments[(ledger_id, reservation_id)] = segment
+        try:
+            result = await self._park_until_answered(
+                ledger_id, reservation_id, cap, deadline, margin, grant, kind, nodes
+            )
+        finally:
+            self._parked_segments.pop((ledger_id, reservation_id), None)
         if result[0].granted:
             await self._resume(ledger_id, reservation_id, parked=result[1] > 0)
         return result
@@ -487,6 +520,21 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         """Settle a reservation of ledger ``ledger_id`` with the ``used`` completion tokens the server reported."""
         r = await self._submit(ledger_id, Op.SETTLE, reservation_id, max(0, int(used)), 0.0)
         return Settlement(r.value, r.charged, r.limit, r.code)
+
+    def note_answer(self, ledger_id: str, tokens: int, kind: str = SUB_LLM) -> None:
+        """Tell the ledger, without waiting, that an answer of ``kind`` ended after ``tokens`` completion
+        tokens: it sizes later answers' first segments from the longest (``docs/budget.md``). A note
+        that fails (Redis away) only leaves the estimate as it was."""
+        op = f"{Op.ANSWERED.value}:{'' if kind == SUB_LLM else kind}:{max(0, int(tokens))}"
+        _reserve_op(kind)  # ValueError for an invalid kind, now
+
+        async def note() -> None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._submit(ledger_id, op, "", 0, 0.0)
+
+        task = asyncio.get_running_loop().create_task(note())
+        self._give_backs.add(task)
+        task.add_done_callback(self._give_backs.discard)
 
     async def begin(self, ledger_id: str, reservation_id: str) -> bool:
         """Mark a leased grant *begun*: its call is about to reach the model. From now on it is never

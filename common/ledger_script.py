@@ -138,10 +138,16 @@ for i = 1, nops, 500 do
     if part[j] then state[ids[i + j - 1]] = part[j] end
   end
 end
+local pledged_sum = nil  -- the pledges of live segment reservations (computed when asked, once per change)
 local function put(id, value)  -- value false: the reservation is forgotten (HDEL)
   if not writes[id] and writes[id] ~= false then order[#order + 1] = id end
   writes[id] = value
   state[id] = value
+  pledged_sum = nil
+end
+local function unpledge(id)  -- a segment reservation stops pledging (settled, given back, retired)
+  if f.segments > 0 then redis.call('HDEL', reservations, id .. '$PLEDGE_SUFFIX') end
+  pledged_sum = nil
 end
 local function held(s)  -- the grant of an open reservation (begun or not), else nil
   if s and (string.sub(s, 1, 5) == 'open:' or string.sub(s, 1, 5) == 'call:') then
@@ -163,6 +169,7 @@ local function give_back(id, grant)  -- a leased grant never begun: back to the 
   f.reclaimed = f.reclaimed + grant
   changed.charged, changed.reclaimed = true, true
   put(id, false)
+  unpledge(id)
   redis.call('ZREM', live_set, id)
   live = nil
   settled = true
@@ -186,12 +193,39 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
   if score == nil then return nil end
   return tonumber(score)
 end
+local function pledged()  -- tokens the live answers are expected to need past their grants
+  if pledged_sum == nil then
+    pledged_sum = 0
+    if f.segments > 0 and live_count() > 0 then
+      local members = redis.call('ZRANGE', live_set, 0, -1)
+      local fields = {}
+      for j, member in ipairs(members) do fields[j] = member .. '$PLEDGE_SUFFIX' end
+      for j = 1, #fields, 500 do
+        local part = redis.call('HMGET', reservations, unpack(fields, j, math.min(j + 499, #fields)))
+        for _, v in ipairs(part) do
+          if v then pledged_sum = pledged_sum + (tonumber(v) or 0) end
+        end
+      end
+    end
+  end
+  return pledged_sum
+end
+local longest = {}
+local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
+  if longest[k] == nil then
+    local field = 'longest'
+    if k ~= '' then field = 'longest:' .. k end
+    longest[k] = tonumber(redis.call('HGET', budget, field) or '0') or 0
+  end
+  return math.min(whole, math.max($SEGMENT_MIN, longest[k], math.floor(limit / 8)))
+end
 local out = {}
 for i = 1, nops do
   local o = $HEAD_ARGS + $OP_ARGS * (i - 1)
   local kind, id, n, dl = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
   local op = string.sub(kind, 1, 1)
-  if op == '$OP_RESERVE' or op == '$OP_LEASED' then
+  local seg = op == '$OP_SEGMENT' or op == '$OP_SEGMENT_LEASED'
+  if op == '$OP_RESERVE' or op == '$OP_LEASED' or seg then
     if limit and not h_closed then reclaim() end
     local s = state[id]
     if not limit and not h_unlimited then
@@ -202,7 +236,7 @@ for i = 1, nops do
       out[i] = reply(0, 0, 0, $UNLIMITED, 0, 0)
     elseif s then
       if held(s) then
-        if op == '$OP_RESERVE' and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
+        if (op == '$OP_RESERVE' or op == '$OP_SEGMENT') and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
           put(id, 'call:' .. held(s))  -- a leased grant taken over by a call that begins at once
         end
         out[i] = reply(held(s), f.charged, limit, $GRANTED, 0, 0)
@@ -210,23 +244,52 @@ for i = 1, nops do
         out[i] = reply(0, f.charged, limit, $ALREADY_SETTLED, 0, 0)
       end
     else
-      local cap = kind_cap(string.sub(kind, 3))
+      local kname, spent = string.sub(kind, 3), 0
+      if seg then
+        local k, sp = string.match(kind, '^.:([a-z_]*):(%d+)')
+        kname, spent = k or '', tonumber(sp or '0')
+      end
+      local cap = kind_cap(kname)
       if n > 0 and (cap <= 0 or n < cap) then cap = n end
       local free = limit - f.charged
       local full = 1
       if cap > 0 then full = math.min(cap, limit) end
-      local grant = 0
-      if free >= full then
+      local grant, pledge, need, wait_need = 0, 0, full, full
+      if seg then
+        local whole = limit
+        if cap > 0 then whole = math.min(cap, limit) end
+        local left = whole - spent
+        local p = estimate(kname, whole)
+        if spent == 0 then
+          need = math.min(left, p)  -- a new answer: one estimated answer, beside what running ones pledge
+          if free - pledged() >= need then grant = need end
+        else
+          need = math.min(left, math.max($SEGMENT_MIN, p))  -- a running answer goes on first
+          if free >= math.min(need, $SEGMENT_MIN) then grant = math.min(need, free) end
+        end
+        wait_need = need
+        if spent > 0 then wait_need = math.min(need, $SEGMENT_MIN) end
+        if left <= 0 then
+          need = 0
+        elseif grant == 0 and live_count() == 0 and free > 0 then
+          grant = math.min(need, free)  -- the budget's last remainder
+        end
+        full = need
+        pledge = math.max(0, p - spent - grant)
+      elseif free - pledged() >= full then
         grant = free
         if cap > 0 and cap < grant then grant = cap end
+      end
+      if grant > 0 or need <= 0 then
+        -- granted above (or an answer at its cap: refused below)
       elseif live_count() > 0 then
         local nxt = first_score(live_set)
         local lease_end = first_score(leases)
         if lease_end and lease_end < nxt then nxt = lease_end end
         f.waits = f.waits + 1
         changed.waits = true
-        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(nxt * 1000), full)
-      elseif free > 0 then
+        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(nxt * 1000), wait_need)
+      elseif free > 0 and not seg then
         grant = free
       end
       if grant > 0 then
@@ -235,6 +298,11 @@ for i = 1, nops do
         f.grants = f.grants + 1
         changed.charged, changed.grants = true, true
         put(id, 'open:' .. grant)
+        if seg then
+          f.segments = f.segments + 1
+          changed.segments = true
+          if pledge > 0 and dl > now then redis.call('HSET', reservations, id .. '$PLEDGE_SUFFIX', pledge) end
+        end
         if dl > now then
           redis.call('ZADD', live_set, dl, id)
           if live ~= nil then live = live + 1 end
@@ -251,8 +319,19 @@ for i = 1, nops do
         out[i] = reply(0, f.charged, limit, $REJECTED, 0, 0)
       end
     end
+  elseif op == '$OP_ANSWERED' then
+    local k, total = string.match(kind, '^.:([a-z_]*):(%d+)')
+    total, k = tonumber(total or '0'), k or ''
+    local field = 'longest'
+    if k ~= '' then field = 'longest:' .. k end
+    if limit and total > (tonumber(redis.call('HGET', budget, field) or '0') or 0) then
+      redis.call('HSET', budget, field, total)
+      longest[k] = nil
+    end
+    out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
+    unpledge(id)
     if removed > 0 then
       live = nil
       settled = true
@@ -299,6 +378,7 @@ for i = 1, nops do
         changed.overrun = true
       end
       put(id, 'settled:' .. n)
+      unpledge(id)
       if live ~= nil then live = nil end
       redis.call('ZREM', live_set, id)
       redis.call('ZREM', leases, id)
