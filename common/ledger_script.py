@@ -314,8 +314,10 @@ for i = 1, nops do
         end
         out[i] = reply(grant, f.charged, limit, $GRANTED, 0, full)
       elseif not out[i] then
-        f.rejections = f.rejections + 1
-        changed.rejections = true
+        if spent == 0 and need > 0 then  -- a refused continuation cuts an answer; it refuses no call
+          f.rejections = f.rejections + 1
+          changed.rejections = true
+        end
         out[i] = reply(0, f.charged, limit, $REJECTED, 0, 0)
       end
     end

@@ -44,12 +44,15 @@ __all__ = [
 
 UNTRAINABLE_REASONS: tuple[str, ...] = (
     "no_token_ids", "length_mismatch", "usage_mismatch", "payload_cap", "bad_payload", "spill_lost", "frozen_fleet",
+    "continuation_boundary",
 )  # fmt: skip
 """Why a turn carries no tokens: the server returned none (``no_token_ids``: llama.cpp, OpenAI),
 its completion ids and logprobs differ in length (``length_mismatch``), a list disagrees with
 ``usage`` (``usage_mismatch``), the rollout's byte cap was passed (``payload_cap``), a worker's
 payload did not decode (``bad_payload``), a spilled payload expired before it was read
-(``spill_lost``), or the queue's servers declare that they are not the policy (``frozen_fleet``)."""
+(``spill_lost``), the queue's servers declare that they are not the policy (``frozen_fleet``), or a
+continued answer's next segment was prompted with ids other than those sampled so far
+(``continuation_boundary``: :mod:`rlmq.workers.continuation`)."""
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the wire carries (int32)."""

@@ -70,6 +70,7 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
                 tools=ToolRegistry.from_paths(settings.allowed_sub_tools),
                 worker_name=f"rq:{job.worker_name or ''}",
                 frozen=settings.frozen_fleet,
+                continuation=settings.sub_llm_continuation,
                 redis=redis,
             )
             result = await _run(request, ctx, job_id=job.id, started_at=started)

@@ -238,6 +238,7 @@ class SubLLMWorker:
             tools=ToolRegistry.from_paths(s.allowed_sub_tools),
             worker_name=self.name,
             frozen=s.frozen_fleet,
+            continuation=s.sub_llm_continuation,
             redis=self.redis,
         )
         rq_worker = self.upkeep.register_birth()

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from rlmq.common.errors import ConfigError
 from rlmq.scripted.answerer import answer_from_chunk
+from rlmq.scripted.continuation import continued_answer, rest_of_answer
 from rlmq.scripted.completions import (
     _JSON,
     _STATE,
@@ -128,6 +129,12 @@ async def _answer(
 
     if state.latency > 0:
         await asyncio.sleep(state.latency)
+    partial = continued_answer(body, messages)
+    if isinstance(partial, web.Response):
+        return partial
+    full_messages = messages
+    if partial is not None:  # the reply is the same answer's, from where the partial one stops
+        messages = messages[:-1]
 
     no_usage = False
     spend_all = False
@@ -179,6 +186,9 @@ async def _answer(
             words = (reply.content or "").split()[:length]
             reply = _Reply(content=" ".join(words + ["tok"] * (length - len(words))))
 
+    if partial is not None and not reply.tool_calls:
+        reply = _Reply(content=rest_of_answer(reply.content or "", partial))
+    messages = full_messages
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
     if "[[mock:t" in first_user:  # paced like a real server, and counted per tag

@@ -10,7 +10,9 @@ float32-exact, distinct per reply). Directives in a user message change that:
 * ``[[mock:token-ids:mismatch]]``: one logprob fewer than completion ids;
 * ``[[mock:token-ids:usage]]``: one completion id more than ``usage.completion_tokens``;
 * ``[[mock:token-ids:sglang]]``: SGLang's shape: ``prompt_token_ids`` on ``choices[0]``, not at
-  the top of the reply.
+  the top of the reply;
+* ``[[mock:continue-boundary]]``: a continuation's last prompt id is not the last id sampled so far
+  (a server that re-tokenized the joint of the partial answer: :mod:`rlmq.scripted.continuation`).
 
 Every reply that carried the fields is recorded (:class:`ServedLog`, ``GET /served``): its
 ``id``, ``user``, role and the three lists, so a test compares what a trajectory holds with what
@@ -81,6 +83,8 @@ def served_fields(
     choice = result["choices"][0]
     message = choice["message"]
     prompt = [i for m in messages for i in _ids(_content(m))]
+    if "[[mock:continue-boundary]]" in users and messages[-1].get("role") == "assistant" and prompt:
+        prompt[-1] = word_id(f"re-tokenized {prompt[-1]}")  # a joint the server tokenized otherwise
     completion = _ids(message.get("content") or "")
     for call in message.get("tool_calls") or []:
         completion += _ids(str(call["function"]["arguments"]))
