@@ -138,16 +138,10 @@ for i = 1, nops, 500 do
     if part[j] then state[ids[i + j - 1]] = part[j] end
   end
 end
-local pledged_sum = nil  -- the pledges of live segment reservations (computed when asked, once per change)
 local function put(id, value)  -- value false: the reservation is forgotten (HDEL)
   if not writes[id] and writes[id] ~= false then order[#order + 1] = id end
   writes[id] = value
   state[id] = value
-  pledged_sum = nil
-end
-local function unpledge(id)  -- a segment reservation stops pledging (settled, given back, retired)
-  if f.segments > 0 then redis.call('HDEL', reservations, id .. '$PLEDGE_SUFFIX') end
-  pledged_sum = nil
 end
 local function held(s)  -- the grant of an open reservation (begun or not), else nil
   if s and (string.sub(s, 1, 5) == 'open:' or string.sub(s, 1, 5) == 'call:') then
@@ -169,7 +163,6 @@ local function give_back(id, grant)  -- a leased grant never begun: back to the 
   f.reclaimed = f.reclaimed + grant
   changed.charged, changed.reclaimed = true, true
   put(id, false)
-  unpledge(id)
   redis.call('ZREM', live_set, id)
   live = nil
   settled = true
@@ -193,23 +186,6 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
   if score == nil then return nil end
   return tonumber(score)
 end
-local function pledged()  -- tokens the live answers are expected to need past their grants
-  if pledged_sum == nil then
-    pledged_sum = 0
-    if f.segments > 0 and live_count() > 0 then
-      local members = redis.call('ZRANGE', live_set, 0, -1)
-      local fields = {}
-      for j, member in ipairs(members) do fields[j] = member .. '$PLEDGE_SUFFIX' end
-      for j = 1, #fields, 500 do
-        local part = redis.call('HMGET', reservations, unpack(fields, j, math.min(j + 499, #fields)))
-        for _, v in ipairs(part) do
-          if v then pledged_sum = pledged_sum + (tonumber(v) or 0) end
-        end
-      end
-    end
-  end
-  return pledged_sum
-end
 local longest = {}
 local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
   if longest[k] == nil then
@@ -217,7 +193,8 @@ local function estimate(k, whole)  -- the segment an answer of kind k starts wit
     if k ~= '' then field = 'longest:' .. k end
     longest[k] = tonumber(redis.call('HGET', budget, field) or '0') or 0
   end
-  return math.min(whole, math.max($SEGMENT_MIN, longest[k], math.floor(limit / 8)))
+  if longest[k] <= 0 then return whole end  -- no answer has ended yet: a whole cap, as without segments
+  return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
 end
 local out = {}
 for i = 1, nops do
@@ -254,15 +231,15 @@ for i = 1, nops do
       local free = limit - f.charged
       local full = 1
       if cap > 0 then full = math.min(cap, limit) end
-      local grant, pledge, need, wait_need = 0, 0, full, full
+      local grant, need, wait_need = 0, full, full
       if seg then
         local whole = limit
         if cap > 0 then whole = math.min(cap, limit) end
         local left = whole - spent
         local p = estimate(kname, whole)
         if spent == 0 then
-          need = math.min(left, p)  -- a new answer: one estimated answer, beside what running ones pledge
-          if free - pledged() >= need then grant = need end
+          need = math.min(left, p)  -- a new answer: reserves what an answer is estimated to take
+          if free >= need then grant = need end
         else
           need = math.min(left, math.max($SEGMENT_MIN, p))  -- a running answer goes on first
           if free >= math.min(need, $SEGMENT_MIN) then grant = math.min(need, free) end
@@ -275,8 +252,7 @@ for i = 1, nops do
           grant = math.min(need, free)  -- the budget's last remainder
         end
         full = need
-        pledge = math.max(0, p - spent - grant)
-      elseif free - pledged() >= full then
+      elseif free >= full then
         grant = free
         if cap > 0 and cap < grant then grant = cap end
       end
@@ -301,7 +277,6 @@ for i = 1, nops do
         if seg then
           f.segments = f.segments + 1
           changed.segments = true
-          if pledge > 0 and dl > now then redis.call('HSET', reservations, id .. '$PLEDGE_SUFFIX', pledge) end
         end
         if dl > now then
           redis.call('ZADD', live_set, dl, id)
@@ -333,7 +308,6 @@ for i = 1, nops do
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
-    unpledge(id)
     if removed > 0 then
       live = nil
       settled = true
@@ -380,7 +354,6 @@ for i = 1, nops do
         changed.overrun = true
       end
       put(id, 'settled:' .. n)
-      unpledge(id)
       if live ~= nil then live = nil end
       redis.call('ZREM', live_set, id)
       redis.call('ZREM', leases, id)

@@ -137,9 +137,6 @@ OP_ARGS = ("op", "id", "n", "deadline")
 SEGMENT_MIN = 64
 """Tokens: the smallest segment the ledger grants while live calls may give tokens back (a continuation
 takes what is free from this size up; below it, it waits), and the least an answer's estimate is."""
-PLEDGE_SUFFIX = "#p"
-"""A segment reservation's *pledge* (tokens its answer is expected to need past its grant) is kept in the
-reservations hash under ``<reservation id>#p`` while the reservation is open."""
 
 RELEASE_FIELDS = ("free", "live", "lease_end")
 """The release message the script publishes, space-separated (see :class:`Release`); the last is
@@ -167,7 +164,6 @@ def lua_names() -> dict[str, str]:
     names["REPLY_FIELDS"] = ", ".join(REPLY_FIELDS)
     names["OP_ARGS"] = str(len(OP_ARGS))
     names["SEGMENT_MIN"] = str(SEGMENT_MIN)
-    names["PLEDGE_SUFFIX"] = PLEDGE_SUFFIX
     return names
 
 
