@@ -53,8 +53,15 @@ async def _batch(
     now = time.time()
     reqs = [
         SubLLMRequest(
-            rollout_id=rollout, batch_id="b", index=i, prompt=p, model="m", enqueued_at=now,
-            deadline=now + DEADLINE, budgeted=budget is not None, max_completion_tokens=CAP,
+            rollout_id=rollout,
+            batch_id="b",
+            index=i,
+            prompt=p,
+            model="m",
+            enqueued_at=now,
+            deadline=now + DEADLINE,
+            budgeted=budget is not None,
+            max_completion_tokens=CAP,
         )  # fmt: skip
         for i, p in enumerate(prompts)
     ]

@@ -213,7 +213,8 @@ for i = 1, nops do
       out[i] = reply(0, 0, 0, $UNLIMITED, 0, 0)
     elseif s then
       if held(s) then
-        if (op == '$OP_RESERVE' or op == '$OP_SEGMENT') and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
+        local unleased = op == '$OP_RESERVE' or op == '$OP_SEGMENT'
+        if unleased and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
           put(id, 'call:' .. held(s))  -- a leased grant taken over by a call that begins at once
         end
         out[i] = reply(held(s), f.charged, limit, $GRANTED, 0, 0)

@@ -60,8 +60,8 @@ from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.token_wire import TurnEncoder, TurnTokens
 from rlmq.common.tool_registry import canonical_tool_path
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
-from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
 from rlmq.workers.continuation import Continuation
+from rlmq.workers.hosted_tools import ANSWER_GRACE, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
 from rlmq.workers.subllm_segments import MAX_SEGMENTS, SegmentedTurns, segment_id
 from rlmq.workers.tools import ToolRegistry

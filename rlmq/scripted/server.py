@@ -20,7 +20,6 @@ from aiohttp import web
 
 from rlmq.common.errors import ConfigError
 from rlmq.scripted.answerer import answer_from_chunk
-from rlmq.scripted.continuation import continued_answer, rest_of_answer
 from rlmq.scripted.completions import (
     _JSON,
     _STATE,
@@ -36,6 +35,7 @@ from rlmq.scripted.completions import (
     _tool_names,
     _words,
 )
+from rlmq.scripted.continuation import continued_answer, rest_of_answer
 from rlmq.scripted.markers import (
     DEFAULT_MAX_TOKENS,
     LISTEN_LINE,

@@ -50,9 +50,7 @@ async def _ctx(
     ledger.note_answer(ROLLOUT, longest)
     await asyncio.sleep(0.02)
     client = ChatClient(server.url, "key", retries=0)
-    ctx = SubLLMContext(
-        client=client, ledger=ledger, tools=ToolRegistry(), worker_name="w", continuation=continuation
-    )
+    ctx = SubLLMContext(client=client, ledger=ledger, tools=ToolRegistry(), worker_name="w", continuation=continuation)
     return ctx, ledger
 
 
@@ -128,7 +126,9 @@ async def test_a_segment_past_the_answers_cap_is_refused_without_counting_a_reje
 # ------------------------------------------------------------------------------- one answer, continued
 
 
-async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(redis: Any, server: ScriptedModelServer) -> None:
+async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(
+    redis: Any, server: ScriptedModelServer
+) -> None:
     ctx, ledger = await _ctx(redis, server)
     result = await run_sub_llm(_request("Summarize. [[mock:tokens:700]]", include_tokens=True), ctx, job_id="j1")
     assert result.status == "ok" and not result.truncated
