@@ -98,8 +98,9 @@ async def _case(redis: Redis, server: ScriptedModelServer, n: int, budget: int, 
     }  # fmt: skip
 
 
-async def _main(quick: bool) -> list[dict[str, Any]]:
+async def _main(quick: bool, only: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     sizes, tps = ((8, 40), 300.0) if quick else ((8, 40, 200), 30.0)
+    sizes = only or sizes
     rows: list[dict[str, Any]] = []
     with EmbeddedRedis() as embedded:
         redis = Redis.from_url(embedded.url, max_connections=512)
@@ -118,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batches of 8 and 40 at 300 tokens/s")
     parser.add_argument("--out", default="bench/results/budget_paced.json")
+    parser.add_argument("--sizes", default="", help="batch sizes, comma-separated (default: as above)")
     args = parser.parse_args(argv)
-    rows = asyncio.run(_main(args.quick))
+    sizes = tuple(int(x) for x in args.sizes.split(",") if x)
+    rows = asyncio.run(_main(args.quick, sizes))
     Path(args.out).write_text(json.dumps({"quick": args.quick, "cases": rows}, indent=1) + "\n")
     return 0
 

@@ -239,8 +239,9 @@ for i = 1, nops do
         local left = whole - spent
         local p = estimate(kname, whole)
         if spent == 0 then
-          need = math.min(left, p)  -- a new answer: reserves what an answer is estimated to take
-          if free >= need then grant = need end
+          need = math.min(left, p)  -- a new answer: reserves what an answer is estimated to take, and
+          -- starts only while another estimate stays free for the running answers to go on with
+          if free >= math.min(2 * need, whole) then grant = need end
         else
           need = math.min(left, math.max($SEGMENT_MIN, p))  -- a running answer goes on first
           if free >= math.min(need, $SEGMENT_MIN) then grant = math.min(need, free) end
