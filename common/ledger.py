@@ -521,16 +521,18 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         r = await self._submit(ledger_id, Op.SETTLE, reservation_id, max(0, int(used)), 0.0)
         return Settlement(r.value, r.charged, r.limit, r.code)
 
-    def note_answer(self, ledger_id: str, tokens: int, kind: str = SUB_LLM) -> None:
+    def note_answer(self, ledger_id: str, tokens: int, kind: str = SUB_LLM, answer: str = "") -> None:
         """Tell the ledger, without waiting, that an answer of ``kind`` ended after ``tokens`` completion
-        tokens: it sizes later answers' first segments from the longest (``docs/budget.md``). A note
-        that fails (Redis away) only leaves the estimate as it was."""
+        tokens (0: it did not end on its own: cut, failed): it sizes later answers' first segments
+        from the longest, and the answer ``answer`` (its first segment's reservation id) stops
+        counting as running (``docs/budget.md``). A note that fails (Redis away) only leaves the
+        estimate as it was; the running answer then stops counting at its call's deadline."""
         op = f"{Op.ANSWERED.value}:{'' if kind == SUB_LLM else kind}:{max(0, int(tokens))}"
         _reserve_op(kind)  # ValueError for an invalid kind, now
 
         async def note() -> None:
             with contextlib.suppress(RedisError, OSError):
-                await self._submit(ledger_id, op, "", 0, 0.0)
+                await self._submit(ledger_id, op, answer, 0, 0.0)
 
         task = asyncio.get_running_loop().create_task(note())
         self._give_backs.add(task)

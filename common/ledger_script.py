@@ -186,15 +186,47 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
   if score == nil then return nil end
   return tonumber(score)
 end
+local function answer_of(id)  -- an answer's id: its first segment's reservation id
+  return (string.gsub(id, ':s%d+$$', ''))
+end
+local running = nil  -- the running answers: {deadline, spent, reach, whole, kind} each, read once
+local function running_answers()
+  if running == nil then
+    running = {}
+    local flat, stale = redis.call('HGETALL', answers), {}
+    for j = 1, #flat, 2 do
+      local dl, sp, rc, wh, k = string.match(flat[j + 1], '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
+      if dl and tonumber(dl) > now then
+        running[#running + 1] = {tonumber(sp), tonumber(rc), tonumber(wh), k}
+      else
+        stale[#stale + 1] = flat[j]
+      end
+    end
+    if #stale > 0 then redis.call('HDEL', answers, unpack(stale)) end
+  end
+  return running
+end
 local longest = {}
 local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
   if longest[k] == nil then
     local field = 'longest'
     if k ~= '' then field = 'longest:' .. k end
     longest[k] = tonumber(redis.call('HGET', budget, field) or '0') or 0
+    for _, a in ipairs(running_answers()) do  -- an answer still running grows the estimate as it goes
+      if a[4] == k and a[1] > longest[k] then longest[k] = a[1] end
+    end
   end
   if longest[k] <= 0 then return whole end  -- no answer has ended yet: a whole cap, as without segments
   return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
+end
+local function pledged()  -- what the running answers are estimated to need past what they hold
+  local sum = 0
+  for _, a in ipairs(running_answers()) do
+    local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
+    if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
+    if goal > a[2] then sum = sum + goal - a[2] end
+  end
+  return sum
 end
 local out = {}
 for i = 1, nops do
@@ -232,18 +264,18 @@ for i = 1, nops do
       local free = limit - f.charged
       local full = 1
       if cap > 0 then full = math.min(cap, limit) end
-      local grant, need, wait_need = 0, full, full
+      local grant, need, wait_need, whole = 0, full, full, limit
       if seg then
-        local whole = limit
         if cap > 0 then whole = math.min(cap, limit) end
         local left = whole - spent
         local p = estimate(kname, whole)
         if spent == 0 then
           need = math.min(left, p)  -- a new answer: reserves what an answer is estimated to take, and
-          -- starts only while another estimate stays free for the running answers to go on with
-          if free >= math.min(2 * need, whole) then grant = need end
-        else
-          need = math.min(left, math.max($SEGMENT_MIN, p))  -- a running answer goes on first
+          -- starts only while what stays free covers what the running answers are estimated to need
+          -- (and at least another estimate, but for a whole cap)
+          if free >= need + math.max(pledged(), math.min(need, whole - need)) then grant = need end
+        else  -- a running answer goes on first, with at least 1.25 x what it has spent
+          need = math.min(left, math.max($SEGMENT_MIN, p, math.ceil(spent * 1.25)))
           if free >= math.min(need, $SEGMENT_MIN) then grant = math.min(need, free) end
         end
         wait_need = need
@@ -279,6 +311,12 @@ for i = 1, nops do
         if seg then
           f.segments = f.segments + 1
           changed.segments = true
+          if need > 0 and dl > now then
+            redis.call('HSET', answers, answer_of(id), dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' '
+              .. whole .. ' ' .. kname)
+            running = nil
+            if ttl > 0 then redis.call('EXPIRE', answers, ttl) end
+          end
         end
         if dl > now then
           redis.call('ZADD', live_set, dl, id)
@@ -307,9 +345,14 @@ for i = 1, nops do
       redis.call('HSET', budget, field, total)
       longest[k] = nil
     end
+    if id ~= '' and redis.call('HDEL', answers, id) > 0 then  -- the answer ended: it pledges no more
+      running, longest = nil, {}
+    end
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
+    redis.call('HDEL', answers, answer_of(id))  -- a dead worker's answer will not go on
+    running, longest = nil, {}
     if removed > 0 then
       live = nil
       settled = true

@@ -121,7 +121,7 @@ REPLY_FIELDS = ("value", "charged", "limit", "code", "detail", "need")
 
 SCRIPT_KEYS = {
     "budget": "budget", "reservations": "reservations", "live_set": "live_reservations", "channel": "released",
-    "leases": "grant_leases",
+    "leases": "grant_leases", "answers": "answers",
 }  # fmt: skip
 """The script's own keys, in order (``KEYS[1..]``): its Lua local -> the :class:`rlmq.common.keys.LedgerKeys`
 attribute. The node keys of the caller's tree chain follow them."""

@@ -231,6 +231,7 @@ class _Run(SegmentedTurns):
                         return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
                     else:
                         max_tokens = grant.tokens
+                        self.running_answer = reservation if segmented else None
                 try:
                     if self.gate is not None:
                         if grant is not None:
@@ -557,6 +558,7 @@ async def run_sub_llm(
         log.exception("sub-LLM job %s failed unexpectedly", job_id)
         text = f"{type(exc).__name__}: {exc}"
         status, content, error, error_kind = "error", f"[error] sub-LLM call failed: {text}", text, "internal"
+    run.answer_over()  # an answer that failed mid-way stops counting as running
     return SubLLMResult(
         rollout_id=request.rollout_id,
         batch_id=request.batch_id,

@@ -45,6 +45,8 @@ class SegmentedTurns:
     messages: list[dict[str, Any]]
     segments: int
     overrun_tokens: int
+    running_answer: str | None = None
+    """The first segment's reservation id of an answer granted in segments and not yet ended."""
 
     async def _reserve(self, reservation: str, *, leased: bool = False, segment: int | None = None) -> Grant | None:
         raise NotImplementedError  # pragma: no cover - _Run's
@@ -108,12 +110,14 @@ class SegmentedTurns:
         """
         joined, last, k, spent, granted = response, response, 1, response.completion_tokens, grant.tokens
         ledger, base = self.ctx.ledger, reservation
+        self.running_answer = base
         while not tools and self._continues(last, grant, spent, k):
             await self._settle(reservation, last.completion_tokens)
             nxt_id = segment_id(base, k + 1)
             nxt = await self._next_grant(nxt_id, spent)
             if nxt is None:  # the budget's true end (or the tree's): the answer is cut here
                 self.segments += k
+                self.answer_over(base, 0)
                 return joined, reservation, None, last, granted
             messages, sampling = continuation_request(
                 self.messages, joined.content or "", dict(self.request.sampling), self.ctx.continuation
@@ -124,6 +128,14 @@ class SegmentedTurns:
             joined, reservation, grant = join_segments(joined, last), nxt_id, nxt
             spent, granted, k = spent + last.completion_tokens, granted + nxt.tokens, k + 1
         self.segments += k
-        if ledger is not None and joined.finish_reason != "length" and joined.usage_reported:
-            ledger.note_answer(self.request.charged_ledger, spent)
+        whole = ledger is not None and joined.finish_reason != "length" and joined.usage_reported
+        self.answer_over(base, spent if whole else 0)
         return joined, reservation, grant, last, granted
+
+    def answer_over(self, answer: str | None = None, tokens: int = 0) -> None:
+        """Tell the ledger the running answer ``answer`` (default: the one granted last, if still
+        running) ended after ``tokens`` (0: not on its own); it stops counting as running."""
+        answer = answer or self.running_answer
+        self.running_answer = None
+        if answer and self.ctx.ledger is not None:
+            self.ctx.ledger.note_answer(self.request.charged_ledger, tokens, answer=answer)

@@ -86,9 +86,9 @@ async def test_a_first_segment_is_an_answer_estimate_and_a_running_answer_goes_o
     await ledger.settle(ROLLOUT, "a:1", 250)  # answer a stopped at its segment's end
     await ledger.settle(ROLLOUT, "b0:1", 40)  # b0 ended early: 210 back
     cont = await ledger.reserve(ROLLOUT, "a:1:s2", 2048, dl, segment=250)
-    assert cont.tokens == 250  # a running answer goes on with what a new one may not start with
+    assert cont.tokens == 313  # a running answer goes on (1.25 x what it spent) where a new one may not start
     snap = await ledger.snapshot(ROLLOUT)
-    assert snap is not None and snap.charged == 1790 and snap.rejections == 0
+    assert snap is not None and snap.charged == 1853 and snap.rejections == 0
 
 
 async def test_answers_start_with_the_longest_answer_so_far_and_continue_before_new_ones(redis: Any) -> None:
@@ -106,13 +106,44 @@ async def test_answers_start_with_the_longest_answer_so_far_and_continue_before_
     assert c.code == 4 and c.need == 900  # 1500 free: below 2 x 900, a new answer waits
     await ledger.settle(ROLLOUT, "a:1", 900)  # a reached its segment's end: it goes on first
     a2 = await ledger.reserve(ROLLOUT, "a:1:s2", 2048, dl, segment=900)
-    assert a2.tokens == 900
+    assert a2.tokens == 1125  # 1.25 x what it has spent
     await ledger.settle(ROLLOUT, "b:1", 900)
     b2 = await ledger.reserve(ROLLOUT, "b:1:s2", 2048, dl, segment=900)
-    assert b2.tokens == 600  # what is free, from SEGMENT_MIN up
+    assert b2.tokens == 375  # what is free, from SEGMENT_MIN up
     low = await ledger.reserve(ROLLOUT, "x:1:s2", 2048, dl, segment=300)
     assert low.code == 4 and low.need == SEGMENT_MIN  # a continuation waits for SEGMENT_MIN, not a whole segment
     assert SEGMENT_MIN == 64
+
+
+async def test_a_new_answer_waits_while_free_tokens_do_not_cover_what_running_answers_need(redis: Any) -> None:
+    """An answer that outran its first segment is estimated up to its whole cap: a new answer starts
+    only while the free budget covers that too (``docs/budget.md``); once it ends, the pledge is gone.
+    A running answer goes on with 1.25 x what it has spent, and its length grows new answers' estimate."""
+    ledger = BudgetLedger(redis)
+    await ledger.open(ROLLOUT, 5000, cap=2048)
+    dl = time.time() + 30
+    ledger.note_answer(ROLLOUT, 400)  # the longest answer so far: an estimate of 500
+    await asyncio.sleep(0.05)
+    a = await ledger.reserve(ROLLOUT, "a:1", 2048, dl, segment=0)
+    assert a.tokens == 500
+    await ledger.settle(ROLLOUT, "a:1", 500)  # a reached its segment's end: longer than estimated
+    a2 = await ledger.reserve(ROLLOUT, "a:1:s2", 2048, dl, segment=500)
+    assert a2.tokens == 625  # 1.25 x the 500 a has spent
+    # a holds 625 and pledges 2048 - 1125 = 923 more; new answers start with 1.25 x 500 while
+    # free >= 625 + 923
+    firsts = [await ledger.reserve(ROLLOUT, f"b{i}:1", 2048, dl, segment=0) for i in range(4)]
+    assert [g.tokens for g in firsts] == [625] * 4
+    late = await ledger.reserve(ROLLOUT, "c:1", 2048, dl, segment=0)
+    assert late.code == 4 and late.need == 625  # 1375 free < 625 + 923: it waits (2 x 625 would fit)
+    ledger.note_answer(ROLLOUT, 0, answer="a:1")  # a ended, not on its own (0): it pledges no more
+    for _ in range(100):
+        late = await ledger.reserve(ROLLOUT, "c:1", 2048, dl, segment=0)
+        if late.granted:
+            break
+        await asyncio.sleep(0.01)
+    assert late.tokens == 500  # 1.25 x the longest answer that ended (a's 0 is not one)
+    snap = await ledger.snapshot(ROLLOUT)
+    assert snap is not None and snap.charged == 4125 and snap.rejections == 0
 
 
 async def test_a_segment_past_the_answers_cap_is_refused_without_counting_a_rejection(redis: Any) -> None:
@@ -134,7 +165,7 @@ async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(
     ctx, ledger = await _ctx(redis, server)
     result = await run_sub_llm(_request("Summarize. [[mock:tokens:700]]", include_tokens=True), ctx, job_id="j1")
     assert result.status == "ok" and not result.truncated
-    assert result.completion_tokens == 700 and result.segments == 3  # 250 + 250 + 200
+    assert result.completion_tokens == 700 and result.segments == 3  # 250 + 313 + 137
     unsegmented = await ChatClient(server.url, "k").chat(
         model="m", messages=[{"role": "user", "content": "Summarize. [[mock:tokens:700]]"}], max_tokens=2048
     )
@@ -156,7 +187,8 @@ async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(
     sent = [p for p in stats["params"] if p.get("user") == ROLLOUT]
     assert [p.get("continue_final_message") for p in sent] == [None, True, True]
     assert [p.get("add_generation_prompt") for p in sent] == [None, False, False]
-    assert [p["max_tokens"] for p in sent] == [250, 250, 250]
+    # 1.25 x the longest answer that ended (200), then 1.25 x what this answer has spent
+    assert [p["max_tokens"] for p in sent] == [250, 313, 704]
 
 
 async def test_a_retokenized_boundary_marks_the_turn_untrainable(redis: Any, server: ScriptedModelServer) -> None:
