@@ -98,9 +98,9 @@ async def _case(redis: Redis, server: ScriptedModelServer, n: int, budget: int, 
     }  # fmt: skip
 
 
-async def _main(quick: bool, only: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+async def _main(quick: bool, only: tuple[int, ...] = (), pace: float = 0.0) -> list[dict[str, Any]]:
     sizes, tps = ((8, 40), 300.0) if quick else ((8, 40, 200), 30.0)
-    sizes = only or sizes
+    sizes, tps = only or sizes, pace or tps
     rows: list[dict[str, Any]] = []
     with EmbeddedRedis() as embedded:
         redis = Redis.from_url(embedded.url, max_connections=512)
@@ -120,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="batches of 8 and 40 at 300 tokens/s")
     parser.add_argument("--out", default="bench/results/budget_paced.json")
     parser.add_argument("--sizes", default="", help="batch sizes, comma-separated (default: as above)")
+    parser.add_argument("--tps", type=float, default=0.0, help="tokens per second per call (default: as above)")
     args = parser.parse_args(argv)
     sizes = tuple(int(x) for x in args.sizes.split(",") if x)
-    rows = asyncio.run(_main(args.quick, sizes))
-    Path(args.out).write_text(json.dumps({"quick": args.quick, "cases": rows}, indent=1) + "\n")
+    rows = asyncio.run(_main(args.quick, sizes, args.tps))
+    Path(args.out).write_text(json.dumps({"quick": args.quick, "date": "2026-12-07", "cases": rows}, indent=1) + "\n")
     return 0
 
 

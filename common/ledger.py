@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -88,6 +87,7 @@ from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.ledger_calls import LedgerCalls
 from rlmq.common.ledger_script import COUNT_REJECTIONS_LUA, LEDGER_LUA
+from rlmq.common.ledger_segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
 from rlmq.common.ledger_tree import NODE_TTL, LedgerTree, node_ttl
 from rlmq.common.ledger_wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.settings import setting_default
@@ -108,37 +108,6 @@ GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT = (
 )
 WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = Code.WAITED_OUT, Code.TREE_CLOSED, Code.NODE_GONE, Code.UNLIMITED
 """The reservation codes (:class:`rlmq.common.ledger_wire.Code`) by their short names."""
-
-SUB_LLM = "sub"
-"""Reservation kind of a sub-LLM model turn (the default; its cap is the ledger's ``cap``)."""
-ROOT = "root"
-"""Reservation kind of a root-model turn of a child rollout (its cap: ``cap:root``)."""
-_KIND = re.compile(r"[a-z_]{1,16}")
-
-
-def _reserve_op(kind: str, *, leased: bool = False, segment: int | None = None) -> str:
-    """The script's op of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``
-    (:attr:`~rlmq.common.ledger_wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``. With
-    ``segment`` (tokens the answer has spent, 0 for its first segment): ``g:<kind>:<segment>``
-    (``G:...`` leased; the kind empty for :data:`SUB_LLM`).
-
-    Raises:
-        ValueError: ``kind`` is not 1-16 characters of ``[a-z_]``, or ``segment`` is negative.
-    """
-    if kind != SUB_LLM and not _KIND.fullmatch(kind):
-        raise ValueError(f"invalid reservation kind {kind!r}: use 1-16 characters of [a-z_]")
-    if segment is not None:
-        if segment < 0:
-            raise ValueError(f"a segment's spent tokens must be >= 0, got {segment}")
-        seg = Op.SEGMENT_LEASED if leased else Op.SEGMENT
-        return f"{seg.value}:{'' if kind == SUB_LLM else kind}:{int(segment)}"
-    op = Op.LEASED if leased else Op.RESERVE
-    if kind == SUB_LLM:
-        return op.value
-    if not _KIND.fullmatch(kind):
-        raise ValueError(f"invalid reservation kind {kind!r}: use 1-16 characters of [a-z_]")
-    return f"{op.value}:{kind}"
-
 
 _PASSING_REPLIES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
 """Error replies of a Redis that will take the same command again soon: a failover, a full
@@ -162,7 +131,7 @@ UNBUDGETED_MEMORY = 60.0
 """Seconds a worker remembers that a rollout has no ledger (see :meth:`BudgetLedger.known_unbudgeted`)."""
 
 
-class BudgetLedger(LedgerTree, LedgerCalls):
+class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     """Atomic reserve / settle of completion tokens in ledgers addressed by their own ids.
 
     Args:
@@ -244,7 +213,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         for kind, kcap in (kind_caps or {}).items():
             if kcap < 1:
                 raise ValueError(f"per-call cap of {kind!r} reservations must be >= 1 token")
-            extra["cap:" + _reserve_op(kind).removeprefix(Op.RESERVE + ":")] = kcap
+            extra["cap:" + reserve_op(kind).removeprefix(Op.RESERVE + ":")] = kcap
         keys = LedgerKeys(ledger_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(keys.budget, "limit", limit)
@@ -310,7 +279,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
             for node in chain:
                 LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        op = _reserve_op(kind, leased=bool(leased), segment=segment)
+        op = reserve_op(kind, leased=bool(leased), segment=segment)
         r = await self._submit(ledger_id, op, reservation_id, cap or 0, dl, chain)
         if r.code == Code.NO_LEDGER:
             self._remember_unbudgeted(ledger_id)
@@ -520,23 +489,6 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         """Settle a reservation of ledger ``ledger_id`` with the ``used`` completion tokens the server reported."""
         r = await self._submit(ledger_id, Op.SETTLE, reservation_id, max(0, int(used)), 0.0)
         return Settlement(r.value, r.charged, r.limit, r.code)
-
-    def note_answer(self, ledger_id: str, tokens: int, kind: str = SUB_LLM, answer: str = "") -> None:
-        """Tell the ledger, without waiting, that an answer of ``kind`` ended after ``tokens`` completion
-        tokens (0: it did not end on its own: cut, failed): it sizes later answers' first segments
-        from the longest, and the answer ``answer`` (its first segment's reservation id) stops
-        counting as running (``docs/budget.md``). A note that fails (Redis away) only leaves the
-        estimate as it was; the running answer then stops counting at its call's deadline."""
-        op = f"{Op.ANSWERED.value}:{'' if kind == SUB_LLM else kind}:{max(0, int(tokens))}"
-        _reserve_op(kind)  # ValueError for an invalid kind, now
-
-        async def note() -> None:
-            with contextlib.suppress(RedisError, OSError):
-                await self._submit(ledger_id, op, answer, 0, 0.0)
-
-        task = asyncio.get_running_loop().create_task(note())
-        self._give_backs.add(task)
-        task.add_done_callback(self._give_backs.discard)
 
     async def begin(self, ledger_id: str, reservation_id: str) -> bool:
         """Mark a leased grant *begun*: its call is about to reach the model. From now on it is never
