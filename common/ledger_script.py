@@ -158,12 +158,19 @@ local function live_count()
   return live
 end
 local added, settled, first_grant, leased = false, false, false, false
+local function answer_of(id)  -- an answer's id: its first segment's reservation id
+  return (string.gsub(id, ':s%d+$$', ''))
+end
+local running = nil  -- the running answers: {spent, reach, whole, kind} each, read once
+local longest = {}  -- per kind: the longest answer, ended or running
 local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
   f.charged = f.charged - grant
   f.reclaimed = f.reclaimed + grant
   changed.charged, changed.reclaimed = true, true
   put(id, false)
   redis.call('ZREM', live_set, id)
+  redis.call('HDEL', answers, answer_of(id))  -- its answer does not go on under it
+  running, longest = nil, {}
   live = nil
   settled = true
 end
@@ -186,10 +193,6 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
   if score == nil then return nil end
   return tonumber(score)
 end
-local function answer_of(id)  -- an answer's id: its first segment's reservation id
-  return (string.gsub(id, ':s%d+$$', ''))
-end
-local running = nil  -- the running answers: {deadline, spent, reach, whole, kind} each, read once
 local function running_answers()
   if running == nil then
     running = {}
@@ -206,7 +209,6 @@ local function running_answers()
   end
   return running
 end
-local longest = {}
 local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
   if longest[k] == nil then
     local field = 'longest'
@@ -323,7 +325,7 @@ for i = 1, nops do
           if live ~= nil then live = live + 1 end
           added = true
         end
-        if op == '$OP_LEASED' and lease > 0 then
+        if (op == '$OP_LEASED' or op == '$OP_SEGMENT_LEASED') and lease > 0 then
           redis.call('ZADD', leases, now + lease, id)
           leased = true
         end
