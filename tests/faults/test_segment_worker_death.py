@@ -47,6 +47,11 @@ async def test_a_segment_cut_by_a_dead_worker_is_settled_once_and_the_rerun_char
         ledger = BudgetLedger(redis)
         await ledger.open(rid, BUDGET, cap=2048)
         ledger.note_answer(rid, 200)  # answers start with a segment of 250 tokens
+
+        async def noted() -> bool:
+            return await redis.hget(K.LedgerKeys(rid).budget, "longest") is not None
+
+        await await_until(noted, 10, "the longest answer noted")
         spec = BatchSpec(
             rollout_id=rid, batch_id="b1", queue=queue_name_for_model(fault_fleet.model),
             sub_call_timeout=TIMEOUT, parallelism=1, call=SubCallOptions(model=fault_fleet.model, budgeted=True),
@@ -56,11 +61,18 @@ async def test_a_segment_cut_by_a_dead_worker_is_settled_once_and_the_rerun_char
         )
         resv_key, answers_key = K.RolloutKeys(rid).reservations, K.LedgerKeys(rid).answers
 
-        async def continuing() -> str | None:
-            states = {_text(k): _text(v) for k, v in (await redis.hgetall(resv_key)).items()}
-            return next((k for k, v in states.items() if k.endswith(":s2") and not v.startswith("settled")), None)
+        seen: dict[str, str] = {}
 
-        dead_segment = await await_until(continuing, 50, "the answer's second segment open")
+        async def continuing() -> str | None:
+            seen.clear()
+            seen.update({_text(k): _text(v) for k, v in (await redis.hgetall(resv_key)).items()})
+            return next((k for k, v in seen.items() if k.endswith(":s2") and not v.startswith("settled")), None)
+
+        try:
+            dead_segment = await await_until(continuing, 50, "the answer's second segment open")
+        except BaseException:
+            print("reservations:", seen, "batch done:", batch.done())
+            raise
         await asyncio.sleep(0.5)  # the server is streaming it
         os.kill(victim.pid, signal.SIGKILL)
         start_named_worker(fault_fleet, "segment-survivor")
