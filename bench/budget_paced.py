@@ -10,7 +10,8 @@ are left out: they are measured by ``bench.budget``.
 
 ``python -m bench.budget_paced`` (pace 30 tokens/s, batches of 8, 40 and 200, budgets 2,000 / 8,000 /
 20,000); ``--quick``: batches of 8 and 40 at 300 tokens/s (every time ten times shorter; the figures
-count tokens, so only the wall-time ratio can move with it). Writes ``bench/results/budget_paced.json``.
+count tokens, so only the wall-time ratio can move with it). ``--tps``, ``--sizes`` and ``--budgets``
+set the pace, the batch sizes and the budgets. Writes ``bench/results/budget_paced.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ async def _case(redis: Redis, server: ScriptedModelServer, n: int, budget: int, 
     }  # fmt: skip
 
 
-async def _main(quick: bool, only: tuple[int, ...] = (), pace: float = 0.0) -> list[dict[str, Any]]:
+async def _main(
+    quick: bool, only: tuple[int, ...] = (), pace: float = 0.0, budgets: tuple[int, ...] = (2000, 8000, 20000)
+) -> list[dict[str, Any]]:
     sizes, tps = ((8, 40), 300.0) if quick else ((8, 40, 200), 30.0)
     sizes, tps = only or sizes, pace or tps
     rows: list[dict[str, Any]] = []
@@ -106,7 +109,7 @@ async def _main(quick: bool, only: tuple[int, ...] = (), pace: float = 0.0) -> l
         redis = Redis.from_url(embedded.url, max_connections=512)
         async with ScriptedModelServer() as server:
             for n in sizes:
-                for budget in (2000, 8000, 20000):
+                for budget in budgets:
                     row = await _case(redis, server, n, budget, tps)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -121,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/budget_paced.json")
     parser.add_argument("--sizes", default="", help="batch sizes, comma-separated (default: as above)")
     parser.add_argument("--tps", type=float, default=0.0, help="tokens per second per call (default: as above)")
+    parser.add_argument("--budgets", default="2000,8000,20000", help="budgets in tokens, comma-separated")
     args = parser.parse_args(argv)
     sizes = tuple(int(x) for x in args.sizes.split(",") if x)
-    rows = asyncio.run(_main(args.quick, sizes, args.tps))
+    budgets = tuple(int(x) for x in args.budgets.split(",") if x)
+    rows = asyncio.run(_main(args.quick, sizes, args.tps, budgets))
     Path(args.out).write_text(json.dumps({"quick": args.quick, "date": "2026-12-07", "cases": rows}, indent=1) + "\n")
     return 0
 
