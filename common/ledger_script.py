@@ -303,6 +303,9 @@ for i = 1, nops do
         out[i] = reply(0, f.charged, limit, $WAIT, math.floor(nxt * 1000), wait_need)
       elseif free > 0 and not seg then
         grant = free
+        -- a child root turn's last remainder is usable down to an estimate of a root turn (1.25 x
+        -- the longest that ended; a whole cap before any ended), not only down to its whole cap
+        if kname == 'root' then full = math.min(full, estimate(kname, full)) end
       end
       if grant > 0 then
         if f.grants == 0 then first_grant = true end
