@@ -15,8 +15,8 @@ which covers most trees' demand; 1,000: below most trees' demand, the budget bin
 
 Figures: per tree, served / min(budget, demand) (the server's count), overshoot (served beyond the
 budget), children that ended ``budget_spent`` (``tree_budget_spent_count``) and of those the ones
-*refused while the tree had tokens* (its ledger had at least ``child_root_min_grant_tokens`` unspent
-at the end), sub-calls refused and cut, and wall time against the unbudgeted run.
+*refused while the tree had tokens* (its ledger had at least 64 tokens unspent at the end, the
+least an estimate of a root turn can be), sub-calls refused and cut, and wall time against the unbudgeted run.
 
 ``python -m bench.tree_budget_paced`` (32 trees, budgets 2,000 and 1,000, 50 tokens/s); ``--quick``: 8 trees at
 300 tokens/s. Writes ``bench/results/tree_budget_paced.json`` (``--out``).
@@ -37,8 +37,9 @@ from bench.recursion import model_stats, reset_stats
 from rlmq.cli.local import LocalFleet
 from rlmq.common.connection import async_client
 from rlmq.common.ledger import BudgetLedger
+from rlmq.common.ledger_wire import SEGMENT_MIN
 from rlmq.common.schemas import DatasetRow
-from rlmq.common.settings import load_settings, setting_default
+from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv
 from rlmq.scripted.markers import root_code_directive
 
@@ -141,7 +142,7 @@ def _case(
     served: dict[str, int], budget: int,
 ) -> dict[str, Any]:  # fmt: skip
     """The figures of one budget's run: per tree and summed."""
-    floor = int(setting_default("child_root_min_grant_tokens"))
+    floor = SEGMENT_MIN  # the least a root turn's estimate can be: a child ended with this much left was refused
     per_tree = [
         {"tree": n, **_tree_figures(r, served.get(n, 0), demand.get(n, 0), budget, u, floor)}
         for n, r, u in zip(names, results, unspent, strict=True)
