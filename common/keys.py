@@ -157,6 +157,13 @@ class LedgerKeys:
         begun by then (its call never reached the model) is reclaimed by the next reservation."""
         return namespace(self.tag, "leases")
 
+    @property
+    def answers(self) -> str:
+        """Hash: answer id (its first segment's reservation id) -> ``<deadline> <spent> <reach> <whole>
+        <kind>``: the answers granted in segments that are running (``docs/budget.md``); a new answer
+        starts only while the free budget also covers what they are estimated to need."""
+        return namespace(self.tag, "answers")
+
     def node(self, node_id: str) -> str:
         """String with a short TTL: present while the tree node ``node_id`` (a rollout of the tree,
         by the id it runs under) is alive; its host refreshes it, and deletes it when the rollout
@@ -242,7 +249,7 @@ class RolloutKeys:
     def all_static(self) -> list[str]:
         """The rollout's keys that do not depend on a batch (for TTL refresh and cleanup)."""
         own = LedgerKeys(self.rollout_id)
-        return [self.budget, self.reservations, self.live_reservations, own.grant_leases, self.info]
+        return [self.budget, self.reservations, self.live_reservations, own.grant_leases, own.answers, self.info]
 
 
 REPLY_FIELD = "r"
@@ -513,6 +520,7 @@ KEY_USES: tuple[KeyUse, ...] = (
     KeyUse("LedgerKeys.reservations", "rlmq:{*}:resv", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.live_reservations", "rlmq:{*}:live", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.grant_leases", "rlmq:{*}:leases", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
+    KeyUse("LedgerKeys.answers", "rlmq:{*}:answers", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.node", "rlmq:{*}:node:*", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),
     KeyUse("LedgerKeys.released", "rlmq:{*}:released", "rw", "rw", "", channel=True, tenant_pattern=_ROLLOUT_T),
     KeyUse("RolloutKeys.budget", "rlmq:{*}:budget", "rw", "rw", "r", tenant_pattern=_ROLLOUT_T),

@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -88,6 +87,7 @@ from rlmq.common.budget_wait import ReleaseWaits
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.ledger_calls import LedgerCalls
 from rlmq.common.ledger_script import COUNT_REJECTIONS_LUA, LEDGER_LUA
+from rlmq.common.ledger_segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
 from rlmq.common.ledger_tree import NODE_TTL, LedgerTree, node_ttl
 from rlmq.common.ledger_wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.settings import setting_default
@@ -108,28 +108,6 @@ GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT = (
 )
 WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = Code.WAITED_OUT, Code.TREE_CLOSED, Code.NODE_GONE, Code.UNLIMITED
 """The reservation codes (:class:`rlmq.common.ledger_wire.Code`) by their short names."""
-
-SUB_LLM = "sub"
-"""Reservation kind of a sub-LLM model turn (the default; its cap is the ledger's ``cap``)."""
-ROOT = "root"
-"""Reservation kind of a root-model turn of a child rollout (its cap: ``cap:root``)."""
-_KIND = re.compile(r"[a-z_]{1,16}")
-
-
-def _reserve_op(kind: str, *, leased: bool = False) -> str:
-    """The script's op of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``
-    (:attr:`~rlmq.common.ledger_wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``.
-
-    Raises:
-        ValueError: ``kind`` is not 1-16 characters of ``[a-z_]``.
-    """
-    op = Op.LEASED if leased else Op.RESERVE
-    if kind == SUB_LLM:
-        return op.value
-    if not _KIND.fullmatch(kind):
-        raise ValueError(f"invalid reservation kind {kind!r}: use 1-16 characters of [a-z_]")
-    return f"{op.value}:{kind}"
-
 
 _PASSING_REPLIES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
 """Error replies of a Redis that will take the same command again soon: a failover, a full
@@ -153,7 +131,7 @@ UNBUDGETED_MEMORY = 60.0
 """Seconds a worker remembers that a rollout has no ledger (see :meth:`BudgetLedger.known_unbudgeted`)."""
 
 
-class BudgetLedger(LedgerTree, LedgerCalls):
+class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     """Atomic reserve / settle of completion tokens in ledgers addressed by their own ids.
 
     Args:
@@ -191,6 +169,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)
         self._parked_kinds: dict[tuple[str, str], str] = {}  # (ledger, reservation) -> kind, while acquiring
         self._parked_nodes: dict[tuple[str, str], tuple[str, ...]] = {}  # ... -> node chain, while acquiring
+        self._parked_segments: dict[tuple[str, str], int] = {}  # ... -> a segment's spent tokens, while acquiring
         self.on_park: Callable[[], None] | None = None
         """Called whenever the number of :attr:`parked` calls changes (the worker's slot count)."""
         self.resume_gate: Callable[[], Awaitable[None]] | None = None
@@ -234,7 +213,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         for kind, kcap in (kind_caps or {}).items():
             if kcap < 1:
                 raise ValueError(f"per-call cap of {kind!r} reservations must be >= 1 token")
-            extra["cap:" + _reserve_op(kind).removeprefix(Op.RESERVE + ":")] = kcap
+            extra["cap:" + reserve_op(kind).removeprefix(Op.RESERVE + ":")] = kcap
         keys = LedgerKeys(ledger_id)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hsetnx(keys.budget, "limit", limit)
@@ -256,6 +235,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         kind: str | None = None,
         nodes: Sequence[str] | None = None,
         leased: bool | None = None,
+        segment: int | None = None,
     ) -> Grant:
         """Reserve ``min(cap, ledger cap of the kind, free)`` tokens under ``reservation_id``, or learn to wait.
 
@@ -279,6 +259,9 @@ class BudgetLedger(LedgerTree, LedgerCalls):
                 Its holder calls :meth:`begin` right before the model call; a grant not begun within
                 the lease (``grant_lease`` seconds) is reclaimed by the ledger's next reservation.
                 Default: leased when :meth:`acquire` parked this reservation, else not.
+            segment: reserve a *segment* of an answer instead of a whole cap (``docs/budget.md``):
+                the tokens the answer has spent so far (0: its first segment; ``cap`` is the whole
+                answer's cap). Default: the segment :meth:`acquire` is waiting with, else a whole cap.
 
         Raises:
             ValueError: an invalid ``kind``.
@@ -290,11 +273,13 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         if kind is None:
             kind = self._parked_kinds.get(parked, SUB_LLM)
         chain = tuple(nodes) if nodes is not None else self._parked_nodes.get(parked, ())
+        if segment is None:
+            segment = self._parked_segments.get(parked)
         if chain:
             for node in chain:
                 LedgerKeys(ledger_id).node(node)  # ConfigError now, not a script error later
         dl = deadline if deadline is not None else time.time() + self._ttl
-        op = _reserve_op(kind, leased=bool(leased))
+        op = reserve_op(kind, leased=bool(leased), segment=segment)
         r = await self._submit(ledger_id, op, reservation_id, cap or 0, dl, chain)
         if r.code == Code.NO_LEDGER:
             self._remember_unbudgeted(ledger_id)
@@ -353,6 +338,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         kind: str = SUB_LLM,
         nodes: Sequence[str] = (),
         leased: bool = False,
+        segment: int | None = None,
     ) -> tuple[Grant, int, float]:
         """Reserve, waiting for releases while the ledger says "wait"; the worker's entry point.
 
@@ -368,6 +354,7 @@ class BudgetLedger(LedgerTree, LedgerCalls):
             leased: lease the first ask's grant (see :meth:`reserve`); a grant after parking is
                 always leased (it waits for the resume gate): when the returned grant is
                 :attr:`~Grant.leased`, :meth:`begin` it right before the model call.
+            segment: reserve a segment of an answer that has spent this many tokens (see :meth:`reserve`).
 
         Returns:
             ``(grant, waits, wait_seconds)``: the final answer (never ``code`` 4), how many
@@ -385,7 +372,15 @@ class BudgetLedger(LedgerTree, LedgerCalls):
         """
         try:
             grant = await self.reserve_until(
-                deadline - margin, ledger_id, reservation_id, cap, deadline, kind=kind, nodes=nodes, leased=leased
+                deadline - margin,
+                ledger_id,
+                reservation_id,
+                cap,
+                deadline,
+                kind=kind,
+                nodes=nodes,
+                leased=leased,
+                segment=segment,
             )
         except asyncio.CancelledError:
             if leased:
@@ -393,7 +388,14 @@ class BudgetLedger(LedgerTree, LedgerCalls):
             raise
         if grant.code != Code.WAIT:
             return grant, 0, 0.0
-        result = await self._park_until_answered(ledger_id, reservation_id, cap, deadline, margin, grant, kind, nodes)
+        if segment is not None:
+            self._parked_segments[(ledger_id, reservation_id)] = segment
+        try:
+            result = await self._park_until_answered(
+                ledger_id, reservation_id, cap, deadline, margin, grant, kind, nodes
+            )
+        finally:
+            self._parked_segments.pop((ledger_id, reservation_id), None)
         if result[0].granted:
             await self._resume(ledger_id, reservation_id, parked=result[1] > 0)
         return result

@@ -158,12 +158,19 @@ local function live_count()
   return live
 end
 local added, settled, first_grant, leased = false, false, false, false
+local function answer_of(id)  -- an answer's id: its first segment's reservation id
+  return (string.gsub(id, ':s%d+$$', ''))
+end
+local running = nil  -- the running answers: {spent, reach, whole, kind} each, read once
+local longest = {}  -- per kind: the longest answer, ended or running
 local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
   f.charged = f.charged - grant
   f.reclaimed = f.reclaimed + grant
   changed.charged, changed.reclaimed = true, true
   put(id, false)
   redis.call('ZREM', live_set, id)
+  redis.call('HDEL', answers, answer_of(id))  -- its answer does not go on under it
+  running, longest = nil, {}
   live = nil
   settled = true
 end
@@ -186,12 +193,50 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
   if score == nil then return nil end
   return tonumber(score)
 end
+local function running_answers()
+  if running == nil then
+    running = {}
+    local flat, stale = redis.call('HGETALL', answers), {}
+    for j = 1, #flat, 2 do
+      local dl, sp, rc, wh, k = string.match(flat[j + 1], '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
+      if dl and tonumber(dl) > now then
+        running[#running + 1] = {tonumber(sp), tonumber(rc), tonumber(wh), k}
+      else
+        stale[#stale + 1] = flat[j]
+      end
+    end
+    if #stale > 0 then redis.call('HDEL', answers, unpack(stale)) end
+  end
+  return running
+end
+local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
+  if longest[k] == nil then
+    local field = 'longest'
+    if k ~= '' then field = 'longest:' .. k end
+    longest[k] = tonumber(redis.call('HGET', budget, field) or '0') or 0
+    for _, a in ipairs(running_answers()) do  -- an answer still running grows the estimate as it goes
+      if a[4] == k and a[1] > longest[k] then longest[k] = a[1] end
+    end
+  end
+  if longest[k] <= 0 then return whole end  -- no answer has ended yet: a whole cap, as without segments
+  return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
+end
+local function pledged()  -- what the running answers are estimated to need past what they hold
+  local sum = 0
+  for _, a in ipairs(running_answers()) do
+    local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
+    if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
+    if goal > a[2] then sum = sum + goal - a[2] end
+  end
+  return sum
+end
 local out = {}
 for i = 1, nops do
   local o = $HEAD_ARGS + $OP_ARGS * (i - 1)
   local kind, id, n, dl = ARGV[o + 1], ARGV[o + 2], tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
   local op = string.sub(kind, 1, 1)
-  if op == '$OP_RESERVE' or op == '$OP_LEASED' then
+  local seg = op == '$OP_SEGMENT' or op == '$OP_SEGMENT_LEASED'
+  if op == '$OP_RESERVE' or op == '$OP_LEASED' or seg then
     if limit and not h_closed then reclaim() end
     local s = state[id]
     if not limit and not h_unlimited then
@@ -202,7 +247,8 @@ for i = 1, nops do
       out[i] = reply(0, 0, 0, $UNLIMITED, 0, 0)
     elseif s then
       if held(s) then
-        if op == '$OP_RESERVE' and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
+        local unleased = op == '$OP_RESERVE' or op == '$OP_SEGMENT'
+        if unleased and string.sub(s, 1, 5) == 'open:' and redis.call('ZREM', leases, id) > 0 then
           put(id, 'call:' .. held(s))  -- a leased grant taken over by a call that begins at once
         end
         out[i] = reply(held(s), f.charged, limit, $GRANTED, 0, 0)
@@ -210,24 +256,56 @@ for i = 1, nops do
         out[i] = reply(0, f.charged, limit, $ALREADY_SETTLED, 0, 0)
       end
     else
-      local cap = kind_cap(string.sub(kind, 3))
+      local kname, spent = string.sub(kind, 3), 0
+      if seg then
+        local k, sp = string.match(kind, '^.:([a-z_]*):(%d+)')
+        kname, spent = k or '', tonumber(sp or '0')
+      end
+      local cap = kind_cap(kname)
       if n > 0 and (cap <= 0 or n < cap) then cap = n end
       local free = limit - f.charged
       local full = 1
       if cap > 0 then full = math.min(cap, limit) end
-      local grant = 0
-      if free >= full then
+      local grant, need, wait_need, whole = 0, full, full, limit
+      if seg then
+        if cap > 0 then whole = math.min(cap, limit) end
+        local left = whole - spent
+        local p = estimate(kname, whole)
+        if spent == 0 then
+          need = math.min(left, p)  -- a new answer: reserves what an answer is estimated to take, and
+          -- starts only while what stays free covers what the running answers are estimated to need
+          -- (and at least another estimate, but for a whole cap)
+          if free >= need + math.max(pledged(), math.min(need, whole - need)) then grant = need end
+        else  -- a running answer goes on first, with at least 1.25 x what it has spent
+          need = math.min(left, math.max($SEGMENT_MIN, p, math.ceil(spent * 1.25)))
+          if free >= math.min(need, $SEGMENT_MIN) then grant = math.min(need, free) end
+        end
+        wait_need = need
+        if spent > 0 then wait_need = math.min(need, $SEGMENT_MIN) end
+        if left <= 0 then
+          need = 0
+        elseif grant == 0 and live_count() == 0 and free > 0 then
+          grant = math.min(need, free)  -- the budget's last remainder
+        end
+        full = need
+      elseif free >= full then
         grant = free
         if cap > 0 and cap < grant then grant = cap end
+      end
+      if grant > 0 or need <= 0 then
+        -- granted above (or an answer at its cap: refused below)
       elseif live_count() > 0 then
         local nxt = first_score(live_set)
         local lease_end = first_score(leases)
         if lease_end and lease_end < nxt then nxt = lease_end end
         f.waits = f.waits + 1
         changed.waits = true
-        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(nxt * 1000), full)
-      elseif free > 0 then
+        out[i] = reply(0, f.charged, limit, $WAIT, math.floor(nxt * 1000), wait_need)
+      elseif free > 0 and not seg then
         grant = free
+        -- a child root turn's last remainder is usable down to an estimate of a root turn (1.25 x
+        -- the longest that ended; a whole cap before any ended), not only down to its whole cap
+        if kname == 'root' then full = math.min(full, estimate(kname, full)) end
       end
       if grant > 0 then
         if f.grants == 0 then first_grant = true end
@@ -235,24 +313,51 @@ for i = 1, nops do
         f.grants = f.grants + 1
         changed.charged, changed.grants = true, true
         put(id, 'open:' .. grant)
+        if seg then
+          f.segments = f.segments + 1
+          changed.segments = true
+          if need > 0 and dl > now then
+            redis.call('HSET', answers, answer_of(id), dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' '
+              .. whole .. ' ' .. kname)
+            running = nil
+            if ttl > 0 then redis.call('EXPIRE', answers, ttl) end
+          end
+        end
         if dl > now then
           redis.call('ZADD', live_set, dl, id)
           if live ~= nil then live = live + 1 end
           added = true
         end
-        if op == '$OP_LEASED' and lease > 0 then
+        if (op == '$OP_LEASED' or op == '$OP_SEGMENT_LEASED') and lease > 0 then
           redis.call('ZADD', leases, now + lease, id)
           leased = true
         end
         out[i] = reply(grant, f.charged, limit, $GRANTED, 0, full)
       elseif not out[i] then
-        f.rejections = f.rejections + 1
-        changed.rejections = true
+        if spent == 0 and need > 0 then  -- a refused continuation cuts an answer; it refuses no call
+          f.rejections = f.rejections + 1
+          changed.rejections = true
+        end
         out[i] = reply(0, f.charged, limit, $REJECTED, 0, 0)
       end
     end
+  elseif op == '$OP_ANSWERED' then
+    local k, total = string.match(kind, '^.:([a-z_]*):(%d+)')
+    total, k = tonumber(total or '0'), k or ''
+    local field = 'longest'
+    if k ~= '' then field = 'longest:' .. k end
+    if limit and total > (tonumber(redis.call('HGET', budget, field) or '0') or 0) then
+      redis.call('HSET', budget, field, total)
+      longest[k] = nil
+    end
+    if id ~= '' and redis.call('HDEL', answers, id) > 0 then  -- the answer ended: it pledges no more
+      running, longest = nil, {}
+    end
+    out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
+    redis.call('HDEL', answers, answer_of(id))  -- a dead worker's answer will not go on
+    running, longest = nil, {}
     if removed > 0 then
       live = nil
       settled = true

@@ -91,20 +91,29 @@ class Op(StrEnum):
     """The leased grant's call is about to reach the model: never reclaimed from now on."""
     GIVE_BACK = "u"
     """A leased grant never begun goes back now."""
+    SEGMENT = "g"
+    """Reserve a *segment* of an answer (``g:<kind>:<spent>``): its first when ``spent`` is 0, else the
+    next one of an answer that has spent ``spent`` tokens and continues on the server."""
+    SEGMENT_LEASED = "G"
+    """:attr:`SEGMENT`, leased (as :attr:`LEASED`)."""
+    ANSWERED = "f"
+    """An answer of kind ``<kind>`` ended after ``<total>`` tokens (``f:<kind>:<total>``, no reservation):
+    the ledger keeps the longest (``longest`` / ``longest:<kind>``), from which later segments are sized."""
 
 
 HASH_FIELDS = (
     "limit", "charged", "grants", "used", "released", "overrun", "rejections", "waits", "cap", "ttl", "closed",
-    "unlimited", "reclaimed",
+    "unlimited", "reclaimed", "segments",
 )  # fmt: skip
 """The fields of a ledger's budget hash (``LedgerKeys.budget``) the script reads, each into the Lua
 local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open reservations), ``grants``,
 ``used`` (tokens servers reported), ``released``, ``overrun`` (tokens a server returned past its grant),
 ``rejections``, ``waits`` ("wait" answers), ``cap`` (0: none; the cap of sub-LLM reservations), ``ttl``
 (seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger),
-``reclaimed`` (tokens of leased grants that went back unbegun: given back or reclaimed).
-A reservation kind's own cap is ``cap:<kind>``, read only when a reservation of that kind comes."""
-COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits", "reclaimed")
+``reclaimed`` (tokens of leased grants that went back unbegun: given back or reclaimed), ``segments``
+(segment grants: :attr:`Op.SEGMENT`). A reservation kind's own cap is ``cap:<kind>``, and the longest
+answer of the kind that ended is ``longest`` / ``longest:<kind>``, read only when a segment of that kind comes."""
+COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits", "reclaimed", "segments")
 """The fields the script counts (integers, written back once per call when changed)."""
 
 REPLY_FIELDS = ("value", "charged", "limit", "code", "detail", "need")
@@ -112,7 +121,7 @@ REPLY_FIELDS = ("value", "charged", "limit", "code", "detail", "need")
 
 SCRIPT_KEYS = {
     "budget": "budget", "reservations": "reservations", "live_set": "live_reservations", "channel": "released",
-    "leases": "grant_leases",
+    "leases": "grant_leases", "answers": "answers",
 }  # fmt: skip
 """The script's own keys, in order (``KEYS[1..]``): its Lua local -> the :class:`rlmq.common.keys.LedgerKeys`
 attribute. The node keys of the caller's tree chain follow them."""
@@ -124,6 +133,10 @@ the budget hash's own), ``ARGV[2]`` the grant lease (seconds) of a leased reserv
 OP_ARGS = ("op", "id", "n", "deadline")
 """The arguments of one operation after :data:`HEAD_ARGS`: ``op`` (an :class:`Op`), reservation id,
 ``n`` (a reserve's cap, a settle's used tokens), ``deadline`` (Unix seconds; a reserve's)."""
+
+SEGMENT_MIN = 64
+"""Tokens: the smallest segment the ledger grants while live calls may give tokens back (a continuation
+takes what is free from this size up; below it, it waits), and the least an answer's estimate is."""
 
 RELEASE_FIELDS = ("free", "live", "lease_end")
 """The release message the script publishes, space-separated (see :class:`Release`); the last is
@@ -150,6 +163,7 @@ def lua_names() -> dict[str, str]:
     names["COUNTER_TABLE"] = ", ".join(f"{f} = tonumber(h_{f} or '0')" for f in COUNTERS)
     names["REPLY_FIELDS"] = ", ".join(REPLY_FIELDS)
     names["OP_ARGS"] = str(len(OP_ARGS))
+    names["SEGMENT_MIN"] = str(SEGMENT_MIN)
     return names
 
 

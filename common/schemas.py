@@ -305,6 +305,9 @@ class SubLLMResult(_Strict):
     turns: int = 0
     tool_calls: int = 0
     grants: int = 0
+    segments: int = Field(default=0, ge=0)
+    """Model calls the answer took: one per turn, more where a turn's answer was continued under new
+    budget segments (``docs/budget.md``)."""
     granted_tokens: int = 0
     released_tokens: int = 0
     overrun_tokens: int = Field(default=0, ge=0)

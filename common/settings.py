@@ -85,9 +85,10 @@ class RolloutOptions(BaseModel):
         default=256,
         ge=1,
         description=(
-            "a child rollout's root turn is granted its whole max_tokens by the tree budget or not started "
-            "(the child ends with its best answer, stop reason budget_spent); a grant of unknown size below "
-            "this ends it too; the tree's root cap is at least twice this"
+            "a child rollout's root turn takes its whole max_tokens from the tree budget when free, else waits "
+            "while calls of the tree run, else the budget's last remainder; a remainder below this (and below "
+            "1.25 x the tree's longest root turn that ended, at least 64) ends the child (its best answer, stop "
+            "reason budget_spent); the tree's root cap is at least twice this"
         ),
         json_schema_extra=meta(group="recursion", unit="completion tokens"),
     )

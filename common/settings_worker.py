@@ -8,6 +8,8 @@ are declared here only to keep each module short; nothing reads them from here b
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlmq.common.settings_fields import meta
@@ -145,6 +147,16 @@ class WorkerOptions(BaseModel):
         description="token ids (prompt + completion) one model turn's record carries off a worker; a reply with "
         "more is untrainable (too_many_ids), its ids dropped before they reach Redis, its answer kept",
         json_schema_extra=meta(group="repl", unit="token ids"),
+    )
+    sub_llm_continuation: Literal["continue_final_message", "prefill", "none"] = Field(
+        default="continue_final_message",
+        description=(
+            "how this worker's model server continues an answer past a budget segment: continue_final_message "
+            "(vLLM, SGLang: the partial answer as the last assistant message, continue_final_message true, "
+            "add_generation_prompt false), prefill (llama.cpp: a last assistant message is a prefill), or none "
+            "(a server that cannot: every budgeted call is granted its whole cap before it starts)"
+        ),
+        json_schema_extra=meta(group="budget", flag="--continuation"),
     )
     frozen_fleet: bool = Field(default=False, description="this worker's server is not the trained policy: its "
         "turns are untrainable (frozen_fleet)", json_schema_extra=meta(group="common", flag="--frozen"))  # fmt: skip

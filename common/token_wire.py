@@ -49,6 +49,7 @@ UNTRAINABLE_REASONS: tuple[str, ...] = (
     "no_token_ids", "length_mismatch", "usage_mismatch", "payload_cap", "bad_payload", "spill_lost", "frozen_fleet",
     "version_mismatch",
     "bad_logprob", "over_max_tokens", "too_many_ids",
+    "continuation_boundary",
 )  # fmt: skip
 """Why a turn carries no tokens: the server returned none (``no_token_ids``: llama.cpp, OpenAI),
 its completion ids and logprobs differ in length (``length_mismatch``), a list disagrees with
@@ -57,8 +58,10 @@ payload did not decode (``bad_payload``), a spilled payload expired before it wa
 (``spill_lost``), the queue's servers declare that they are not the policy (``frozen_fleet``), the
 weight-version spans the server sent do not cover its completion ids (``version_mismatch``), a
 logprob is ``NaN``, infinite or above 0 (``bad_logprob``), the completion is longer than the
-request's ``max_tokens`` (``over_max_tokens``), or the reply carries more ids than a worker keeps
-for one turn (``too_many_ids``, :func:`validate_served`)."""
+request's ``max_tokens`` (``over_max_tokens``), the reply carries more ids than a worker keeps
+for one turn (``too_many_ids``, :func:`validate_served`), or a continued answer's next segment was
+prompted with ids other than those sampled so far (``continuation_boundary``:
+:mod:`rlmq.workers.continuation`)."""
 
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id the wire carries (int32)."""

@@ -188,6 +188,7 @@ class LlmBatchService:
         for r in results:
             lines.append(
                 f"  [{r.index}] {r.status:<8} {r.completion_tokens:>6} tokens  {r.turns} turn(s)  {r.seconds:6.2f} s"
+                + (f"  {r.segments} segments" if r.segments > max(1, r.turns) else "")
                 + (f"  {r.error_kind}" if r.status == "error" and r.error_kind else "")
                 + (f"  {_cut_note(r, cap)}" if r.truncated else "")
                 + ("  final-answer turn skipped (budget spent)" if r.final_turn == "skipped" else "")

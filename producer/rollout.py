@@ -100,6 +100,7 @@ class RolloutStats:
             "sub_llm_budget_waits": sum(r.budget_waits for r in sub),
             "sub_llm_budget_wait_seconds": round(sum(r.budget_wait_seconds for r in sub), 4),
             "sub_llm_truncated_count": sum(1 for r in sub if r.truncated),
+            "sub_llm_segment_count": sum(r.segments for r in sub),
             "sub_llm_overrun_tokens": sum(r.overrun_tokens for r in sub),
             "sub_llm_underreported_tokens": sum(r.underreported_tokens for r in sub),
             "sub_llm_queue_wait_seconds_mean": round(sum(waits) / len(waits), 5) if waits else 0.0,

@@ -8,12 +8,16 @@ the tree or an ancestor has ended), calls the root model with ``max_tokens`` = t
 settles with the completion tokens the server reported (the whole grant when it reported none, or
 when the call failed: the tokens may have been spent). Zero overshoot holds as for sub-LLM calls.
 
-A root turn is whole or not started: a grant below the turn's full ``max_tokens`` (the last
-remainder of a spent budget, :attr:`~rlmq.common.ledger.Grant.cut`; or, for a grant whose full size
-the ledger did not say, one below ``child_root_min_grant_tokens``) would cut the root's tool call
-mid-code: the wrapper gives it back (settled at 0) and raises
-:class:`~rlmq.common.errors.RootBudgetSpent`, which the root loop turns into the stop reason
-``budget_spent`` with the child's best answer so far. A refusal by the tree (``tree_closed``,
+A root turn takes its grant as a sub-call does: its whole ``max_tokens`` while that much is free,
+else it waits while running calls of the tree may give tokens back, then takes the budget's last
+remainder (:attr:`~rlmq.common.ledger.Grant.cut`: the turn may be cut). Only a remainder below
+``child_root_min_grant_tokens`` (tokens no root turn could use) is given back (settled at 0) and
+ends the child; once a root turn of the tree has ended on its own, the remainder a turn can use
+reaches down to an estimate of a root turn (1.25 x the longest that ended, at least 64 tokens), as a
+sub-call's first segment does: :class:`~rlmq.common.errors.RootBudgetSpent`, which the root loop turns into the stop
+reason ``budget_spent`` with the child's best answer so far. (Before, any remainder below the whole
+turn ended the child: 32 trees of budget 2,000 ended every child before its first turn, "the tree
+budget has 1805 tokens left, less than the whole 2000 a root turn needs".) A refusal by the tree (``tree_closed``,
 ``parent_gone``) or a lost ledger ends the child the same way. A tree without a budget (a
 liveness-only ledger) gets no grant: the call runs as it would have, once its chain is found alive.
 
@@ -45,7 +49,7 @@ class TreeBudgetedRoot:
         ledger_id: the tree's ledger (the top rollout's id).
         nodes: the child's chain, top .. the child itself.
         rollout_id: the child's id (names its reservations ``<rollout_id>:root:<turn>``).
-        min_grant: tokens; a grant of unknown full size below it ends the child (``child_root_min_grant_tokens``).
+        min_grant: tokens; a last remainder below it ends the child (``child_root_min_grant_tokens``).
         deadline: Unix seconds, the child's deadline (its reservations are live until then).
 
     Attributes:
@@ -106,8 +110,8 @@ class TreeBudgetedRoot:
         if self._partial(grant):
             await self._settle(reservation, 0)  # never called: the tokens go back to the tree
             raise RootBudgetSpent(
-                f"root turn {self.turn}: the tree budget has {grant.tokens} tokens left, less than the whole "
-                f"{max(grant.need, self.min_grant)} a root turn needs ({grant.charged}/{grant.limit} tokens charged)"
+                f"root turn {self.turn}: the tree budget has {grant.tokens} tokens left, less than the "
+                f"{self._least(grant)} a root turn can use ({grant.charged}/{grant.limit} tokens charged)"
             )
         self.grants += 1
         self.granted_tokens += grant.tokens
@@ -118,16 +122,30 @@ class TreeBudgetedRoot:
             reported = getattr(getattr(resp, "usage", None), "completion_tokens", None)
             if isinstance(reported, int) and reported >= 0:
                 used = reported
+                self._note_ended(resp, reported)
             used = max(used, served_completion_ids(resp))  # never below the ids it served
             return resp
         finally:
             self.used_tokens += used
             await self._settle(reservation, used)
 
+    def _note_ended(self, resp: Any, tokens: int) -> None:
+        """Tell the tree's ledger a root turn ended on its own after ``tokens`` (not at its
+        ``max_tokens``): the ledger keeps the longest, and sizes what a later root turn's last
+        remainder must hold from it (1.25 x, at least 64 tokens; ``docs/budget.md``)."""
+        choices = getattr(resp, "choices", None) or [None]
+        if getattr(choices[0], "finish_reason", None) in ("stop", "tool_calls"):
+            self.ledger.note_answer(self.ledger_id, tokens, kind=ROOT)
+
     def _partial(self, grant: Grant) -> bool:
-        """A grant the turn must not run under: below its full size (the budget's last remainder),
-        or, when the ledger did not say the full size (a reservation asked again), below ``min_grant``."""
-        return grant.cut or (grant.need == 0 and grant.tokens < self.min_grant)
+        """A grant the turn must not run under: the budget's last remainder below ``min_grant``
+        (a turn as short as that could not even write its tool call)."""
+        return grant.granted and grant.tokens < self._least(grant)
+
+    def _least(self, grant: Grant) -> int:
+        """Tokens a root turn can use: ``min_grant``, or less where the ledger's estimate of a root
+        turn (its ``need``) is less."""
+        return self.min_grant if grant.need <= 0 else min(self.min_grant, grant.need)
 
     async def _acquire(self, reservation: str, cap: Any) -> Grant:
         """The root turn's grant, leased: a call cancelled before it begins gives it back, and a

@@ -75,6 +75,7 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
                 ),
                 worker_name=f"rq:{job.worker_name or ''}",
                 frozen=settings.frozen_fleet,
+                continuation=settings.sub_llm_continuation,
                 redis=redis,
                 turn_token_max_ids=settings.turn_token_max_ids,
             )

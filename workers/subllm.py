@@ -62,8 +62,10 @@ from rlmq.common.token_servers import sampled_with
 from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
 from rlmq.common.tool_registry import canonical_tool_path, cut_text
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
+from rlmq.workers.continuation import Continuation
 from rlmq.workers.hosted_tools import ANSWER_GRACE, RolloutSlots, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
+from rlmq.workers.subllm_segments import MAX_SEGMENTS, SegmentedTurns, segment_id
 from rlmq.workers.tools import ToolRegistry
 
 __all__ = ["SubLLMContext", "run_sub_llm"]
@@ -90,6 +92,8 @@ class SubLLMContext:
         turn_token_max_ids: most token ids (prompt + completion) one turn's record carries off this
             worker (``turn_token_max_ids``); past it the turn is untrainable (``too_many_ids``).
         hosted_slots: hosted-tool calls in flight per rollout (one rollout's flood waits for its own).
+        continuation: how this worker's server continues an answer past a budget segment
+            (``sub_llm_continuation``; ``none``: its budgeted turns are granted whole caps).
     """
 
     client: ChatClient
@@ -102,6 +106,7 @@ class SubLLMContext:
     redis: Redis | None = None
     turn_token_max_ids: int | None = setting_default("turn_token_max_ids")
     hosted_slots: RolloutSlots = field(default_factory=RolloutSlots)
+    continuation: Continuation = "continue_final_message"
 
 
 FINAL_ANSWER_PROMPT = (
@@ -136,7 +141,7 @@ class _Stop(Exception):
         self.error = error or content
 
 
-class _Run:
+class _Run(SegmentedTurns):
     """The state of one sub-call (counters go into the result)."""
 
     def __init__(
@@ -159,6 +164,7 @@ class _Run:
         self.turns = 0
         self.tool_calls = 0
         self.grants = 0
+        self.segments = 0
         self.granted_tokens = 0
         self.released_tokens = 0
         self.overrun_tokens = 0
@@ -195,6 +201,8 @@ class _Run:
         last_turn = request.max_turns + (1 if request.final_answer_turn else 0)
         for turn in range(1, last_turn + 1):
             forced = turn > request.max_turns  # the final-answer turn, without tools
+            # a turn without tools is granted a segment and continued (workers/subllm_segments.py)
+            segmented = ctx.continuation != "none" and (forced or not tools)
             while True:  # a grant whose lease was reclaimed before its call began is asked for again
                 if time.time() >= request.deadline:
                     raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
@@ -202,7 +210,9 @@ class _Run:
                 reservation = f"{self.job_id}:{self.attempt}:{turn}"
                 max_tokens = request.max_completion_tokens
                 if check:
-                    grant = await self._reserve(reservation, leased=self.gate is not None)
+                    grant = await self._reserve(
+                        reservation, leased=self.gate is not None, segment=0 if segmented else None
+                    )
                     if grant is None:
                         check = False  # no ledger, and the job said it has none: unbudgeted
                     elif grant.code == UNLIMITED:
@@ -229,6 +239,7 @@ class _Run:
                         return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
                     else:
                         max_tokens = grant.tokens
+                        self.running_answer = reservation if segmented else None
                 try:
                     if self.gate is not None:
                         if grant is not None:
@@ -246,12 +257,21 @@ class _Run:
             if forced:
                 self.final_turn = "answered"
                 self.messages.append({"role": "user", "content": FINAL_ANSWER_PROMPT})
-            response = await self._call(turn, reservation, grant, max_tokens, [] if forced else tools)
+            offered_now = [] if forced else tools
+            response = last = await self._call(turn, reservation, grant, max_tokens, offered_now)
             if max_tokens is not None and response.completion_tokens > max_tokens:
                 self.overrun_tokens += response.completion_tokens - max_tokens  # charged, and recorded
+            if grant is not None and segmented:
+                response, reservation, grant, last, max_tokens = await self.continue_answer(
+                    turn, reservation, grant, response, offered_now
+                )
+            else:
+                self.segments += 1
+            if request.include_tokens:
+                self._record_tokens(turn, response, max_tokens, offered_now)
             if grant is not None:
-                used = response.completion_tokens if response.usage_reported else grant.tokens
-                used = max(used, response.completion_ids or 0)  # never below the ids it served
+                used = last.completion_tokens if last.usage_reported else grant.tokens
+                used = max(used, last.completion_ids or 0)  # never below the ids it served
                 final = not response.tool_calls or turn == last_turn
                 if final and self.settle_out is not None:
                     # The last settlement rides with the worker's FINISH round trip; until then
@@ -276,9 +296,10 @@ class _Run:
             await self._run_tools(response.tool_calls, offered, turn)
         raise AssertionError("unreachable: the loop returns on its last turn")  # pragma: no cover
 
-    async def _reserve(self, reservation: str, *, leased: bool = False) -> Grant | None:
+    async def _reserve(self, reservation: str, *, leased: bool = False, segment: int | None = None) -> Grant | None:
         """Reserve (waiting for releases) the grant of one model call; ``None``: unbudgeted.
-        ``leased``: the call waits for its ``START`` before the model (a lane entry's early call)."""
+        ``leased``: the call waits for its ``START`` before the model (a lane entry's early call).
+        ``segment``: a segment of an answer that has spent this many tokens, not a whole cap."""
         ledger = self.ctx.ledger
         assert ledger is not None
         request = self.request
@@ -292,6 +313,7 @@ class _Run:
                 margin=margin,
                 nodes=request.nodes,
                 leased=leased,
+                segment=segment,
             )
         except RedisError as exc:
             raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
@@ -334,7 +356,12 @@ class _Run:
         ledger = self.ctx.ledger
         assert ledger is not None
         turns = self.request.max_turns + 1  # the final-answer turn's reservation too
-        ids = [f"{self.job_id}:{a}:{t}" for a in range(1, self.attempt) for t in range(1, turns + 1)]
+        ids = [
+            segment_id(f"{self.job_id}:{a}:{t}", k)
+            for a in range(1, self.attempt)
+            for t in range(1, turns + 1)
+            for k in range(1, MAX_SEGMENTS + 1)
+        ]
         try:
             await ledger.retire(self.request.charged_ledger, ids)
         except RedisError as exc:  # waiters then wait for the old reservations' deadline: slower, still safe
@@ -369,18 +396,23 @@ class _Run:
         grant: Grant | None,
         max_tokens: int | None,
         tools: list[dict[str, Any]],
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> ChatResponse:
+        """One model call of turn ``turn`` (``messages`` / ``sampling``: a continuation's, else the
+        conversation's and the request's); a failed call settles its grant (see the module docstring)."""
         request = self.request
         self.turns = turn
         tokens = request.include_tokens and not self.ctx.frozen
         try:
             response = await self.ctx.client.chat(
                 model=request.model,
-                messages=self.messages,
+                messages=self.messages if messages is None else messages,
                 max_tokens=max_tokens,
                 tools=tools or None,
                 temperature=request.temperature,
-                sampling=request.sampling,
+                sampling=request.sampling if sampling is None else sampling,
                 user=request.rollout_id,
                 deadline=request.deadline,
                 session_id=request.session_id,
@@ -391,11 +423,10 @@ class _Run:
                 answered_error = exc.status is not None and exc.status >= 400
                 await self._settle(reservation, 0 if answered_error else grant.tokens)
             raise
-        self.prompt_tokens += response.prompt_tokens
+        if messages is None:  # a continuation's prompt is the same turn's
+            self.prompt_tokens += response.prompt_tokens
         self.completion_tokens += response.completion_tokens
         self.underreported_tokens += response.underreported
-        if request.include_tokens:
-            self._record_tokens(turn, response, max_tokens, tools)
         return response
 
     def _record_tokens(
@@ -541,6 +572,7 @@ async def run_sub_llm(
         log.exception("sub-LLM job %s failed unexpectedly", job_id)
         text = f"{type(exc).__name__}: {exc}"
         status, content, error, error_kind = "error", f"[error] sub-LLM call failed: {text}", text, "internal"
+    run.answer_over()  # an answer that failed mid-way stops counting as running
     return SubLLMResult(
         rollout_id=request.rollout_id,
         batch_id=request.batch_id,
@@ -555,6 +587,7 @@ async def run_sub_llm(
         turns=run.turns,
         tool_calls=run.tool_calls,
         grants=run.grants,
+        segments=run.segments,
         granted_tokens=run.granted_tokens,
         released_tokens=run.released_tokens,
         overrun_tokens=run.overrun_tokens,

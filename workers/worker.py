@@ -254,6 +254,7 @@ class SubLLMWorker:
             tools=ToolRegistry.from_paths(s.allowed_sub_tools, max_output_chars=s.sub_tool_max_result_chars),
             worker_name=self.name,
             frozen=s.frozen_fleet,
+            continuation=s.sub_llm_continuation,
             redis=self.redis,
             turn_token_max_ids=s.turn_token_max_ids,
         )

@@ -35,6 +35,7 @@ from rlmq.scripted.completions import (
     _tool_names,
     _words,
 )
+from rlmq.scripted.continuation import continued_answer, rest_of_answer
 from rlmq.scripted.markers import (
     DEFAULT_MAX_TOKENS,
     LISTEN_LINE,
@@ -154,6 +155,12 @@ async def _answer(
 
     if state.latency > 0:
         await asyncio.sleep(state.latency)
+    partial = continued_answer(body, messages)
+    if isinstance(partial, web.Response):
+        return partial
+    full_messages = messages
+    if partial is not None:  # the reply is the same answer's, from where the partial one stops
+        messages = messages[:-1]
 
     no_usage = False
     spend_all = False
@@ -205,6 +212,9 @@ async def _answer(
             words = (reply.content or "").split()[:length]
             reply = _Reply(content=" ".join(words + ["tok"] * (length - len(words))))
 
+    if partial is not None and not reply.tool_calls:
+        reply = _Reply(content=rest_of_answer(reply.content or "", partial))
+    messages = full_messages
     choice, completion_tokens = _completion(state, reply, limit, spend_all)
     prompt_tokens = sum(_words(_text(m.get("content"))) for m in messages)
     result: dict[str, Any] = {

@@ -33,7 +33,9 @@ reply. Its weights carry a label (``step-0`` at start; ``POST /update_weight_ver
   ``+inf``, ``-inf`` or ``0.5`` (the JSON body then holds ``NaN`` / ``Infinity`` as Python writes them);
 * ``[[mock:token-ids:flood-<n>]]``: a flooding server (vLLM's shape): ``n`` completion ids (and
   logprobs), its ``usage`` saying ``n`` too, whatever ``max_tokens`` was (the served count
-  :func:`served_fields` returns).
+  :func:`served_fields` returns);
+* ``[[mock:continue-boundary]]``: a continuation's last prompt id is not the last id sampled so far
+  (a server that re-tokenized the joint of the partial answer: :mod:`rlmq.scripted.continuation`).
 
 Every reply that carried token fields is recorded (:class:`ServedLog`, ``GET /served``): its
 ``id``, ``user``, role, the three lists and its ``weight_versions``, so a test compares what a
@@ -150,6 +152,8 @@ def served_fields(
     choice = result["choices"][0]
     message = choice["message"]
     prompt = [i for m in messages for i in _ids(_content(m))]
+    if "[[mock:continue-boundary]]" in users and messages[-1].get("role") == "assistant" and prompt:
+        prompt[-1] = word_id(f"re-tokenized {prompt[-1]}")  # a joint the server tokenized otherwise
     completion = _ids(message.get("content") or "")
     for call in message.get("tool_calls") or []:
         completion += _ids(str(call["function"]["arguments"]))

@@ -344,7 +344,8 @@ def _rlmq_arguments(given: dict[str, Any]) -> dict[str, Any]:
 
 _RLMQ_METRICS: tuple[str, ...] = (
     "main_rlm_turns", "main_rlm_prompt_tokens", "main_rlm_completion_tokens", "sub_llm_rejected_count",
-    "sub_llm_error_count", "sub_llm_truncated_count", "sub_llm_queue_wait_seconds_mean", "sub_llm_budget_limit",
+    "sub_llm_error_count", "sub_llm_truncated_count", "sub_llm_segment_count", "sub_llm_queue_wait_seconds_mean",
+    "sub_llm_budget_limit",
     "sub_llm_budget_charged", "sub_llm_budget_used",
 )  # fmt: skip
 """rlmq's own metrics reported beside the reference's (0 when a rollout has none, e.g. no budget)."""

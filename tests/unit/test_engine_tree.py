@@ -5,6 +5,7 @@ or parent is gone."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -98,13 +99,14 @@ async def test_a_child_charges_its_tree_and_carries_its_chain(redis: Redis) -> N
     assert (spec.ledger_id, spec.nodes, spec.call.budgeted) == ("top", ("top", "mid", "kid-1"), True)
 
 
-async def test_a_child_root_turn_is_whole_or_not_started(redis: Redis) -> None:
+async def test_a_child_root_turn_takes_the_last_remainder_it_can_use(redis: Redis) -> None:
     ledger = BudgetLedger(redis, ttl=60)
     await ledger.open("top", 500, cap=100, kind_caps={ROOT: 300})
     await ledger.open_node("top", "top")
-    # turn 1: a whole 300 granted, 290 spent, content set; turn 2: 210 free and nothing live, less
-    # than a whole root turn: the remainder is given back and the child ends with its best answer
-    # (before, it was granted the 210 and a tool call could be cut mid-code)
+    # turn 1: a whole 300 granted, 290 spent, content set; turn 2: 210 free and nothing live: the
+    # budget's last remainder, taken (before, it was given back and the child ended while the tree
+    # had 210 tokens a turn could use); turn 3: 10 left, below child_root_min_grant_tokens: the
+    # child ends with its best answer
     root = FakeRoot(
         code_turn("content:partial 7", completion_tokens=290),
         code_turn("x = 2", completion_tokens=200),
@@ -114,10 +116,33 @@ async def test_a_child_root_turn_is_whole_or_not_started(redis: Redis) -> None:
     pos = TreePosition("top", depth=2, max_depth=2, nodes=("top",), parent_id="top")
     res = await run_rollout(host, ROW, options, model="m", queue="q", rollout_id="kid-2", tree=pos)
     assert (res.row.stop_reason, res.row.final_answer) == ("budget_spent", "partial 7")
-    assert [c["max_tokens"] for c in root.calls] == [300]
-    assert any(e.get("type") == "note" and "less than the whole 300" in e["text"] for e in res.trajectory)
+    assert [c["max_tokens"] for c in root.calls] == [300, 210]
+    assert any(e.get("type") == "note" and "less than the 100 a root turn can use" in e["text"] for e in res.trajectory)
     snap = await ledger.snapshot("top")
-    assert snap is not None and (snap.used, snap.charged) == (290, 290)  # the 210-token remainder went back
+    assert snap is not None and (snap.used, snap.charged) == (490, 490)  # the 10-token remainder went back
+
+
+async def test_a_child_root_turn_takes_a_remainder_below_min_grant_that_holds_a_root_turn(redis: Redis) -> None:
+    ledger = BudgetLedger(redis, ttl=60)
+    await ledger.open("top", 650, cap=250, kind_caps={ROOT: 300})
+    await ledger.open_node("top", "top")
+    for rid, n in (("s1", 250), ("s2", 110)):  # sub-calls of the tree spent 360: 290 are left
+        grant, _, _ = await ledger.acquire("top", rid, n, time.time() + 60)
+        assert grant.tokens == n
+        await ledger.settle("top", rid, n)
+    # turn 1: the last remainder, 290 (no root turn has ended: usable down to min_grant), ends on
+    # its own after 40 tokens; turn 2: 250 free, below child_root_min_grant_tokens (256) but above
+    # an estimate of a root turn (max(64, 1.25 x 40)): taken, and the child answers (before, it
+    # ended budget_spent while its tree had 250 tokens for a 40-token turn)
+    root = FakeRoot(code_turn("x = 1", completion_tokens=40), code_turn("answer:7", completion_tokens=40))
+    host = host_for(redis, root, [])
+    options = RolloutOptions(sub_llm_max_completion_tokens=650, child_root_min_grant_tokens=256, max_turns=10)
+    pos = TreePosition("top", depth=2, max_depth=2, nodes=("top",), parent_id="top")
+    res = await run_rollout(host, ROW, options, model="m", queue="q", rollout_id="kid-3", tree=pos)
+    assert (res.row.stop_reason, res.row.final_answer) == ("answer_ready", "7"), (res.row.error, res.trajectory)
+    assert [c["max_tokens"] for c in root.calls] == [290, 250]
+    snap = await ledger.snapshot("top")
+    assert snap is not None and (snap.used, snap.charged) == (440, 440)
 
 
 async def test_a_child_of_a_closed_tree_or_gone_parent_ends_before_calling_its_model(redis: Redis) -> None:
