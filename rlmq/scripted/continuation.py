@@ -2,7 +2,9 @@
 
 A request whose messages end with an assistant message asks to continue it: with
 ``continue_final_message: true`` (then ``add_generation_prompt`` must be ``false``, as vLLM
-requires: else a 400) or without it (llama.cpp's assistant prefill). The scripted model answers
+requires: else a 400) or without it when it offers no tools (llama.cpp's assistant prefill; a
+request that offers tools and ends with an assistant message is a conversation whose model turn
+is next, as rlmq never continues a turn that offers tools). The scripted model answers
 the conversation before that message as it always would, and serves the rest of that answer
 from where the partial one stops (its content is the new text only, as vLLM's is). The prompt it
 counts and serves ids for is the whole conversation, partial answer included: its ids are the
@@ -34,6 +36,8 @@ def continued_answer(body: dict[str, Any], messages: list[dict[str, Any]]) -> st
         return _bad("continue_final_message and add_generation_prompt cannot both be true")
     if last.get("role") != "assistant" or last.get("tool_calls"):
         return _bad("continue_final_message needs a last assistant message") if asks else None
+    if not asks and body.get("tools"):
+        return None  # not a prefill: rlmq continues no turn that offers tools
     content = last.get("content")
     return content if isinstance(content, str) else ""
 

@@ -58,7 +58,10 @@ def test_no_field_is_read_by_position() -> None:
 
 
 def test_the_spliced_script_has_no_placeholder_left_and_every_code_is_spelled_once() -> None:
-    assert "$" not in LEDGER_LUA
+    # A '$' left is Lua's own: a pattern's end anchor, right before the pattern's closing quote
+    # (segment ids ``<answer>:s<k>``, the answers set's entries); a placeholder is ``$NAME``.
+    assert not re.search(r"\$[A-Za-z_]", LEDGER_LUA), "a placeholder left unspliced"
+    assert all(LEDGER_LUA[m.end()] == "'" for m in re.finditer(r"\$", LEDGER_LUA)), "a '$' outside a Lua pattern"
     names = lua_names()
     assert {c.name for c in Code} <= set(names) and {"SETTLE_" + c.name for c in SettleCode} <= set(names)
     assert names["NODE_GONE"] == str(int(Code.NODE_GONE)) == "7"
@@ -84,14 +87,15 @@ def test_every_op_key_and_head_argument_is_spliced_by_name() -> None:
 
 
 def test_the_script_keys_go_out_in_the_order_the_lua_names_them() -> None:
-    """``KEYS[1..5]`` are the budget hash, reservations, live set, release channel and lease set
-    (the Lua's locals), then the caller's node keys: a shifted layout would read a wrong key."""
+    """``KEYS[1..6]`` are the budget hash, reservations, live set, release channel, lease set and
+    running answers (the Lua's locals), then the caller's node keys: a shifted layout would read a
+    wrong key."""
     keys = LedgerKeys("led")
     assert BudgetLedger._keys(("led", ("n1", "n2"))) == [
-        keys.budget, keys.reservations, keys.live_reservations, keys.released, keys.grant_leases,
+        keys.budget, keys.reservations, keys.live_reservations, keys.released, keys.grant_leases, keys.answers,
         keys.node("n1"), keys.node("n2"),
     ]  # fmt: skip
-    assert list(SCRIPT_KEYS) == ["budget", "reservations", "live_set", "channel", "leases"]
+    assert list(SCRIPT_KEYS) == ["budget", "reservations", "live_set", "channel", "leases", "answers"]
 
 
 def test_the_head_arguments_carry_the_lease_and_the_lease_is_the_declared_setting() -> None:
