@@ -1,9 +1,18 @@
-"""The one settings object of rlmq.
+"""``rlmq.common.settings``: the one settings object of rlmq.
 
 Built once at start-up from command-line flags (passed as keyword arguments) over
 ``RLMQ_*`` environment variables over the defaults below, then passed down. Nothing
 in rlmq reads the environment anywhere else. ``REDIS_URL`` is accepted as well as
 ``RLMQ_REDIS_URL``; ``OPENAI_API_KEY`` as well as ``RLMQ_API_KEY``.
+
+What it owns: the declaration (here: :class:`Settings`, :class:`RolloutOptions`,
+:func:`load_settings`, :func:`setting_default`), a worker's own fields (:mod:`.worker`), the
+field metadata and error lines (:mod:`.fields`) and every setting as one record, for flags and
+docs (:mod:`.schema`; ``python -m rlmq.common.settings.schema`` writes ``docs/settings.md``).
+
+What it may import (held by ``tests/unit/test_layout.py``): the flat modules of
+:mod:`rlmq.common` only; never :mod:`rlmq.common.budget` or :mod:`rlmq.common.jobs` (both read
+their defaults from here), ``producer`` or ``workers``.
 """
 
 from __future__ import annotations
@@ -18,8 +27,8 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.keys import queue_name_for_model, tenant_queue
 from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SUB_LLM_MAX_TURNS_DEFAULT, SUB_LLM_MAX_TURNS_LIMIT, normalize_sampling
-from rlmq.common.settings_fields import field_env_vars, meta, validated
-from rlmq.common.settings_worker import WorkerOptions
+from rlmq.common.settings.fields import field_env_vars, meta, validated
+from rlmq.common.settings.worker import WorkerOptions
 from rlmq.common.token_servers import TokenApi, TokenIdsApi
 from rlmq.common.tree import MAX_DEPTH, MAX_DEPTH_DEFAULT
 
