@@ -13,8 +13,8 @@ install: $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 
 lint:
-	$(PY) -m ruff check rlmq common producer workers tests bench setup.py
-	$(PY) -m ruff format --check rlmq common producer workers tests bench setup.py
+	$(PY) -m ruff check rlmq common producer workers tests bench
+	$(PY) -m ruff format --check rlmq common producer workers tests bench
 
 types:
 	$(PY) -m mypy

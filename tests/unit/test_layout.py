@@ -15,12 +15,18 @@ the code keeps them (and as each package's ``__init__`` docstring states them):
   other way round).
 - The flat modules of ``common`` (keys, errors, schemas, connection, ...) import no
   ``common.jobs``.
+
+And the mapping of the sides into ``rlmq``, declared once in ``pyproject.toml``'s
+``[tool.setuptools]``: its package list is every package folder, and the links in ``rlmq/`` agree
+with its ``package-dir``.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,3 +121,33 @@ def test_a_broken_rule_is_seen(tmp_path: Path) -> None:
         ]
     finally:
         del GRAPH["rlmq.common.budget.bad"]
+
+
+def _setuptools() -> dict[str, Any]:
+    """``pyproject.toml``'s ``[tool.setuptools]``: the one declaration of where rlmq's packages are."""
+    table: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    return table
+
+
+def test_the_declared_packages_are_every_package_folder() -> None:
+    """A package folder missing from the list would be left out of the wheel; a listed one that is gone
+    fails the build."""
+    declared = _setuptools()
+    folders = declared["package-dir"]
+    found = set()
+    for name, folder in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            if name == "rlmq" and rel and rel[0] in SIDES:
+                continue  # the links to the sides: their own entries list them
+            found.add(".".join([name, *rel]))
+    assert sorted(declared["packages"]) == sorted(found)
+
+
+def test_the_links_in_rlmq_agree_with_package_dir() -> None:
+    """``rlmq/common`` etc. (for mypy and for tests run in the checkout) point where the wheel takes the sides from."""
+    sides = {k: v for k, v in _setuptools()["package-dir"].items() if k != "rlmq"}
+    assert sides == {f"rlmq.{s}": s for s in SIDES}
+    for side in SIDES:
+        link = ROOT / "rlmq" / side
+        assert link.is_symlink() and link.resolve() == (ROOT / side).resolve(), link
