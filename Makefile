@@ -28,6 +28,6 @@ bench:
 demo:
 	$(VENV)/bin/rlmq demo --output rows.jsonl
 
-# docs/settings.md is generated from common/settings/__init__.py (a test fails when they differ).
+# docs/settings.md is generated from common/settings/ (a test fails when they differ).
 settings-docs:
 	$(PY) -m rlmq.common.settings.schema > docs/settings.md

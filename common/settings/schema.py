@@ -234,7 +234,7 @@ def markdown() -> str:
     lines = [
         "# Settings",
         "",
-        "Generated from `common/settings/__init__.py` by `python -m rlmq.common.settings.schema > docs/settings.md`;",
+        "Generated from `common/settings/` by `python -m rlmq.common.settings.schema > docs/settings.md`;",
         "a test fails when this file and the declaration differ.",
         "",
         "One precedence on every path: an explicit value (a flag, an `RLMEnv` argument, a",

@@ -39,7 +39,7 @@ SOURCES = sorted(
         *(ROOT / "rlmq").glob("*.py"),
         *(p for folder in ("cli", "scripted", "verifiers_plugin") for p in (ROOT / "rlmq" / folder).rglob("*.py")),
     }
-    - {ROOT / "common" / "settings" / "__init__.py", ROOT / "common" / "settings" / "worker.py"}
+    - {ROOT / "common" / "settings" / name for name in ("__init__.py", "rollout.py", "worker.py")}
 )
 """Every module below the declaration (``rlmq/common`` etc. are links to the top-level folders)."""
 

@@ -1,6 +1,6 @@
 """Every setting through every path: ``rlmq`` flags, ``RLMEnv`` arguments, ``RLMQ_*`` variables
 (the verifiers harness knobs: ``test_settings_harness.py``, which needs the verifiers extra; this
-file runs without any optional extra). Parametrized over the declaration (``common/settings/__init__.py``),
+file runs without any optional extra). Parametrized over the declaration (``common/settings/``),
 so a new field is driven here without a line added: its value must reach the rollout's
 ``RolloutOptions`` (or the worker's settings), with one precedence on each path: explicit >
 variable > default. No Redis is needed: each path is followed up to the settings a rollout or
@@ -241,8 +241,7 @@ def test_docs_settings_md_is_the_declarations_table() -> None:
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
     assert docs.read_text(encoding="utf-8") == markdown(), (
-        "docs/settings.md differs from common/settings/__init__.py: "
-        "python -m rlmq.common.settings.schema > docs/settings.md"
+        "docs/settings.md differs from common/settings/: python -m rlmq.common.settings.schema > docs/settings.md"
     )
     for k in knobs():
         assert f"| `{k.name}` |" in docs.read_text(encoding="utf-8")
