@@ -4,7 +4,7 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY common ./common
 COPY producer ./producer
 COPY workers ./workers

@@ -13,8 +13,8 @@ install: $(PY)
 	$(PY) -m pip install -q -e '.[dev]'
 
 lint:
-	$(PY) -m ruff check rlmq common producer workers tests bench setup.py
-	$(PY) -m ruff format --check rlmq common producer workers tests bench setup.py
+	$(PY) -m ruff check rlmq common producer workers tests bench
+	$(PY) -m ruff format --check rlmq common producer workers tests bench
 
 types:
 	$(PY) -m mypy
@@ -28,6 +28,6 @@ bench:
 demo:
 	$(VENV)/bin/rlmq demo --output rows.jsonl
 
-# docs/settings.md is generated from common/settings.py (a test fails when they differ).
+# docs/settings.md is generated from common/settings/ (a test fails when they differ).
 settings-docs:
-	$(PY) -m rlmq.common.settings_schema > docs/settings.md
+	$(PY) -m rlmq.common.settings.schema > docs/settings.md

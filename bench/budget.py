@@ -42,9 +42,9 @@ from typing import Any
 
 from rlmq.cli.local import LocalFleet
 from rlmq.common.aio import run as run_loop
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher

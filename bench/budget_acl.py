@@ -35,8 +35,8 @@ from bench.recursion import model_stats, reset_stats
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
 from rlmq.common.acl import ROLES, acl_rules
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.redis_server import EmbeddedRedis
 from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
 from rlmq.common.schemas import SubCallOptions, SubLLMResult

@@ -25,7 +25,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.redis_server import EmbeddedRedis
 from rlmq.common.schemas import SubLLMRequest, SubLLMResult
 from rlmq.scripted.markers import answer_tokens

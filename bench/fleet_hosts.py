@@ -168,8 +168,8 @@ async def _interleaved(url: str, models: dict[int, str], n: int) -> dict[int, di
     import uuid
 
     from rlmq.common import keys as K
+    from rlmq.common.budget.ledger import BudgetLedger
     from rlmq.common.connection import async_client
-    from rlmq.common.ledger import BudgetLedger
     from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
 

@@ -71,8 +71,8 @@ async def _light(a: argparse.Namespace) -> dict[str, Any]:
     machine hits all three alike. Latency: the call's wall time; for rlmq the whole
     ``Dispatcher.run_batch`` (enqueue to the result parsed).
     """
+    from rlmq.common.budget.ledger import BudgetLedger
     from rlmq.common.connection import async_client
-    from rlmq.common.ledger import BudgetLedger
     from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
     from rlmq.workers.model import ChatClient
@@ -187,8 +187,8 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
         call_batch = call_batch_direct
     else:  # rlmq producer (also the producer of the stock-RQ scenario)
         import rlmq.producer.dispatch as dispatch
+        from rlmq.common.budget.ledger import BudgetLedger
         from rlmq.common.connection import async_client
-        from rlmq.common.ledger import BudgetLedger
         from rlmq.common.schemas import SubCallOptions
         from rlmq.producer.dispatch import BatchSpec, Dispatcher
 

@@ -35,9 +35,9 @@ from typing import Any
 
 from bench.recursion import model_stats, reset_stats
 from rlmq.cli.local import LocalFleet
+from rlmq.common.budget.ledger import BudgetLedger
+from rlmq.common.budget.wire import SEGMENT_MIN
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.ledger_wire import SEGMENT_MIN
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv

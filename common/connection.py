@@ -22,10 +22,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from rlmq.common import replica_acks as replica_acks_mod
 from rlmq.common import sentinel
+from rlmq.common.budget import replica_acks as replica_acks_mod
+from rlmq.common.budget.replica_acks import ReplicaAcks
 from rlmq.common.errors import ConfigError, RedisUnavailableError
-from rlmq.common.replica_acks import ReplicaAcks
 
 SOCKET_TIMEOUT = 15.0
 CONNECT_TIMEOUT = 5.0
@@ -163,7 +163,7 @@ def async_client(
         replica_acks / replica_ack_timeout: the settings ``redis_replica_acks`` (replicas; ``None``:
             1 with a Sentinel URL, else 0) and ``redis_replica_ack_timeout`` (seconds): the budget
             ledgers made on this client wait for that many replicas' acknowledgement of every grant
-            (:mod:`rlmq.common.replica_acks`).
+            (:mod:`rlmq.common.budget.replica_acks`).
     """
     client = _async_client(url, max_connections)
     replica_acks_mod.attach(client, replica_acks_mod.resolve(url, replica_acks, replica_ack_timeout))

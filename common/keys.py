@@ -167,7 +167,7 @@ class LedgerKeys:
     def node(self, node_id: str) -> str:
         """String with a short TTL: present while the tree node ``node_id`` (a rollout of the tree,
         by the id it runs under) is alive; its host refreshes it, and deletes it when the rollout
-        ends. A reservation naming a node whose key is gone is refused (:mod:`rlmq.common.ledger`).
+        ends. A reservation naming a node whose key is gone is refused (:mod:`rlmq.common.budget.ledger`).
 
         Raises:
             ConfigError: ``node_id`` is not 1-64 characters of ``[A-Za-z0-9_-]``.
@@ -230,7 +230,7 @@ class RolloutKeys:
 
     def spill(self, job_id: str, attempt: int = 1) -> str:
         """String: the token payload of one job attempt's result, moved off the reply stream when
-        large (:mod:`rlmq.common.spill`); written by the worker with a TTL, read and deleted by
+        large (:mod:`rlmq.common.jobs.spill`); written by the worker with a TTL, read and deleted by
         the producer once the result is taken."""
         return namespace(self.tag, "spill", job_id, str(attempt))
 
@@ -293,7 +293,7 @@ LIVE_ROLLOUTS = namespace("rollouts")
 
 REPLICA_ACK_MARK = namespace("replica-ack")
 """String (a few bytes, short TTL): written right before a ``WAIT`` for replicas' acknowledgement
-(:mod:`rlmq.common.replica_acks`), so that the ``WAIT`` covers every write the master made before it.
+(:mod:`rlmq.common.budget.replica_acks`), so that the ``WAIT`` covers every write the master made before it.
 Its value means nothing."""
 
 

@@ -341,7 +341,7 @@ class SubLLMResult(_Strict):
     spilled: bool = False
     """True when the worker moved this result's ``turn_tokens`` and ``child.trajectory`` to their
     own Redis key (:meth:`rlmq.common.keys.RolloutKeys.spill` of the slot's job and attempt, with a
-    TTL) to keep the reply stream small; the producer reads and deletes it (:mod:`rlmq.common.spill`)."""
+    TTL) to keep the reply stream small; the producer reads and deletes it (:mod:`rlmq.common.jobs.spill`)."""
 
     @classmethod
     def failure(

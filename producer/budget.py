@@ -1,5 +1,5 @@
 """The producer's side of one rollout's sub-LLM budget: the one place the rollout engine
-touches the budget ledger (:mod:`rlmq.common.ledger`).
+touches the budget ledger (:mod:`rlmq.common.budget.ledger`).
 
 The engine opens the ledger when the rollout starts, the ``llm_batch`` service asks it
 whether a batch is refused up front and what is charged (the summary's budget line), and
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from redis.asyncio import Redis
 
-from rlmq.common.ledger import BudgetLedger, BudgetSnapshot
+from rlmq.common.budget.ledger import BudgetLedger, BudgetSnapshot
 from rlmq.common.sampling import sub_call_max_tokens
 from rlmq.common.settings import RolloutOptions
 
@@ -53,7 +53,7 @@ class RolloutBudget:
 
         Args:
             kind_caps: per-call caps of other reservation kinds (tokens; see
-                :meth:`BudgetLedger.open <rlmq.common.ledger.BudgetLedger.open>`).
+                :meth:`BudgetLedger.open <rlmq.common.budget.ledger.BudgetLedger.open>`).
 
         Raises:
             redis.RedisError: Redis refused or is gone.

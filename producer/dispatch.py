@@ -1,7 +1,7 @@
 """Batch dispatch: a batch's prompts become RQ jobs; results come back on its reply stream.
 
 The producer side of the queue path. One ``ENQUEUE`` script call writes the jobs (job hashes
-exactly as RQ writes them, see :mod:`rlmq.common.rqjobs`) and pushes their ids, then the
+exactly as RQ writes them, see :mod:`rlmq.common.jobs.record`) and pushes their ids, then the
 batch reads its own reply stream (``XREAD BLOCK`` from the last entry id it saw) until every
 slot has a result or the deadline passes; missing slots become error results, so a batch
 never hangs. Both sides survive a reply lost after Redis ran the command (a dropped
@@ -35,9 +35,9 @@ from redis.exceptions import RedisError
 from rlmq.common import keys as K
 from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.errors import PayloadError
-from rlmq.common.jobs_lua import ENQUEUE_LUA
-from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
-from rlmq.common.rqjobs import SUB_LLM_FUNC, utcnow_str
+from rlmq.common.jobs.lua import ENQUEUE_LUA
+from rlmq.common.jobs.record import SUB_LLM_FUNC, utcnow_str
+from rlmq.common.jobs.store import EnqueueShared, JobStore, NewJob
 from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult, load_result
 from rlmq.common.scripts import run_pipeline
 from rlmq.common.settings import setting_default

@@ -5,7 +5,7 @@ The constructor follows the verifiers ``RLMEnv`` as simplified in March 2026
 ``sub_llm_max_completion_tokens``, one interception server per environment on 127.0.0.1
 with an OS-assigned port). What differs: sub-LLM calls leave the trainer process as RQ
 jobs served by ``rlmq worker`` processes, and the sub-LLM budget is a hard guarantee
-enforced in Redis (:mod:`rlmq.common.ledger`), not a counter that parallel calls overshoot.
+enforced in Redis (:mod:`rlmq.common.budget.ledger`), not a counter that parallel calls overshoot.
 
 ``RLMEnv`` owns the process's resources (the Redis connection, the root model client, the
 interception server, the root tools, metrics, the live-rollout key refresh) and runs each
@@ -48,7 +48,7 @@ from rlmq.common.settings import (
     build_settings,
     setting_default,
 )
-from rlmq.common.settings_schema import arguments_doc
+from rlmq.common.settings.schema import arguments_doc
 from rlmq.producer.engine import RolloutHost, raise_if_cancelled, run_rollout
 from rlmq.producer.host import root_model, start_host
 from rlmq.producer.hosted_tools import HostedTools

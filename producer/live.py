@@ -25,14 +25,14 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger, node_ttl
 from rlmq.common.fleet_checks import redis_time
-from rlmq.common.ledger import BudgetLedger, node_ttl
 
 
 def lease_seconds(ttl: int) -> int:
     """Seconds a live rollout's entry in :data:`~rlmq.common.keys.LIVE_ROLLOUTS` (what ``rlmq
     status`` lists) lives without a refresh, for a rollout whose keys live ``ttl`` seconds: as long
-    as its tree node would (:func:`~rlmq.common.ledger.node_ttl`, 30 s at most)."""
+    as its tree node would (:func:`~rlmq.common.budget.ledger.node_ttl`, 30 s at most)."""
     return node_ttl(ttl)
 
 

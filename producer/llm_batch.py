@@ -15,11 +15,11 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from rlmq.common.jobs.spill import unspill
 from rlmq.common.metrics import Metrics
 from rlmq.common.sampling import sub_call_max_tokens, sub_call_sampling
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.common.settings import setting_default
-from rlmq.common.spill import unspill
 from rlmq.common.tool_registry import canonical_tool_path
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from rlmq.producer.rollout import Rollout

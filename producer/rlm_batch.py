@@ -30,12 +30,12 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
-from rlmq.common.jobstore import NewJob
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC
+from rlmq.common.jobs.spill import unspill
+from rlmq.common.jobs.store import NewJob
 from rlmq.common.metrics import Metrics
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC
 from rlmq.common.sampling import child_root_sampling
 from rlmq.common.schemas import ChildRolloutRequest, RlmTask, SubLLMResult
-from rlmq.common.spill import unspill
 from rlmq.common.tool_wire import HostedTool
 from rlmq.common.tree import TreePosition
 from rlmq.producer.dispatch import BatchSpec, job_id_for

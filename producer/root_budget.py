@@ -3,14 +3,14 @@ wrapper that reserves before every root call.
 
 Every root-model completion token of a child rollout (depth >= 2) counts against the tree's one
 budget, the top rollout's ledger, exactly like a sub-LLM turn: before each root turn the wrapper
-reserves a grant of kind :data:`~rlmq.common.ledger.ROOT` with the child's node chain (refused when
+reserves a grant of kind :data:`~rlmq.common.budget.ledger.ROOT` with the child's node chain (refused when
 the tree or an ancestor has ended), calls the root model with ``max_tokens`` = the grant, and
 settles with the completion tokens the server reported (the whole grant when it reported none, or
 when the call failed: the tokens may have been spent). Zero overshoot holds as for sub-LLM calls.
 
 A root turn takes its grant as a sub-call does: its whole ``max_tokens`` while that much is free,
 else it waits while running calls of the tree may give tokens back, then takes the budget's last
-remainder (:attr:`~rlmq.common.ledger.Grant.cut`: the turn may be cut). Only a remainder below
+remainder (:attr:`~rlmq.common.budget.ledger.Grant.cut`: the turn may be cut). Only a remainder below
 ``child_root_min_grant_tokens`` (tokens no root turn could use) is given back (settled at 0) and
 ends the child; once a root turn of the tree has ended on its own, the remainder a turn can use
 reaches down to an estimate of a root turn (1.25 x the longest that ended, at least 64 tokens), as a
@@ -34,8 +34,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from rlmq.common.budget.ledger import NO_LEDGER, ROOT, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.errors import RootBudgetSpent
-from rlmq.common.ledger import NO_LEDGER, ROOT, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_tokens import served_completion_ids
 

@@ -1,6 +1,6 @@
 """A rollout's place in its tree, as the rollout engine keeps it in Redis.
 
-The whole tree charges one ledger, its top rollout's (:mod:`rlmq.common.ledger`), and every rollout
+The whole tree charges one ledger, its top rollout's (:mod:`rlmq.common.budget.ledger`), and every rollout
 of the tree is a *node* of it, alive while its host refreshes it:
 
 * The top rollout (depth 1) opens the ledger: a budgeted one (``sub_llm_max_completion_tokens``;
@@ -15,7 +15,7 @@ of the tree is a *node* of it, alive while its host refreshes it:
   (:class:`~rlmq.producer.root_budget.TreeBudgetedRoot`), and it deletes its node when it ends:
   its descendants' later calls are refused (``parent_gone``).
 
-Node keys live :func:`~rlmq.common.ledger.node_ttl` seconds (30 by default) unless refreshed; the
+Node keys live :func:`~rlmq.common.budget.ledger.node_ttl` seconds (30 by default) unless refreshed; the
 host's :class:`~rlmq.producer.live.LiveRollouts` refreshes them with the rollout's other keys, so a
 host that dies takes its subtrees down within that TTL, at their next model call.
 """
@@ -29,7 +29,7 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rlmq.common.ledger import ROOT, BudgetLedger, node_ttl
+from rlmq.common.budget.ledger import ROOT, BudgetLedger, node_ttl
 from rlmq.common.settings import RolloutOptions, setting_default
 from rlmq.common.tree import TreePosition
 from rlmq.producer.budget import RolloutBudget

@@ -34,8 +34,8 @@ from typing import Any
 import fakeredis
 from fakeredis._clients._async import FakeAsyncRedisConnection
 
-from rlmq.common.budget_wait import ReleaseWaits
-from rlmq.common.ledger import GRANTED, BudgetLedger
+from rlmq.common.budget.ledger import GRANTED, BudgetLedger
+from rlmq.common.budget.wait import ReleaseWaits
 
 BUDGET = 20
 USED = 2
@@ -161,7 +161,7 @@ def _w_pubsub_connections(waits: Any) -> list[Any]:
 
 def run(schedule: Schedule) -> str | None:
     """Run one schedule on a fresh loop; ``None`` when the property holds, else what went wrong."""
-    quiet = logging.getLogger("rlmq.common.budget_wait")
+    quiet = logging.getLogger("rlmq.common.budget.wait")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the kills' reconnect warnings, thousands of times
     try:

@@ -22,11 +22,11 @@ from redis.exceptions import RedisError
 
 from rlmq.common import keys as K
 from rlmq.common.errors import ConfigError, PayloadError, validation_summary
-from rlmq.common.jobstore import StartedJob, slot_of
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, decode_job_data
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, decode_job_data
+from rlmq.common.jobs.spill import spill_result
+from rlmq.common.jobs.store import StartedJob, slot_of
 from rlmq.common.schemas import ChildOutcome, ChildRolloutRequest, DatasetRow, SubLLMResult, load_child_request
 from rlmq.common.settings import RolloutOptions
-from rlmq.common.spill import spill_result
 from rlmq.common.tree import TreePosition
 from rlmq.producer.child_trajectory import CHILD_TRAJECTORY_MAX_CHARS, cut_trajectory, without_surrogates
 from rlmq.producer.engine import run_rollout
@@ -223,7 +223,7 @@ class ChildKind:
 
     async def end_dead_attempts(self, taken: list[tuple[str, int]]) -> int:
         """End the tree nodes of child-rollout executions a reaper took back (``(job id, attempt)``,
-        from :meth:`~rlmq.common.jobstore.JobStore.reap`): the dead attempt's descendants are refused
+        from :meth:`~rlmq.common.jobs.store.JobStore.reap`): the dead attempt's descendants are refused
         (``parent_gone``) at their next model call now, not when the node's TTL runs out,
         ``rlmq status`` stops listing the dead attempt now, not when its lease lapses, and its
         root turns' reservations stop counting as live (:meth:`retire_root_turns`). A job whose

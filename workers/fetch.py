@@ -39,7 +39,7 @@ from redis.asyncio import Redis
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
 from rlmq.common.errors import PayloadError
-from rlmq.common.jobstore import JobStore, StartedJob
+from rlmq.common.jobs.store import JobStore, StartedJob
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import LaneEntry, SubLLMRequest, load_lane_entry
 from rlmq.common.settings import setting_default
@@ -482,7 +482,7 @@ class Fetcher:
         ``START``), the early call is cancelled and counted as ``lost``. An entry older than
         ``LANE_EARLY_MAX_AGE`` (by the two hosts' clocks) starts nothing early: its jobs are
         likely gone, or re-queued as a later attempt. An early call's grant is *leased*
-        (:meth:`~rlmq.common.ledger.BudgetLedger.begin`): cancelled before it began (a lost
+        (:meth:`~rlmq.common.budget.ledger.BudgetLedger.begin`): cancelled before it began (a lost
         ``START``), it gives the grant back at once, and a grant it never began (its worker died)
         goes back when its lease ends; never left charged and live until the call's deadline with
         no call behind it, which made every call of its tree wait for it. Nor does an

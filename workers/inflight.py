@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from rlmq.common.jobstore import FinishedJob, StartedJob
+from rlmq.common.jobs.store import FinishedJob, StartedJob
 from rlmq.workers.capacity import MODEL_CALLS, Capacity
 
 

@@ -10,7 +10,7 @@ time, through this function (the benchmark's baseline); it reads its model serve
 
 Two functions are named ``run_sub_llm``: this one, the synchronous RQ job entry point, and
 :func:`rlmq.workers.subllm.run_sub_llm`, the asynchronous sub-call it runs (imported here as
-``_run``). This one's name is part of every job record (``rlmq.common.rqjobs.SUB_LLM_FUNC``),
+``_run``). This one's name is part of every job record (``rlmq.common.jobs.record.SUB_LLM_FUNC``),
 so renaming it would make old and new workers of one fleet refuse each other's jobs.
 """
 
@@ -24,10 +24,10 @@ from redis.asyncio import Redis
 from rq import get_current_job
 
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.errors import ConfigError
-from rlmq.common.jobstore import DEFAULT_REPLY_TTL
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.rqjobs import F_REPLY, F_REPLY_TTL
+from rlmq.common.jobs.record import F_REPLY, F_REPLY_TTL
+from rlmq.common.jobs.store import DEFAULT_REPLY_TTL
 from rlmq.common.schemas import load_request
 from rlmq.common.settings import load_settings
 from rlmq.workers.model import ChatClient
@@ -93,7 +93,7 @@ def run_sub_llm(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_child_rollout(payload: dict[str, Any]) -> dict[str, Any]:
-    """The function a child rollout's job names (``rlmq.common.rqjobs.CHILD_ROLLOUT_FUNC``), for a
+    """The function a child rollout's job names (``rlmq.common.jobs.record.CHILD_ROLLOUT_FUNC``), for a
     stock RQ worker that takes one: it refuses in one line.
 
     A child rollout needs a REPL host: ``rlmq worker --repl-slots N`` runs it through its child

@@ -1,7 +1,7 @@
 """The job kinds a worker runs: one registration each (arq's ``Function`` / ``func()`` is the model).
 
 A job's kind is named by the function path in its RQ data (``rlmq.workers.job.run_sub_llm`` for
-a sub-LLM call, :data:`rlmq.common.rqjobs.SUB_LLM_FUNC`). A :class:`JobKind` says how to
+a sub-LLM call, :data:`rlmq.common.jobs.record.SUB_LLM_FUNC`). A :class:`JobKind` says how to
 validate its one argument (its payload model), how to run it, how many executions it may get
 (``max_attempts``, for the reaper), how long it may run on a worker (``timeout``), which
 capacity pool it takes (:mod:`rlmq.workers.capacity`) and what result it ends with when it
@@ -20,8 +20,8 @@ from typing import Any
 
 from rlmq.common import keys as K
 from rlmq.common.errors import PayloadError
-from rlmq.common.jobstore import StartedJob
-from rlmq.common.rqjobs import decode_job_data
+from rlmq.common.jobs.record import decode_job_data
+from rlmq.common.jobs.store import StartedJob
 from rlmq.common.schemas import ChildRolloutRequest, SubLLMRequest
 from rlmq.workers.capacity import pool_family
 
@@ -33,7 +33,7 @@ class Outcome:
     Attributes:
         ok: recorded by RQ as finished (else failed).
         result_json: the result added to the job's reply stream.
-        rq_payload: RQ's result record (see :func:`rlmq.common.rqjobs.rq_return_value`).
+        rq_payload: RQ's result record (see :func:`rlmq.common.jobs.record.rq_return_value`).
         settles: budget settlements sent in the same round trip (ledger id, reservation id, tokens used).
         spill_key: where its token payload was spilled (deleted when ``FINISH`` does not record it).
     """

@@ -4,7 +4,7 @@ This follows the sub-LLM tool loop of the reference ``RLMEnv`` (verifiers, March
 up to ``sub_llm_max_turns`` model turns, each of which may call sub-tools) but with
 rlmq's hard budget: before **every** model call the worker reserves a grant (at most the
 ledger's per-call cap) in the rollout's Redis ledger, waiting for a release when running
-calls hold the rest (:meth:`~rlmq.common.ledger.BudgetLedger.acquire`), and calls the model
+calls hold the rest (:meth:`~rlmq.common.budget.ledger.BudgetLedger.acquire`), and calls the model
 with ``max_tokens`` = that grant, then settles the reservation with what the server
 reported. When the loop reaches ``max_turns`` with tool calls, the reference's forced
 final-answer turn follows (``final_answer_turn``, on by default): the tools' results, then one
@@ -16,7 +16,7 @@ budgeted all the same. A result reports its waits (``budget_waits``,
 ``budget_wait_seconds``) and whether its last turn was cut (``truncated``,
 ``finish_reason == "length"``).
 
-Settling (see :mod:`rlmq.common.ledger`):
+Settling (see :mod:`rlmq.common.budget.ledger`):
 
 * a response with ``usage``: settle with ``usage.completion_tokens``;
 * a response without ``usage``: settle with the whole grant (the server may have
@@ -54,8 +54,8 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlmq.common.budget.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.errors import ModelError, PayloadError
-from rlmq.common.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.settings import setting_default
 from rlmq.common.token_servers import sampled_with

@@ -11,10 +11,10 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from rlmq.common.jobstore import ABANDONED_CONTENT, StartedJob, slot_of
-from rlmq.common.rqjobs import SUB_LLM_FUNC, rq_exc_string, rq_return_value
+from rlmq.common.jobs.record import SUB_LLM_FUNC, rq_exc_string, rq_return_value
+from rlmq.common.jobs.spill import spill_key_of, spill_result
+from rlmq.common.jobs.store import ABANDONED_CONTENT, StartedJob, slot_of
 from rlmq.common.schemas import SubLLMRequest, SubLLMResult, load_request
-from rlmq.common.spill import spill_key_of, spill_result
 from rlmq.workers.capacity import MODEL_CALLS
 from rlmq.workers.kinds import JobKind, Outcome
 from rlmq.workers.subllm import run_sub_llm
@@ -121,7 +121,7 @@ def sub_llm_failure(
     """The error result of a sub-LLM job that got no answer from a model.
 
     Args:
-        slot: ``(rollout id, batch id, index)`` (see :func:`rlmq.common.jobstore.slot_of`).
+        slot: ``(rollout id, batch id, index)`` (see :func:`rlmq.common.jobs.store.slot_of`).
         job_id: the RQ job id.
         kind: ``error_kind``: ``payload`` (invalid job), ``abandoned`` (its worker died, retries
             used up), ``timeout`` (past its kind's timeout), or another.

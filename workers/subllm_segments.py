@@ -1,7 +1,7 @@
 """The segments of one sub-call turn: continuing its answer under a new grant until it ends.
 
 A budgeted sub-call turn that offers no tools (a sub-LLM's answer, the forced final-answer turn)
-reserves a *segment* (:meth:`rlmq.common.ledger.BudgetLedger.acquire` with ``segment``), not its
+reserves a *segment* (:meth:`rlmq.common.budget.ledger.BudgetLedger.acquire` with ``segment``), not its
 whole cap; see ``docs/budget.md`` for how the ledger sizes it. When the model stops for length at
 the segment's end, the turn settles that segment, reserves the next one (waiting, as a first
 grant does, while live reservations may give tokens back) and continues the same answer on the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from rlmq.common.ledger import Grant
+from rlmq.common.budget.ledger import Grant
 from rlmq.workers.continuation import continuation_request, join_segments
 from rlmq.workers.model import ChatResponse
 

@@ -27,7 +27,7 @@ supervisor starts a fresh one. A worker is never alive doing nothing.
 
 RQ's records stay truthful: ``rq info`` and rq-dashboard list the worker (registered with
 RQ's own ``Worker.register_birth``), the queue depth, and each job as queued, started,
-finished or failed (see :mod:`rlmq.common.jobstore`).
+finished or failed (see :mod:`rlmq.common.jobs.store`).
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ import redis
 
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ConfigError, PayloadError, WorkerFailed
 from rlmq.common.fleet_checks import check_eviction_policy, report_clock
-from rlmq.common.jobstore import FinishedJob, JobStore, StartedJob
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.jobs.store import FinishedJob, JobStore, StartedJob
 from rlmq.common.metrics import Metrics
 from rlmq.common.settings import Settings
 from rlmq.common.supervise import supervised

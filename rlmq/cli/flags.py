@@ -1,7 +1,7 @@
 """The settings flags of the ``rlmq`` commands, generated from the settings declaration.
 
 Every field of :class:`~rlmq.common.settings.Settings` whose commands include a command is
-a flag of it (:func:`~rlmq.common.settings_schema.knobs`): its name, type, choices, help
+a flag of it (:func:`~rlmq.common.settings.schema.knobs`): its name, type, choices, help
 (with unit, default and variable) and metavar come from the field. A flag left out is
 ``None`` in the parsed arguments, so the ``RLMQ_*`` variable or the default decides.
 """
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rlmq.common.settings import Settings, build_settings
-from rlmq.common.settings_fields import HELP_GROUPS
-from rlmq.common.settings_schema import Knob, knobs
+from rlmq.common.settings.fields import HELP_GROUPS
+from rlmq.common.settings.schema import Knob, knobs
 
 REQUIRED_GROUP = "required flags"
 SETTINGS_NOTE = "(a flag > its RLMQ_* variable > the default)"
@@ -24,7 +24,7 @@ SETTINGS_NOTE = "(a flag > its RLMQ_* variable > the default)"
 
 def help_group(parser: argparse.ArgumentParser, name: str) -> Any:
     """The argument group ``name`` of ``parser`` (``required`` or a key of
-    :data:`~rlmq.common.settings_fields.HELP_GROUPS`), made on first use; every group is made at once,
+    :data:`~rlmq.common.settings.fields.HELP_GROUPS`), made on first use; every group is made at once,
     in the order ``--help`` shows them (empty ones are not shown).
 
     Raises:

@@ -23,7 +23,7 @@ from verifiers.v1.types import ID
 from rlmq.common.errors import ConfigError
 from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
 from rlmq.common.settings import RolloutOptions, build_settings
-from rlmq.common.settings_schema import unset_model
+from rlmq.common.settings.schema import unset_model
 from rlmq.common.token_wire import expand_trajectory, turn_counts
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
 from rlmq.verifiers_plugin.rlm_keys import RlmHarnessKeys, log_ignored, rlm_settings

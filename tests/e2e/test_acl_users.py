@@ -19,9 +19,9 @@ from rlmq.cli.local import LocalFleet
 from rlmq.cli.status import collect
 from rlmq.common import keys as K
 from rlmq.common.acl import ROLES, acl_rules
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.rqjobs import job_hash
+from rlmq.common.jobs.record import job_hash
 from rlmq.common.schemas import LaneEntry, LaneJob, SubCallOptions, SubLLMRequest, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from rlmq.cli.local import LocalFleet
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model, tenant_queue
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow, SubCallOptions, SubLLMResult
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher

@@ -23,9 +23,9 @@ import redis
 from rlmq.cli.exits import EXIT_USAGE
 from rlmq.cli.local import LocalFleet, ProcessGroup, child_env, start_mock_llm
 from rlmq.common import keys as K
-from rlmq.common.jobs_lua import ENQUEUE_LUA
-from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, F_ATTEMPTS, utcnow_str
+from rlmq.common.jobs.lua import ENQUEUE_LUA
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, F_ATTEMPTS, utcnow_str
+from rlmq.common.jobs.store import EnqueueShared, JobStore, NewJob
 from rlmq.common.schemas import ChildRolloutRequest, SubLLMResult
 from rlmq.common.settings import RolloutOptions
 from rlmq.scripted.server import root_code_directive
@@ -53,8 +53,8 @@ def enqueue_child(
     its root model runs ``code`` at its first turn; ``options``: more of its rollout options."""
     import asyncio
 
+    from rlmq.common.budget.ledger import BudgetLedger
     from rlmq.common.connection import async_client
-    from rlmq.common.ledger import BudgetLedger
 
     # the chain top .. parent; the parent (the job's rollout) is its last node
     chain = ["p" + uuid.uuid4().hex[:10], *("n" + uuid.uuid4().hex[:8] for _ in range(depth - 2))]

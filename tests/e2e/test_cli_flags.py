@@ -34,7 +34,7 @@ import redis
 from rlmq.cli.local import ProcessGroup, child_env, rlmq_command, start_mock_llm
 from rlmq.cli.main import build_parser
 from rlmq.common import keys as K
-from rlmq.common.rqjobs import decode_job_data
+from rlmq.common.jobs.record import decode_job_data
 from rlmq.producer.scaffold import files_text, root_system_prompt, sub_system_prompt
 from rlmq.scripted.server import root_code_directive
 from tests.e2e.test_signals import as_from_a_terminal

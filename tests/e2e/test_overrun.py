@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 
 from rlmq.cli.local import LocalFleet
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow, SubLLMResult
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv

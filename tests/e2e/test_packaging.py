@@ -80,7 +80,7 @@ def test_a_build_without_a_side_folder_stops_with_a_clear_line(tmp_path: Path) -
         env=child_env(),
     )
     assert proc.returncode != 0
-    assert "the folder(s) producer (with __init__.py) are missing" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "package directory 'producer' does not exist" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("side", SIDES)

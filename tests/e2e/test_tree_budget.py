@@ -26,8 +26,8 @@ import redis
 
 from bench.needle import needle_rows
 from rlmq.cli.local import LocalFleet
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import load_settings
 from rlmq.producer.env import RLMEnv

@@ -19,7 +19,7 @@ from rq.registry import FailedJobRegistry
 
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
-from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
+from rlmq.common.jobs.record import SUB_LLM_FUNC, encode_job_data, job_hash
 from tests.faults.conftest import model_stats, wait_until
 from tests.replies import reply_results
 

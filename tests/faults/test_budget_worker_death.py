@@ -17,9 +17,9 @@ import uuid
 import pytest
 
 from rlmq.cli.local import LocalFleet
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from tests.faults.conftest import HEARTBEAT_TTL, await_until, start_named_worker

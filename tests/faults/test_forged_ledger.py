@@ -19,8 +19,8 @@ import pytest
 
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from tests.faults.conftest import model_stats, start_named_worker

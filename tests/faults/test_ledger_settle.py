@@ -4,14 +4,14 @@ Found by the kill -9 test: ``SETTLE_LUA`` computes ``HINCRBY charged -release`` 
 ``release == 0`` Lua's ``-0`` is sent as the string ``"-0"``, which Redis refuses ("value
 is not an integer or out of range"). The script aborts after it has already marked the
 reservation settled and added ``used``, so the ledger ends correct by luck, but the worker
-logs "could not settle" and gets no settlement. Fix in ``common/ledger.py`` (not this
+logs "could not settle" and gets no settlement. Fix in ``common/budget/ledger.py`` (not this
 folder's). Fixed there: the script now writes the counters it computed with one ``HSET``.
 """
 
 from __future__ import annotations
 
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 
 
 async def test_settle_with_the_whole_grant(redis_url: str) -> None:

@@ -20,9 +20,9 @@ import pytest
 from rlmq.cli.export_samples import export_samples
 from rlmq.cli.local import LocalFleet
 from rlmq.cli.report import write_run
+from rlmq.common.jobs.spill import spill_result
 from rlmq.common.schemas import DatasetRow, SubLLMRequest, SubLLMResult
 from rlmq.common.settings import load_settings
-from rlmq.common.spill import spill_result
 from rlmq.common.token_wire import expand_trajectory
 from rlmq.producer.env import RLMEnv
 from rlmq.scripted.server import ScriptedModelServer, root_code_directive

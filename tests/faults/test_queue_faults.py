@@ -29,9 +29,9 @@ import rlmq.producer.dispatch as dispatch_mod
 from rlmq.cli.local import LocalFleet
 from rlmq.cli.status import collect
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import LEDGER_LUA, BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
-from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data, job_hash
+from rlmq.common.jobs.record import SUB_LLM_FUNC, encode_job_data, job_hash
 from rlmq.common.schemas import SubCallOptions, SubLLMRequest, SubLLMResult
 from rlmq.producer.dispatch import BatchSpec, Dispatcher, job_id_for
 from tests.faults.conftest import HEARTBEAT_TTL, await_until, model_stats, wait_until

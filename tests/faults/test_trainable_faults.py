@@ -116,7 +116,7 @@ def test_a_child_re_run_after_kill_9_of_its_host_gives_only_the_answering_runs_t
     assert res.status == "ok" and res.attempt == 2 and res.child is not None and res.child.rollout_id == second
     if res.spilled:  # read as the parent does
         from rlmq.common.connection import async_client
-        from rlmq.common.spill import unspill
+        from rlmq.common.jobs.spill import unspill
 
         async def read() -> None:
             client = async_client(str(host_fleet.redis_url))

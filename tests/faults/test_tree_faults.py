@@ -28,8 +28,8 @@ import redis
 from rlmq.cli.local import LocalFleet
 from rlmq.cli.status import collect
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger, BudgetSnapshot
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger, BudgetSnapshot
 from rlmq.common.settings import load_settings
 from tests.faults.conftest import model_stats, process_gone, start_named_worker, wait_until
 from tests.faults.tree import jobs_of, meta_of, start_top, started_jobs, tree_question

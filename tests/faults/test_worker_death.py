@@ -28,8 +28,8 @@ from rq.registry import StartedJobRegistry
 import rlmq.producer.dispatch as dispatch_mod
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow, SubLLMResult
 from rlmq.common.settings import Settings, load_settings
 from rlmq.producer.env import RLMEnv

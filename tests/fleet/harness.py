@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubCallOptions, SubLLMResult
 from rlmq.producer import dispatch as dispatch_mod
 from rlmq.producer.dispatch import BatchSpec, Dispatcher

@@ -15,8 +15,8 @@ from typing import Any
 import redis
 
 from rlmq.cli.local import LocalFleet
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.redis_server import find_redis_server
 from tests.fleet.harness import main_job
 

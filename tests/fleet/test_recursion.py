@@ -21,12 +21,12 @@ import redis
 
 from rlmq.cli.local import LocalFleet
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.jobs_lua import ENQUEUE_LUA
-from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.jobs.lua import ENQUEUE_LUA
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, utcnow_str
+from rlmq.common.jobs.store import EnqueueShared, JobStore, NewJob
 from rlmq.common.redis_server import EmbeddedRedis
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, utcnow_str
 from rlmq.common.schemas import ChildRolloutRequest, SubLLMResult
 from tests.fleet.harness import log_text, tree_job
 

@@ -20,10 +20,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rlmq.common import replica_acks
+from rlmq.common.budget import replica_acks
+from rlmq.common.budget.ledger import GRANTED, REJECTED, BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ReplicaAckMissing
-from rlmq.common.ledger import GRANTED, REJECTED, BudgetLedger
 from tests.fleet.sentinel import SentinelSet, unreplicated_failover_run
 
 pytestmark = pytest.mark.e2e

@@ -100,8 +100,8 @@ async def _latency(args: argparse.Namespace) -> dict[str, Any]:
     import statistics
     import uuid
 
+    from rlmq.common.budget.ledger import BudgetLedger
     from rlmq.common.connection import async_client
-    from rlmq.common.ledger import BudgetLedger
     from rlmq.common.schemas import SubCallOptions
     from rlmq.producer.dispatch import BatchSpec, Dispatcher
 

@@ -9,8 +9,8 @@ import pytest
 import redis
 from redis.asyncio import Redis
 
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import BudgetLedger
 
 
 @pytest.fixture

@@ -121,7 +121,7 @@ def test_a_tenant_producer_is_confined_to_its_own_rollouts(real_redis: redis.Red
 
 
 def test_producers_and_workers_may_wait_for_replicas(real_redis: redis.Redis, users: dict[str, str]) -> None:
-    # a grant's round trip ends with the mark's SET and WAIT (rlmq.common.replica_acks)
+    # a grant's round trip ends with the mark's SET and WAIT (rlmq.common.budget.replica_acks)
     for user in (users["producer"], users["worker"], users["teamA"]):
         assert allowed(real_redis, user, "SET", K.REPLICA_ACK_MARK, "1", "EX", "60"), user
         assert allowed(real_redis, user, "WAIT", "1", "500"), user

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.keys import queue_name_for_model, rq_queue
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings
 from rlmq.producer.dispatch import BatchSpec, Dispatcher

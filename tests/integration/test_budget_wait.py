@@ -14,10 +14,10 @@ import uuid
 import pytest
 import redis
 
-from rlmq.common.budget_wait import ReleaseWaits
+from rlmq.common.budget.ledger import GRANTED, REJECTED, WAIT, WAITED_OUT, BudgetLedger
+from rlmq.common.budget.wait import ReleaseWaits
+from rlmq.common.budget.wire import Grant
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import GRANTED, REJECTED, WAIT, WAITED_OUT, BudgetLedger
-from rlmq.common.ledger_wire import Grant
 from tests.integration.conftest import parked
 
 pytestmark = pytest.mark.integration

@@ -12,10 +12,10 @@ import redis
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.jobs_lua import ENQUEUE_LUA
-from rlmq.common.jobstore import EnqueueShared, JobStore, NewJob, StartedJob
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, utcnow_str
+from rlmq.common.budget.ledger import BudgetLedger
+from rlmq.common.jobs.lua import ENQUEUE_LUA
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, utcnow_str
+from rlmq.common.jobs.store import EnqueueShared, JobStore, NewJob, StartedJob
 from rlmq.common.schemas import ChildRolloutRequest, SubLLMResult
 from rlmq.common.settings import load_settings
 from rlmq.workers.child_kind import CHILD_ABANDONED_CONTENT, child_node
@@ -109,7 +109,7 @@ async def test_the_reaper_ends_the_dead_attempts_tree_node_and_only_that_one(
 
 async def test_a_child_whose_parent_is_gone_ends_before_starting_a_repl(aredis: Redis, redis_url: str) -> None:
     """A queued grandchild of a dead attempt takes no REPL: it ends with a ``parent_gone`` error."""
-    from rlmq.common.jobstore import StartedJob
+    from rlmq.common.jobs.store import StartedJob
     from rlmq.common.schemas import SubLLMResult
 
     model = "rec-" + uuid.uuid4().hex[:6]

@@ -12,8 +12,8 @@ import pytest
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.ledger import ROOT, WAIT, BudgetLedger
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, encode_job_data
+from rlmq.common.budget.ledger import ROOT, WAIT, BudgetLedger
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, encode_job_data
 from rlmq.common.schemas import ChildRolloutRequest
 from rlmq.common.settings import load_settings
 from rlmq.workers.child_kind import child_node

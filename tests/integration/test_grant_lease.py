@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from rlmq.common.budget.ledger import GRANTED, WAIT, BudgetLedger
 from rlmq.common.connection import async_client
-from rlmq.common.ledger import GRANTED, WAIT, BudgetLedger
 from tests.integration.conftest import parked
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,8 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
-from rlmq.common.jobstore import JobStore, StartedJob
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.budget.ledger import BudgetLedger
+from rlmq.common.jobs.store import JobStore, StartedJob
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings

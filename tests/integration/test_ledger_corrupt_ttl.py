@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
+from rlmq.common.budget.ledger import GRANTED, BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger import GRANTED, BudgetLedger
 
 pytestmark = pytest.mark.integration
 

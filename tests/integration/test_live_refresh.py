@@ -16,7 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.producer.live import LiveRollouts
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from rlmq.common.ledger import WAITED_OUT, BudgetLedger, Grant
+from rlmq.common.budget.ledger import WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.schemas import SubLLMRequest
 from rlmq.workers.model import ChatClient
 from rlmq.workers.subllm import SubLLMContext, run_sub_llm

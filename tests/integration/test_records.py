@@ -14,8 +14,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
-from rlmq.common.jobstore import FinishedJob, JobStore
-from rlmq.common.rqjobs import rq_exc_string, rq_return_value
+from rlmq.common.jobs.record import rq_exc_string, rq_return_value
+from rlmq.common.jobs.store import FinishedJob, JobStore
 from rlmq.common.schemas import SubCallOptions
 from rlmq.producer.dispatch import BatchSpec, Dispatcher
 from tests.replies import reply_raw, reply_results
@@ -170,7 +170,7 @@ async def test_expired_unstarted_job_is_dropped(real_redis: redis.Redis, aredis:
 
 
 async def test_finish_sends_the_last_settlements_in_the_same_round_trip(real_redis: redis.Redis, aredis: Redis) -> None:
-    from rlmq.common.ledger import BudgetLedger
+    from rlmq.common.budget.ledger import BudgetLedger
 
     ledger = BudgetLedger(aredis, ttl=60)
     await ledger.open("r1", 100)

@@ -19,10 +19,10 @@ import redis
 from redis.asyncio import Redis
 from redis.exceptions import NoPermissionError
 
-from rlmq.common import replica_acks
+from rlmq.common.budget import replica_acks
+from rlmq.common.budget.ledger import GRANTED, WAIT, BudgetLedger
 from rlmq.common.connection import async_client
 from rlmq.common.errors import ReplicaAckMissing
-from rlmq.common.ledger import GRANTED, WAIT, BudgetLedger
 
 pytestmark = pytest.mark.integration
 

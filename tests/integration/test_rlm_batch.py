@@ -20,8 +20,8 @@ import redis
 
 from rlmq.common import keys as K
 from rlmq.common.connection import async_client
-from rlmq.common.jobstore import FinishedJob, JobStore
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, decode_job_data, rq_return_value
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, decode_job_data, rq_return_value
+from rlmq.common.jobs.store import FinishedJob, JobStore
 from rlmq.common.schemas import ChildOutcome, ChildRolloutRequest, DatasetRow, SubLLMResult
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.engine import RolloutHost, run_rollout

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from rlmq.common.ledger import GRANTED, NODE_GONE, REJECTED, ROOT, TREE_CLOSED, WAIT, WAITED_OUT, BudgetLedger
+from rlmq.common.budget.ledger import GRANTED, NODE_GONE, REJECTED, ROOT, TREE_CLOSED, WAIT, WAITED_OUT, BudgetLedger
 from tests.integration.conftest import parked
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ import pytest
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.metrics import Metrics
 from rlmq.common.schemas import SubCallOptions
 from rlmq.common.settings import load_settings

@@ -5,7 +5,7 @@ cannot share one environment, so these tests run their verifiers side as subproc
 second venv, ``.venv-legacy`` at the checkout's root: ``pip install -e '.[verifiers-legacy]'``
 (this checkout, editable, so code changes need no rebuild). It is built by the first test
 session that needs it (a few minutes; PyPI must be reachable) and reused while
-``pyproject.toml``'s ``[project]`` and ``setup.py`` are unchanged (a stamp file records their hash). A failed
+``pyproject.toml``'s ``[project]`` and ``[tool.setuptools]`` are unchanged (a stamp file records their hash). A failed
 build fails the tests that need it, with pip's output; nothing is skipped. Sessions in parallel
 (pytest-xdist) wait on one lock file, so the venv is built once.
 """
@@ -35,10 +35,10 @@ BUILD_TIMEOUT = 1200
 
 def _stamp() -> str:
     """What the venv was built from: pyproject's ``[project]`` table (dependencies, extras,
-    entry points) and ``setup.py`` (the packages); tool settings do not count."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    digest = hashlib.sha256(json.dumps(project, sort_keys=True).encode())
-    digest.update((ROOT / "setup.py").read_bytes())
+    entry points) and ``[tool.setuptools]`` (the packages); other tool settings do not count."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    built_from = {"project": pyproject["project"], "packages": pyproject["tool"]["setuptools"]}
+    digest = hashlib.sha256(json.dumps(built_from, sort_keys=True).encode())
     return digest.hexdigest()
 
 

@@ -2,7 +2,7 @@
 
 :mod:`tests.budget_model` runs schedules of a worker's waiting calls, the rest of the fleet's
 settles, pub/sub connection kills, connect latency and pool state on fakeredis, driving the real
-:class:`~rlmq.common.ledger.BudgetLedger` (its Lua) and :class:`~rlmq.common.budget_wait.ReleaseWaits`,
+:class:`~rlmq.common.budget.ledger.BudgetLedger` (its Lua) and :class:`~rlmq.common.budget.wait.ReleaseWaits`,
 and checks that no call is left waiting once its tokens are free and nothing runs. On the code
 before its fix the explorer's fifth schedule is a counterexample:
 ``[call(R0) +0 call(R1) +quiet settle(R0) +0 settle(R1) +quiet] connect_turns=2 warm=False``

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlmq.common import keys as K
-from rlmq.common.jobstore import StartedJob
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, SUB_LLM_FUNC, encode_job_data
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, SUB_LLM_FUNC, encode_job_data
+from rlmq.common.jobs.store import StartedJob
 from rlmq.common.settings import load_settings
 from rlmq.workers.capacity import (
     MAX_HOSTED_DEPTH,

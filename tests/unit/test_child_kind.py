@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from rlmq.common.jobstore import StartedJob
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, encode_job_data
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, encode_job_data
+from rlmq.common.jobs.store import StartedJob
 from rlmq.common.schemas import ChildRolloutRequest, ResultRow, SubLLMResult
 from rlmq.common.settings import RolloutOptions, load_settings
 from rlmq.producer.child_trajectory import CHILD_TRAJECTORY_MAX_CHARS
@@ -161,7 +161,7 @@ def test_the_child_rollout_job_names_a_real_function_that_refuses_on_a_stock_rq_
     import importlib
 
     from rlmq.common.errors import ConfigError
-    from rlmq.common.rqjobs import SUB_LLM_FUNC
+    from rlmq.common.jobs.record import SUB_LLM_FUNC
 
     for path in (CHILD_ROLLOUT_FUNC, SUB_LLM_FUNC):
         module, name = path.rsplit(".", 1)

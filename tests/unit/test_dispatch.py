@@ -13,7 +13,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
-from rlmq.common.rqjobs import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
+from rlmq.common.jobs.record import COMPRESS_MIN_BYTES, SUB_LLM_FUNC, decode_job_data, encode_job_data
 from rlmq.common.schemas import SubCallOptions, SubLLMResult, load_lane_entry, load_request
 from rlmq.producer.dispatch import LANE_MAX_JOBS, LANE_MAX_PROMPT, BatchSpec, Dispatcher
 from rlmq.producer.inflight import RolloutInFlight

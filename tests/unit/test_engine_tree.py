@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from rlmq.common import keys as K
-from rlmq.common.ledger import ROOT, TREE_CLOSED, BudgetLedger
+from rlmq.common.budget.ledger import ROOT, TREE_CLOSED, BudgetLedger
 from rlmq.common.schemas import DatasetRow
 from rlmq.common.settings import RolloutOptions
 from rlmq.common.tree import TreePosition

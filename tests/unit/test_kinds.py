@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from rlmq.common.errors import PayloadError
-from rlmq.common.jobstore import StartedJob
-from rlmq.common.rqjobs import SUB_LLM_FUNC, encode_job_data
+from rlmq.common.jobs.record import SUB_LLM_FUNC, encode_job_data
+from rlmq.common.jobs.store import StartedJob
 from rlmq.common.schemas import SubLLMRequest, load_request
 from rlmq.workers.kinds import JobKind, KindRegistry, Outcome
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rlmq.common.ledger as ledger_module
-from rlmq.common.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger
+import rlmq.common.budget.ledger as ledger_module
+from rlmq.common.budget.ledger import GRANTED, NO_LEDGER, REJECTED, WAIT, BudgetLedger
 
 
 def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:
@@ -265,8 +265,8 @@ async def test_retiring_a_dead_attempts_reservation_stops_the_wait_but_keeps_the
 async def test_a_ledger_is_addressed_by_its_own_id_and_its_kinds_have_caps_of_their_own() -> None:
     """One ledger for a tree: calls of different rollouts charge it by its id; a root-model turn
     (kind ``root``) is capped by ``cap:root``, a sub-LLM turn by ``cap``; one budget for both."""
+    from rlmq.common.budget.ledger import ROOT, SUB_LLM
     from rlmq.common.keys import LedgerKeys
-    from rlmq.common.ledger import ROOT, SUB_LLM
 
     r, ledger = make()
     await ledger.open("tree-1", 1000, cap=100, kind_caps={ROOT: 300})

@@ -1,4 +1,4 @@
-"""The budget ledger's wire is named once (``common/ledger_wire.py``) and spliced into its Lua:
+"""The budget ledger's wire is named once (``common/budget/wire.py``) and spliced into its Lua:
 no field is read by position, no result code is a bare number, and a reply is read by one
 constructor. These read the script's template text, so a new bare index fails here."""
 
@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.ledger_script import LEDGER_LUA
-from rlmq.common.ledger_wire import (
+from rlmq.common.budget.ledger import BudgetLedger
+from rlmq.common.budget.script import LEDGER_LUA
+from rlmq.common.budget.wire import (
     COUNTERS,
     HASH_FIELDS,
     RELEASE_FIELDS,
@@ -26,9 +25,10 @@ from rlmq.common.ledger_wire import (
     SettleCode,
     lua_names,
 )
+from rlmq.common.keys import LedgerKeys
 from rlmq.common.settings import Settings
 
-SOURCE = (Path(__file__).resolve().parents[2] / "common" / "ledger_script.py").read_text(encoding="utf-8")
+SOURCE = (Path(__file__).resolve().parents[2] / "common" / "budget" / "script.py").read_text(encoding="utf-8")
 TEMPLATE = SOURCE[SOURCE.index("LEDGER_LUA = _lua(") : SOURCE.index('""")', SOURCE.index("LEDGER_LUA = _lua("))]
 
 

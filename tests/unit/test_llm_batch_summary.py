@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fakeredis
 
-from rlmq.common.ledger import BudgetLedger
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.schemas import DatasetRow, SubLLMResult
 from rlmq.common.settings import RolloutOptions
 from rlmq.producer.budget import RolloutBudget

@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from rlmq.common.errors import PayloadError
-from rlmq.common.rqjobs import MAX_JOB_DATA, decode_job_data
+from rlmq.common.jobs.record import MAX_JOB_DATA, decode_job_data
 from rlmq.common.schemas import load_lane_entry, load_request
 
 

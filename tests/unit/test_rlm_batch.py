@@ -18,8 +18,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from rlmq.common import keys as K
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.rqjobs import CHILD_ROLLOUT_FUNC, decode_job_data
+from rlmq.common.budget.ledger import BudgetLedger
+from rlmq.common.jobs.record import CHILD_ROLLOUT_FUNC, decode_job_data
 from rlmq.common.schemas import ChildOutcome, ChildRolloutRequest, DatasetRow, RlmTask, SubLLMResult
 from rlmq.common.settings import RolloutOptions
 from rlmq.common.tree import TreePosition

@@ -14,8 +14,8 @@ from typing import Any
 import fakeredis.aioredis
 import pytest
 
-from rlmq.common.ledger import BudgetLedger
-from rlmq.common.ledger_wire import SEGMENT_MIN
+from rlmq.common.budget.ledger import BudgetLedger
+from rlmq.common.budget.wire import SEGMENT_MIN
 from rlmq.common.schemas import SubLLMRequest
 from rlmq.common.token_wire import TurnDecoder
 from rlmq.scripted.server import ScriptedModelServer

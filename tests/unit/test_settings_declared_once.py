@@ -1,5 +1,5 @@
-"""Each default and bound of a setting is declared once (``common/settings.py``, and
-``common/settings_worker.py`` for a worker's own) and referred to.
+"""Each default and bound of a setting is declared once (``common/settings/__init__.py``, and
+``common/settings/worker.py`` for a worker's own) and referred to.
 
 Two guards, each of which would have caught ``rlmq run --sub-llm-max-turns 200``: accepted at
 start-up, then every ``llm_batch`` failed with HTTP 503, because the wire model
@@ -39,7 +39,7 @@ SOURCES = sorted(
         *(ROOT / "rlmq").glob("*.py"),
         *(p for folder in ("cli", "scripted", "verifiers_plugin") for p in (ROOT / "rlmq" / folder).rglob("*.py")),
     }
-    - {ROOT / "common" / "settings.py", ROOT / "common" / "settings_worker.py"}
+    - {ROOT / "common" / "settings" / name for name in ("__init__.py", "rollout.py", "worker.py")}
 )
 """Every module below the declaration (``rlmq/common`` etc. are links to the top-level folders)."""
 
@@ -87,7 +87,7 @@ def _defaults(tree: ast.Module) -> list[tuple[str, str, ast.expr]]:
 def test_the_scan_reads_every_layer() -> None:
     """The guard below reads the modules it must (a moved folder would empty it silently)."""
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert {"common/jobstore.py", "producer/repl/session.py", "workers/model.py", "rlmq/cli/local.py"} <= names
+    assert {"common/jobs/store.py", "producer/repl/session.py", "workers/model.py", "rlmq/cli/local.py"} <= names
 
 
 def test_no_parameter_named_like_a_setting_has_a_literal_default() -> None:

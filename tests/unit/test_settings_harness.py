@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rlmq.common.settings import RolloutOptions, Settings
-from rlmq.common.settings_schema import Knob, knobs
+from rlmq.common.settings.schema import Knob, knobs
 from rlmq.verifiers_plugin.adapter import rollout_env
 from rlmq.verifiers_plugin.harness import RlmqHarnessConfig
 from tests.unit.test_settings_paths import clean_environment, env_text, reached, sample

@@ -1,6 +1,6 @@
 """Every setting through every path: ``rlmq`` flags, ``RLMEnv`` arguments, ``RLMQ_*`` variables
 (the verifiers harness knobs: ``test_settings_harness.py``, which needs the verifiers extra; this
-file runs without any optional extra). Parametrized over the declaration (``common/settings.py``),
+file runs without any optional extra). Parametrized over the declaration (``common/settings/``),
 so a new field is driven here without a line added: its value must reach the rollout's
 ``RolloutOptions`` (or the worker's settings), with one precedence on each path: explicit >
 variable > default. No Redis is needed: each path is followed up to the settings a rollout or
@@ -25,8 +25,8 @@ from rlmq.cli.flags import settings_from_flags
 from rlmq.cli.main import build_parser
 from rlmq.common.errors import ConfigError
 from rlmq.common.settings import RolloutOptions, Settings, build_settings, load_settings
-from rlmq.common.settings_schema import Knob, knobs
-from rlmq.common.settings_worker import WorkerOptions
+from rlmq.common.settings.schema import Knob, knobs
+from rlmq.common.settings.worker import WorkerOptions
 from rlmq.producer.env import FROM_SETTINGS, RLMEnv
 
 REQUIRED_ARGV = {"run": ["rows.jsonl", "--base-url", "http://root:1/v1", "--model", "root"]}
@@ -237,11 +237,11 @@ def test_docs_settings_md_is_the_declarations_table() -> None:
     """``docs/settings.md`` is generated; regenerate it with the command it names."""
     from pathlib import Path
 
-    from rlmq.common.settings_schema import markdown
+    from rlmq.common.settings.schema import markdown
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
     assert docs.read_text(encoding="utf-8") == markdown(), (
-        "docs/settings.md differs from common/settings.py: python -m rlmq.common.settings_schema > docs/settings.md"
+        "docs/settings.md differs from common/settings/: python -m rlmq.common.settings.schema > docs/settings.md"
     )
     for k in knobs():
         assert f"| `{k.name}` |" in docs.read_text(encoding="utf-8")
@@ -265,7 +265,7 @@ def test_no_float_setting_takes_inf_or_nan(k: Knob, text: str, monkeypatch: pyte
 def test_run_and_worker_help_start_with_usage_and_an_example_then_groups() -> None:
     """The first screen (24 lines) of ``rlmq run --help`` holds the usage, an example and the two
     flags every run needs; the settings fall into the groups their declaration names, in order."""
-    from rlmq.common.settings_fields import HELP_GROUPS
+    from rlmq.common.settings.fields import HELP_GROUPS
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for command, needed in (("run", ("--base-url URL", "--model NAME")), ("worker", ("--base-url", "--model"))):

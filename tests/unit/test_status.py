@@ -17,7 +17,7 @@ from rlmq.cli import main as cli
 from rlmq.cli.status import collect, fmt_age, parse_rq_time, render, run_status
 from rlmq.common import keys as K
 from rlmq.common.connection import mask_url
-from rlmq.common.rqjobs import job_hash, utcformat
+from rlmq.common.jobs.record import job_hash, utcformat
 
 NOW = 1_800_000_000.0
 

@@ -20,9 +20,9 @@ from typing import Any
 import fakeredis.aioredis
 import pytest
 
+from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.errors import ConfigError, ModelError, PayloadError
 from rlmq.common.keys import RolloutKeys
-from rlmq.common.ledger import BudgetLedger
 from rlmq.common.schemas import SubLLMRequest
 from rlmq.workers.model import ChatClient, HttpReply
 from rlmq.workers.subllm import SubLLMContext, run_sub_llm

@@ -15,8 +15,8 @@ import fakeredis.aioredis
 import pytest
 
 from rlmq.common import keys as K
+from rlmq.common.jobs.spill import spill_result, unspill
 from rlmq.common.schemas import SubLLMRequest, SubLLMResult
-from rlmq.common.spill import spill_result, unspill
 from rlmq.common.token_wire import (
     ServedTokens,
     TokenCap,

@@ -8,9 +8,7 @@ import time
 import fakeredis
 import pytest
 
-from rlmq.common.errors import ConfigError
-from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger import (
+from rlmq.common.budget.ledger import (
     GRANTED,
     NO_LEDGER,
     NODE_GONE,
@@ -20,6 +18,8 @@ from rlmq.common.ledger import (
     BudgetLedger,
     node_ttl,
 )
+from rlmq.common.errors import ConfigError
+from rlmq.common.keys import LedgerKeys
 
 
 def make() -> tuple[fakeredis.aioredis.FakeRedis, BudgetLedger]:

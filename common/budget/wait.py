@@ -1,6 +1,6 @@
 """Budgeted calls that wait for a release of their rollout's budget, woken by Redis pub/sub.
 
-The ledger (:mod:`rlmq.common.ledger`) answers "wait" when less than a full grant is free
+The ledger (:mod:`rlmq.common.budget.ledger`) answers "wait" when less than a full grant is free
 but live reservations (calls still running, before their deadline) may give tokens back.
 Such a call *parks* here. The process keeps one pub/sub connection, subscribed to the
 ``rlmq:{<rollout>}:released`` channel (:attr:`rlmq.common.keys.LedgerKeys.released`) of every
@@ -44,7 +44,7 @@ Why no wake-up is lost (``tests/unit/test_budget_wait_model.py`` explores the or
 A parked call does not occupy one of its worker's in-flight slots (the worker adds
 :attr:`ReleaseWaits.parked` back to its free slots, up to a bound), so one rollout's
 waiting calls cannot starve another rollout of the worker; a call granted after parking
-passes the worker's resume gate (:attr:`rlmq.common.ledger.BudgetLedger.resume_gate`)
+passes the worker's resume gate (:attr:`rlmq.common.budget.ledger.BudgetLedger.resume_gate`)
 before it calls the model, so running calls stay within the worker's concurrency.
 """
 
@@ -62,14 +62,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from rlmq.common.budget.wire import Code, Grant, Release
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger_wire import Code, Grant, Release
 
 log = logging.getLogger(__name__)
 
 
 class _Asks(Protocol):
-    """What a waiter needs of the ledger (:class:`rlmq.common.ledger.BudgetLedger`): to ask again
+    """What a waiter needs of the ledger (:class:`rlmq.common.budget.ledger.BudgetLedger`): to ask again
     and to count a call that gave up. A protocol, so this module does not import the ledger,
     which imports it."""
 
@@ -125,7 +125,7 @@ remainder goes to one call (whichever asks first), so one parked call is woken, 
 
 
 def _fits(data: Any) -> tuple[int | None, float | None]:
-    """What a release (:class:`rlmq.common.ledger_wire.Release`) says: the tokens the parked calls
+    """What a release (:class:`rlmq.common.budget.wire.Release`) says: the tokens the parked calls
     may share (``None``: wake them all: nothing is free and no live reservation is left, so each
     gets a rejection, or the message is not one of these; :data:`TAIL`: nothing live and some
     tokens free: the last remainder, for one call, whose settle wakes the next) and when the
@@ -240,7 +240,7 @@ class ReleaseWaits:
         """Ask the ledger again until it grants or rejects, parking between asks.
 
         Args:
-            ledger: the ledger to ask (its :meth:`~rlmq.common.ledger.BudgetLedger.reserve_until`).
+            ledger: the ledger to ask (its :meth:`~rlmq.common.budget.ledger.BudgetLedger.reserve_until`).
             rollout_id / reservation_id / cap / deadline: the reservation (tokens, Unix seconds).
             give_up: Unix time (seconds) at which to stop waiting.
             grant: the "wait" answer that brought the call here.

@@ -1,9 +1,9 @@
 """The tree side of a budget ledger: its nodes (which rollouts of a tree are alive) and its closing.
 
-:class:`LedgerTree` is a part of :class:`rlmq.common.ledger.BudgetLedger` (its methods are the
+:class:`LedgerTree` is a part of :class:`rlmq.common.budget.ledger.BudgetLedger` (its methods are the
 ledger's); kept apart so the reservation side reads on its own. A reservation names its caller's
 chain of nodes and is refused once one of them is gone, or once the ledger is closed
-(:data:`rlmq.common.ledger_wire.Code.NODE_GONE`, :data:`~rlmq.common.ledger_wire.Code.TREE_CLOSED`).
+(:data:`rlmq.common.budget.wire.Code.NODE_GONE`, :data:`~rlmq.common.budget.wire.Code.TREE_CLOSED`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
+from rlmq.common.budget.script import CLOSE_LEDGER_LUA, OPEN_UNLIMITED_LUA
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger_script import CLOSE_LEDGER_LUA, OPEN_UNLIMITED_LUA
 
 __all__ = ["NODE_TTL", "LedgerTree", "node_ttl"]
 
@@ -33,7 +33,7 @@ def node_ttl(rollout_key_ttl: int) -> int:
 
 class LedgerTree:
     """Tree nodes and closing of ledgers addressed by their own ids (a part of
-    :class:`~rlmq.common.ledger.BudgetLedger`, which sets ``_redis`` and ``_ttl``)."""
+    :class:`~rlmq.common.budget.ledger.BudgetLedger`, which sets ``_redis`` and ``_ttl``)."""
 
     _redis: Redis
     _ttl: int

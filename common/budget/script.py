@@ -1,9 +1,9 @@
-"""The Lua scripts of the budget ledger (:mod:`rlmq.common.ledger`), with their contracts.
+"""The Lua scripts of the budget ledger (:mod:`rlmq.common.budget.ledger`), with their contracts.
 
 Kept apart from the Python side so each stays readable; :data:`LEDGER_LUA` is re-exported by
-:mod:`rlmq.common.ledger`, whose docstring states the policy the script implements. The
+:mod:`rlmq.common.budget.ledger`, whose docstring states the policy the script implements. The
 ledger's field names, result codes, operations, keys and reply are spliced in from
-:mod:`rlmq.common.ledger_wire` (``$GRANTED`` -> ``0``, ``$HASH_FIELDS`` -> ``'limit', 'charged', ...``),
+:mod:`rlmq.common.budget.wire` (``$GRANTED`` -> ``0``, ``$HASH_FIELDS`` -> ``'limit', 'charged', ...``),
 so each is spelled once and the script reads no field, and answers no code, by a bare number.
 """
 
@@ -11,28 +11,28 @@ from __future__ import annotations
 
 from string import Template
 
-from rlmq.common.ledger_wire import lua_names
+from rlmq.common.budget.wire import lua_names
 
 
 def _lua(text: str) -> str:
-    """A script with the ledger's wire names spliced in (:func:`rlmq.common.ledger_wire.lua_names`)."""
+    """A script with the ledger's wire names spliced in (:func:`rlmq.common.budget.wire.lua_names`)."""
     return Template(text).substitute(lua_names())
 
 
-# KEYS: the script's own keys (ledger_wire.SCRIPT_KEYS): the budget hash, the reservations hash,
+# KEYS: the script's own keys (wire.SCRIPT_KEYS): the budget hash, the reservations hash,
 # the live-open sorted set, the release channel and the grant-lease sorted set (one ledger: all
 # share its id's hash tag), then the node keys of the calling rollout's tree chain (top .. caller;
 # none for a call of a top rollout): a reservation is refused with TREE_CLOSED when the ledger is
 # 'closed' (its top rollout ended) and with NODE_GONE when one of those node keys is gone (the
 # caller, or an ancestor, ended or died; 'detail' = the missing node's position in the chain, from
 # 1). Settles, retires, begins and give-backs are never refused: tokens spent are always recorded.
-# ARGV (ledger_wire.HEAD_ARGS): ARGV_TTL the TTL (seconds) of a ledger that stores none (opened by
+# ARGV (wire.HEAD_ARGS): ARGV_TTL the TTL (seconds) of a ledger that stores none (opened by
 # an older producer; 0: the budget hash's own remaining TTL): a ledger opened now stores its
 # owner's TTL in its 'ttl' field and the script uses that, never the caller's (a stored 'ttl' that
 # is not a whole number of seconds from 1 to ten years is ignored: an EXPIRE that fails mid-script
 # would leave a grant charged with nobody to settle it); ARGV_LEASE the grant lease (seconds) of a
 # leased reserve. "Now" is Redis's TIME.
-# Then per operation i the four arguments of ledger_wire.OP_ARGS: op (ledger_wire.Op: 'r' reserve,
+# Then per operation i the four arguments of wire.OP_ARGS: op (wire.Op: 'r' reserve,
 # 'r:<kind>' reserve of reservation kind <kind>, 'L' / 'L:<kind>' the same, leased, 's' settle,
 # 'x' retire, 'b' begin, 'u' give back), reservation id, n, deadline (both unused by a retire, a
 # begin, a give-back). For a reserve n is the caller's cap in tokens (<= 0: none; it can only lower
@@ -40,8 +40,8 @@ def _lua(text: str) -> str:
 # and deadline the call's deadline (Unix seconds); for a settle n is the completion tokens the
 # server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
-# ledger once (HMGET) and writes it once (HSET). Returns one reply (ledger_wire.REPLY_FIELDS) per
-# operation, read by ledger_wire.Reply.of:
+# ledger once (HMGET) and writes it once (HSET). Returns one reply (wire.REPLY_FIELDS) per
+# operation, read by wire.Reply.of:
 # * reserve: value = grant. GRANTED (grant > 0); REJECTED (grant 0: nothing free and no live
 #   reservation that could give tokens back); NO_LEDGER (budget hash missing: expired, lost, or
 #   an unbudgeted rollout); ALREADY_SETTLED (a retried job asked again for a closed reservation);
@@ -78,7 +78,7 @@ def _lua(text: str) -> str:
 # A live reservation is an open one whose call's deadline has not passed (the live set, scored by
 # deadline): one held by a dead worker stops being live at its deadline but stays charged.
 # After any settle, retire, give-back or reclaim, and after a leased grant, once the rollout has had
-# a waiter, the script publishes ledger_wire.RELEASE_FIELDS on the channel: '<free> <live>' (free =
+# a waiter, the script publishes wire.RELEASE_FIELDS on the channel: '<free> <live>' (free =
 # limit - charged, live = live reservations left), followed by ' <lease end>' (Unix seconds) when a
 # grant lease is open: waiters wake by it, and ask again when that lease ends.
 # The reservations hash gets the ledger's stored TTL with the ledger's first grant, the live set

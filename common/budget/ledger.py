@@ -23,7 +23,7 @@ The policy (what "spent" means):
   cut while the budget can still pay for it.
 * Otherwise, while *live* reservations exist (open, and their call's deadline has not
   passed), the call is told to **wait**: those calls may give tokens back. It parks until the
-  settle script publishes a release (:mod:`rlmq.common.budget_wait`), until the earliest live
+  settle script publishes a release (:mod:`rlmq.common.budget.wait`), until the earliest live
   deadline, or until its own deadline, when it is rejected clearly (never left hanging).
 * With nothing live left, a call gets whatever is free, even less than ``cap`` (the last
   remainder; the answer may be cut, ``finish_reason == "length"``, counted as truncated; the
@@ -83,13 +83,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
-from rlmq.common.budget_wait import ReleaseWaits
+from rlmq.common.budget.calls import LedgerCalls
+from rlmq.common.budget.script import COUNT_REJECTIONS_LUA, LEDGER_LUA
+from rlmq.common.budget.segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
+from rlmq.common.budget.tree import NODE_TTL, LedgerTree, node_ttl
+from rlmq.common.budget.wait import ReleaseWaits
+from rlmq.common.budget.wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.keys import LedgerKeys
-from rlmq.common.ledger_calls import LedgerCalls
-from rlmq.common.ledger_script import COUNT_REJECTIONS_LUA, LEDGER_LUA
-from rlmq.common.ledger_segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
-from rlmq.common.ledger_tree import NODE_TTL, LedgerTree, node_ttl
-from rlmq.common.ledger_wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.settings import setting_default
 
 __all__ = [
@@ -107,7 +107,7 @@ GRANTED, REJECTED, NO_LEDGER, ALREADY_SETTLED, WAIT = (
     Code.WAIT,
 )
 WAITED_OUT, TREE_CLOSED, NODE_GONE, UNLIMITED = Code.WAITED_OUT, Code.TREE_CLOSED, Code.NODE_GONE, Code.UNLIMITED
-"""The reservation codes (:class:`rlmq.common.ledger_wire.Code`) by their short names."""
+"""The reservation codes (:class:`rlmq.common.budget.wire.Code`) by their short names."""
 
 _PASSING_REPLIES = ("READONLY", "OOM", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "MISCONF", "NOREPLICAS")
 """Error replies of a Redis that will take the same command again soon: a failover, a full
@@ -152,7 +152,7 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     trip per call, as before, started on the next loop turn.
 
     :meth:`acquire` is the worker's entry point: a reservation that waits for a release
-    (woken by Redis pub/sub, :mod:`rlmq.common.budget_wait`) instead of being rejected.
+    (woken by Redis pub/sub, :mod:`rlmq.common.budget.wait`) instead of being rejected.
     """
 
     def __init__(
@@ -548,7 +548,7 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     def abandon_waits(self) -> None:
         """A stopping worker gives up its parked calls: each ends with
         :class:`asyncio.CancelledError` instead of a grant (see
-        :meth:`rlmq.common.budget_wait.ReleaseWaits.abandon`), so its job is handed back."""
+        :meth:`rlmq.common.budget.wait.ReleaseWaits.abandon`), so its job is handed back."""
         self._abandon = True
         if self._waits is not None:
             self._waits.abandon()

@@ -3,7 +3,7 @@
 Redis replicates asynchronously: a grant written on the master just before it dies may be missing
 from the replica a Sentinel promotes, and a ledger that forgot a grant lets its tree overshoot its
 budget. With ``redis_replica_acks`` = n > 0, every ledger round trip that can let a model call run
-(:mod:`rlmq.common.ledger_calls`) ends with ``WAIT n <timeout>`` on the same connection, after a
+(:mod:`rlmq.common.budget.calls`) ends with ``WAIT n <timeout>`` on the same connection, after a
 write of :data:`rlmq.common.keys.REPLICA_ACK_MARK` (so the ``WAIT`` covers every write the master
 made before it, this connection's or another's: a grant found again by a retry included); a grant
 or a begin acknowledged by fewer replicas is not used (:class:`~rlmq.common.errors.ReplicaAckMissing`)

@@ -1,13 +1,13 @@
 """How a budget ledger's operations reach its script: coalesced, one ``EVALSHA`` per ledger.
 
-:class:`LedgerCalls` is a part of :class:`rlmq.common.ledger.BudgetLedger` (its base); kept apart
+:class:`LedgerCalls` is a part of :class:`rlmq.common.budget.ledger.BudgetLedger` (its base); kept apart
 so the ledger's policy reads on its own. Every operation submitted in the same event-loop turn goes
-out in one round trip (one ``EVALSHA`` of :data:`~rlmq.common.ledger_script.LEDGER_LUA` per ledger
-and node chain, pipelined), laid out as :mod:`rlmq.common.ledger_wire` names it: the script's keys
+out in one round trip (one ``EVALSHA`` of :data:`~rlmq.common.budget.script.LEDGER_LUA` per ledger
+and node chain, pipelined), laid out as :mod:`rlmq.common.budget.wire` names it: the script's keys
 (``SCRIPT_KEYS``) and node keys, its head arguments (``HEAD_ARGS``), then each operation's
-``OP_ARGS``; each reply is read by :meth:`~rlmq.common.ledger_wire.Reply.of`.
+``OP_ARGS``; each reply is read by :meth:`~rlmq.common.budget.wire.Reply.of`.
 
-With replicas to wait for (:mod:`rlmq.common.replica_acks`, ``redis_replica_acks`` > 0) every
+With replicas to wait for (:mod:`rlmq.common.budget.replica_acks`, ``redis_replica_acks`` > 0) every
 round trip goes through the pipeline and ends with a write of
 :data:`~rlmq.common.keys.REPLICA_ACK_MARK` and ``WAIT <replicas> <ms>`` on the same connection; an
 operation whose reply lets a model call run (a reserve granted, a begin begun) fails with
@@ -25,24 +25,24 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from rlmq.common import replica_acks
+from rlmq.common.budget import replica_acks
+from rlmq.common.budget.script import LEDGER_LUA
+from rlmq.common.budget.wire import HEAD_ARGS, SCRIPT_KEYS, BeginCode, Code, Op, Reply
 from rlmq.common.errors import ReplicaAckMissing
 from rlmq.common.keys import REPLICA_ACK_MARK, LedgerKeys
-from rlmq.common.ledger_script import LEDGER_LUA
-from rlmq.common.ledger_wire import HEAD_ARGS, SCRIPT_KEYS, BeginCode, Code, Op, Reply
 from rlmq.common.scripts import run_pipeline
 
 __all__ = ["LedgerCalls"]
 
 _Op = tuple[str, str, int, float, "asyncio.Future[Reply]"]
-"""One coalesced ledger operation: op (an :class:`~rlmq.common.ledger_wire.Op`, ``r:<kind>``,
+"""One coalesced ledger operation: op (an :class:`~rlmq.common.budget.wire.Op`, ``r:<kind>``,
 ``L:<kind>``), reservation id, cap or used, deadline, its waiter."""
 _Group = tuple[str, tuple[str, ...]]
 """What one script call serves: a ledger id and the node chain its reservations name."""
 
 
 class LedgerCalls:
-    """The coalesced script calls of a :class:`~rlmq.common.ledger.BudgetLedger`.
+    """The coalesced script calls of a :class:`~rlmq.common.budget.ledger.BudgetLedger`.
 
     Args:
         redis: an asyncio Redis client (``decode_responses`` either way).
@@ -158,12 +158,12 @@ class LedgerCalls:
 
     @staticmethod
     def _keys(group: _Group) -> list[str]:
-        """The script's keys (:data:`~rlmq.common.ledger_wire.SCRIPT_KEYS`), then the chain's node keys."""
+        """The script's keys (:data:`~rlmq.common.budget.wire.SCRIPT_KEYS`), then the chain's node keys."""
         keys = LedgerKeys(group[0])
         return [*(getattr(keys, attr) for attr in SCRIPT_KEYS.values()), *map(keys.node, group[1])]
 
     def _head_args(self) -> list[Any]:
-        """The script's :data:`~rlmq.common.ledger_wire.HEAD_ARGS`: TTL 0 (the script uses the TTL
+        """The script's :data:`~rlmq.common.budget.wire.HEAD_ARGS`: TTL 0 (the script uses the TTL
         stored in the ledger, or for a ledger without one the budget hash's own, never this
         process's) and this process's grant lease (seconds)."""
         head: dict[str, Any] = {"ttl": 0, "lease": self._lease}

@@ -1,11 +1,11 @@
 """The budget ledger's wire, named once: its hash fields, result codes and replies.
 
-The ledger's Lua (:mod:`rlmq.common.ledger_script`) has these names spliced in, as
-:mod:`rlmq.common.jobs_lua` splices the job fields: ``$GRANTED`` becomes ``0``, ``$HASH_FIELDS``
+The ledger's Lua (:mod:`rlmq.common.budget.script`) has these names spliced in, as
+:mod:`rlmq.common.jobs.lua` splices the job fields: ``$GRANTED`` becomes ``0``, ``$HASH_FIELDS``
 the quoted field list, ``$HASH_LOCALS`` the Lua locals they are read into. Python reads a reply
 through one constructor (:meth:`Reply.of`), never by position. The outcomes callers see
 (:class:`Grant`, :class:`Settlement`, :class:`BudgetSnapshot`) live here too, so that
-:mod:`rlmq.common.budget_wait` and :mod:`rlmq.common.ledger` both import them from below
+:mod:`rlmq.common.budget.wait` and :mod:`rlmq.common.budget.ledger` both import them from below
 (no import cycle between the two).
 
 Leased grants changed the wire: the script takes a fifth key (the grant-lease set, so a chain's
@@ -44,7 +44,7 @@ class Code(IntEnum):
     """Less than a full grant is free but live reservations may give some back: ask again after a
     release, or at :attr:`Grant.retry_at`."""
     WAITED_OUT = 5
-    """Never the script's: the waiter gave up at the call's deadline (:mod:`rlmq.common.budget_wait`)."""
+    """Never the script's: the waiter gave up at the call's deadline (:mod:`rlmq.common.budget.wait`)."""
     TREE_CLOSED = 6
     """The ledger is closed (its top rollout ended)."""
     NODE_GONE = 7
@@ -65,7 +65,7 @@ class SettleCode(IntEnum):
 
 
 class BeginCode(IntEnum):
-    """A begin's outcome (:meth:`rlmq.common.ledger.BudgetLedger.begin`)."""
+    """A begin's outcome (:meth:`rlmq.common.budget.ledger.BudgetLedger.begin`)."""
 
     BEGUN = 0
     """Begun now or before (or a grant never leased): call the model under it."""
@@ -243,8 +243,8 @@ class Grant:
             for a new grant, the full grant its cap asked for (0 when the ledger did not say: a
             grant asked for again). A grant below it is the budget's last remainder (:attr:`cut`).
         gone_node: for :data:`Code.NODE_GONE`, the first node of the chain whose key is gone.
-        leased: the grant is leased (:meth:`rlmq.common.ledger.BudgetLedger.reserve` with
-            ``leased``): its holder must :meth:`~rlmq.common.ledger.BudgetLedger.begin` it before its
+        leased: the grant is leased (:meth:`rlmq.common.budget.ledger.BudgetLedger.reserve` with
+            ``leased``): its holder must :meth:`~rlmq.common.budget.ledger.BudgetLedger.begin` it before its
             call reaches the model, or it is reclaimed.
     """
 

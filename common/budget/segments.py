@@ -1,6 +1,6 @@
 """The segment side of a budget ledger: reservation ops of a kind, and answers that end.
 
-:class:`LedgerSegments` is a part of :class:`rlmq.common.ledger.BudgetLedger` (its methods are the
+:class:`LedgerSegments` is a part of :class:`rlmq.common.budget.ledger.BudgetLedger` (its methods are the
 ledger's); kept apart so the reservation side reads on its own. An answer granted in segments
 (``docs/budget.md``) is reserved with :func:`reserve_op`'s ``g`` / ``G`` ops and counts as running
 in the ledger until :meth:`LedgerSegments.note_answer` says it ended (or its call's deadline passes,
@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from rlmq.common.ledger_wire import Op
+from rlmq.common.budget.wire import Op
 
 __all__ = ["ROOT", "SUB_LLM", "LedgerSegments", "reserve_op"]
 
@@ -29,7 +29,7 @@ _KIND = re.compile(r"[a-z_]{1,16}")
 
 def reserve_op(kind: str, *, leased: bool = False, segment: int | None = None) -> str:
     """The script's op of a reservation of ``kind``: ``r`` for :data:`SUB_LLM`, else ``r:<kind>``
-    (:attr:`~rlmq.common.ledger_wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``. With
+    (:attr:`~rlmq.common.budget.wire.Op.RESERVE`); ``L`` / ``L:<kind>`` when ``leased``. With
     ``segment`` (tokens the answer has spent, 0 for its first segment): ``g:<kind>:<segment>``
     (``G:...`` leased; the kind empty for :data:`SUB_LLM`).
 
@@ -52,7 +52,7 @@ def reserve_op(kind: str, *, leased: bool = False, segment: int | None = None) -
 
 
 class LedgerSegments:
-    """Answers granted in segments, for :class:`rlmq.common.ledger.BudgetLedger` (whose ``_submit``
+    """Answers granted in segments, for :class:`rlmq.common.budget.ledger.BudgetLedger` (whose ``_submit``
     and background-task set it uses)."""
 
     _give_backs: set[asyncio.Task[None]]

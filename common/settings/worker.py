@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlmq.common.settings_fields import meta
+from rlmq.common.settings.fields import meta
 
 
 class WorkerOptions(BaseModel):

@@ -2,7 +2,7 @@
 
 The producer enqueues through it (:meth:`JobStore.add_enqueue`), the worker starts, heartbeats,
 finishes and reaps through it; the job-hash fields and RQ's record format are
-:mod:`rlmq.common.rqjobs`, the scripts :mod:`rlmq.common.jobs_lua`. saq's ``Queue`` is the model.
+:mod:`rlmq.common.jobs.record`, the scripts :mod:`rlmq.common.jobs.lua`. saq's ``Queue`` is the model.
 
 RQ's records of jobs are kept truthful by rlmq's asyncio worker in batched Lua scripts.
 
@@ -16,7 +16,7 @@ whole batch of jobs in one script call. What is *not* written: RQ's per-job
 (rlmq's jobs have none). ``tests/integration/test_records.py`` reads everything back
 through RQ's own classes.
 
-The scripts (:mod:`rlmq.common.jobs_lua`) take all their keys through ``KEYS[]``; each has a
+The scripts (:mod:`rlmq.common.jobs.lua`) take all their keys through ``KEYS[]``; each has a
 header comment stating its contract.
 """
 
@@ -32,10 +32,10 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from rlmq.common import keys as K
+from rlmq.common.budget.ledger import LEDGER_LUA, BudgetLedger
 from rlmq.common.fleet_checks import redis_time
-from rlmq.common.jobs_lua import ENQUEUE_LUA, FINISH_LUA, REAP_LUA, START_LUA
-from rlmq.common.ledger import LEDGER_LUA, BudgetLedger
-from rlmq.common.rqjobs import F_META, F_REPLY, encode_job_data, job_hash, utcnow_str
+from rlmq.common.jobs.lua import ENQUEUE_LUA, FINISH_LUA, REAP_LUA, START_LUA
+from rlmq.common.jobs.record import F_META, F_REPLY, encode_job_data, job_hash, utcnow_str
 from rlmq.common.schemas import SubLLMResult
 from rlmq.common.scripts import run_pipeline, sha1
 from rlmq.common.settings import setting_default
@@ -135,7 +135,7 @@ class FinishedJob:
     settles: list[tuple[str, str, int]] = field(default_factory=list)
     """Budget settlements sent in the same round trip as ``FINISH`` (rollout, reservation, used)."""
     spill_key: str | None = None
-    """Where the result's token payload was spilled (:mod:`rlmq.common.spill`), if it was."""
+    """Where the result's token payload was spilled (:mod:`rlmq.common.jobs.spill`), if it was."""
 
 
 class JobStore:
@@ -204,7 +204,7 @@ class JobStore:
             pipe: a redis-py asyncio pipeline.
             jobs: the jobs, in queue order.
             shared: what they share.
-            stamp: the enqueue time in RQ's format (:func:`rlmq.common.rqjobs.utcnow_str`).
+            stamp: the enqueue time in RQ's format (:func:`rlmq.common.jobs.record.utcnow_str`).
         """
         per_job: list[Any] = []
         common: dict[str, Any] = {}

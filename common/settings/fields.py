@@ -54,7 +54,7 @@ def meta(
 ) -> dict[str, Any]:
     """What a field declares beyond its type, default and description (``json_schema_extra``).
 
-    Every key is optional; :mod:`rlmq.common.settings_schema` derives what is left out.
+    Every key is optional; :mod:`rlmq.common.settings.schema` derives what is left out.
 
     Args:
         group: the ``--help`` group of its flag, a key of :data:`HELP_GROUPS` (default by owner).

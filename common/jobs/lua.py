@@ -1,7 +1,7 @@
 """The Lua scripts of the job store (``ENQUEUE``, ``START``, ``FINISH``, ``REAP``), each with its contract.
 
-Called by :class:`rlmq.common.jobstore.JobStore` (``ENQUEUE``: by the producer's dispatch). rlmq's
-job-hash field names are spliced in from :mod:`rlmq.common.rqjobs` (``$F_REPLY`` -> ``rlmq_reply``),
+Called by :class:`rlmq.common.jobs.store.JobStore` (``ENQUEUE``: by the producer's dispatch). rlmq's
+job-hash field names are spliced in from :mod:`rlmq.common.jobs.record` (``$F_REPLY`` -> ``rlmq_reply``),
 so they are spelled once.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from string import Template
 
 from rlmq.common import keys as K
-from rlmq.common.rqjobs import JOB_FIELDS
+from rlmq.common.jobs.record import JOB_FIELDS
 
 
 def _lua(text: str) -> str:

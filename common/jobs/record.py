@@ -12,7 +12,7 @@ long that list lives: the producer's), ``rlmq_meta``
 (JSON: rollout id, batch id, index, for error results written by the reaper),
 ``rlmq_attempts`` (incremented when an abandoned job is re-queued) and ``rlmq_started``
 (``created_at/attempt`` of the execution a worker last started; see
-``rlmq.common.jobs_lua.START_LUA``). The producer writes only the first three, so an enqueue
+``rlmq.common.jobs.lua.START_LUA``). The producer writes only the first three, so an enqueue
 applied twice leaves the others as they were.
 """
 

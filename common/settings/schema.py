@@ -7,7 +7,7 @@ constraints) and the :func:`~rlmq.common.settings.meta` a field may add. A field
 plain ``Field(default, description=...)`` gets its flag, environment variable and commands
 from its name and owner.
 
-``python -m rlmq.common.settings_schema`` prints ``docs/settings.md``.
+``python -m rlmq.common.settings.schema`` prints ``docs/settings.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from rlmq.common.settings import RolloutOptions, Settings, env_vars
-from rlmq.common.settings_worker import WorkerOptions
+from rlmq.common.settings.worker import WorkerOptions
 
 Owner = Literal["rollout", "worker", "process"]
 COMMANDS_OF: dict[Owner, tuple[str, ...]] = {"rollout": ("run", "demo"), "worker": ("worker",), "process": ()}
@@ -142,7 +142,7 @@ class Knob:
 
     @property
     def group(self) -> str:
-        """The ``--help`` group of its flag (a key of :data:`~rlmq.common.settings_fields.HELP_GROUPS`): its
+        """The ``--help`` group of its flag (a key of :data:`~rlmq.common.settings.fields.HELP_GROUPS`): its
         :func:`~rlmq.common.settings.meta` ``group``, else ``limits``, ``worker`` or ``fleet`` by owner."""
         return str(self.extra.get("group") or _DEFAULT_GROUP[self.owner])
 
@@ -234,7 +234,7 @@ def markdown() -> str:
     lines = [
         "# Settings",
         "",
-        "Generated from `common/settings.py` by `python -m rlmq.common.settings_schema > docs/settings.md`;",
+        "Generated from `common/settings/` by `python -m rlmq.common.settings.schema > docs/settings.md`;",
         "a test fails when this file and the declaration differ.",
         "",
         "One precedence on every path: an explicit value (a flag, an `RLMEnv` argument, a",
