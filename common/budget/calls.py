@@ -41,6 +41,11 @@ _Group = tuple[str, tuple[str, ...]]
 """What one script call serves: a ledger id and the node chain its reservations name."""
 
 
+
+GRANTING_OPS: tuple[str, ...] = (Op.RESERVE.value, Op.LEASED.value, Op.SEGMENT.value, Op.SEGMENT_LEASED.value)
+"""The ops whose granted reply lets a model call run at once (a reservation, a segment of an
+answer, leased or not): each waits for the replicas' acknowledgement (a leased one's begin too)."""
+
 class LedgerCalls:
     """The coalesced script calls of a :class:`~rlmq.common.budget.ledger.BudgetLedger`.
 
@@ -122,7 +127,7 @@ class LedgerCalls:
         replicas acknowledged than required (``acked``: the ``WAIT`` reply, or its error)."""
         if not self._acks.replicas or (isinstance(acked, int) and acked >= self._acks.replicas):
             return False
-        if op.startswith((Op.RESERVE.value, Op.LEASED.value)):
+        if op.startswith(GRANTING_OPS):
             return reply.code == Code.GRANTED
         return op == Op.BEGIN.value and reply.code == BeginCode.BEGUN
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -119,9 +120,12 @@ def test_an_editable_install_of_a_checkout_without_symlinks_imports(tmp_path: Pa
     own = subprocess.run([sys.executable, "-m", "pip", "show", "rlmq"], capture_output=True, text=True, timeout=120)
     assert f"Editable project location: {REPO}" in own.stdout, own.stdout  # this interpreter's rlmq left alone
     (site,) = prefix.glob("lib/python3*/site-packages")
-    # -S: only that install's path hooks, not this interpreter's own editable rlmq; run outside the clone
-    code = (f"import site; site.addsitedir({str(site)!r}); import rlmq.common.errors as e, rlmq.workers as w; "
-            "print(e.__file__); print(w.__file__)")  # fmt: skip
+    # -S: only that install's path hooks, not this interpreter's own editable rlmq; run outside the clone.
+    # This interpreter's site-packages go last on the path, unprocessed (no .pth: not its editable
+    # rlmq's finder), for the dependencies (redis) the install was made without.
+    deps = sysconfig.get_paths()["purelib"]
+    code = (f"import site, sys; site.addsitedir({str(site)!r}); sys.path.append({deps!r}); "
+            "import rlmq.common.errors as e, rlmq.workers as w; print(e.__file__); print(w.__file__)")  # fmt: skip
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(clone / "common" / "errors.py"), str(clone / "workers" / "__init__.py")]

@@ -111,7 +111,7 @@ async def test_no_lie_reaches_trajectories_or_samples(fault_fleet: LocalFleet, t
         res = await env.rollout(row, model=fleet.model, rollout_id=f"liar-{uuid.uuid4().hex[:8]}")
     assert res.row.stop_reason == "answer_ready", res.row.error
     folder = write_run(tmp_path / "run", [res], {"command": "test"})
-    _, count = export_samples(folder)
+    _, count, _ = export_samples(folder)
     lines = [strict_json(x) for x in (folder / "trajectories.jsonl").read_text().splitlines()]
     samples = [strict_json(x) for x in (folder / "samples.jsonl").read_text().splitlines()]
     [batch] = [e for e in lines[0]["trajectory"] if e["type"] == "llm_batch"]

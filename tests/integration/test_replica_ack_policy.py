@@ -94,3 +94,19 @@ async def test_a_grant_whose_mark_is_refused_is_refused_too(real_redis: redis.Re
     finally:
         await client.aclose()
         real_redis.execute_command("ACL", "DELUSER", user)
+
+
+async def test_a_segment_grant_waits_for_the_replica_as_a_whole_grant_does(
+    acked: tuple[BudgetLedger, BudgetLedger, Redis],
+) -> None:
+    """Segment grants (an answer's first segment, its next one, leased or not) let a model call run
+    at once, as a whole grant does: none is used before the replica has it."""
+    ledger, plain, _ = acked
+    lid = "acks" + uuid.uuid4().hex[:8]
+    await plain.open(lid, 2000, cap=500)
+    for segment, leased in ((0, False), (0, True), (120, False)):
+        rid = f"seg{segment}{'L' if leased else ''}"
+        with pytest.raises(ReplicaAckMissing):
+            await ledger.reserve(lid, rid, None, leased=leased, segment=segment)
+        granted = await plain.reserve(lid, rid, None, leased=leased, segment=segment)  # asked again: the same
+        assert granted.code == GRANTED and granted.tokens > 0, granted
