@@ -41,10 +41,10 @@ _Group = tuple[str, tuple[str, ...]]
 """What one script call serves: a ledger id and the node chain its reservations name."""
 
 
-
 GRANTING_OPS: tuple[str, ...] = (Op.RESERVE.value, Op.LEASED.value, Op.SEGMENT.value, Op.SEGMENT_LEASED.value)
 """The ops whose granted reply lets a model call run at once (a reservation, a segment of an
 answer, leased or not): each waits for the replicas' acknowledgement (a leased one's begin too)."""
+
 
 class LedgerCalls:
     """The coalesced script calls of a :class:`~rlmq.common.budget.ledger.BudgetLedger`.
