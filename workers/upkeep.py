@@ -67,13 +67,21 @@ class Upkeep:
 
     # ------------------------------------------------------------------ RQ registration
 
-    def register_birth(self) -> RQWorker:
-        """Register with RQ (blocking client; call once before the loop serves)."""
+    def register_birth(self, again: bool = False) -> RQWorker:
+        """Register with RQ (blocking client; call once before the loop serves).
+
+        Args:
+            again: registering again after Redis forgot this worker: a partial worker hash that
+                writes since then recreated (job counters, heartbeat fields) is dropped first, as
+                RQ refuses to register a name whose hash exists without a death mark.
+        """
         w = self.w
         sync = sync_client(str(w.settings.redis_url))
         own = [w.queue, *w.child_queues()]  # a REPL host also serves one child queue per depth
         qs = [Queue(name, connection=sync, serializer=JSONSerializer) for name in own]
         rq_worker = RQWorker(qs, name=w.name, connection=sync, serializer=JSONSerializer)
+        if again:
+            sync.delete(rq_worker.key)
         rq_worker.register_birth()  # type: ignore[no-untyped-call]
         sync.hset(rq_worker.key, mapping={"state": "idle", "rlmq_concurrency": w.concurrency})
         if w.repl_slots:
@@ -89,7 +97,7 @@ class Upkeep:
         are gone (a Redis restarted without persistence), so ``rq info`` would not list it."""
         log.warning("worker %s: its registration is gone from Redis (restarted?); registering again", self.w.name)
         try:
-            rq_worker = await asyncio.to_thread(self.register_birth)
+            rq_worker = await asyncio.to_thread(self.register_birth, True)
         except (redis.RedisError, OSError, ValueError) as exc:
             log.warning("worker %s: could not register again (%s); will retry", self.w.name, exc)
             return
@@ -119,8 +127,10 @@ class Upkeep:
             if not any(K.serving(q) == K.serving(own) for q in by_queue):
                 by_queue[own] = []
         state = "busy" if len(w.jobs) else "idle"
-        if not await w.redis.exists(K.rq_worker(w.name)):
-            await self.register_again()  # Redis restarted (or flushed): it forgot this worker
+        if not await w.redis.sismember(K.RQ_WORKERS, K.rq_worker(w.name)):
+            # Redis restarted (or flushed): it forgot this worker. Asked of RQ's registry, not of
+            # the worker hash, which a job's end (HINCRBY) or this beat's own write recreates
+            await self.register_again()
         await asyncio.gather(*(w.records_for(q).heartbeat(m, state) for q, m in by_queue.items()))
 
     async def heartbeat_loop(self) -> None:

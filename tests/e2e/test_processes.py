@@ -125,3 +125,36 @@ async def test_a_worker_exports_prometheus_metrics(redis_url: str) -> None:
     assert "rlmq_inflight_subcalls 0.0" in text
     assert 'rlmq_tokens_total{kind="completion"}' in text
     assert "rlmq_queue_wait_seconds_count 7.0" in text
+
+
+def test_a_worker_registers_again_when_redis_forgot_it_though_its_hash_came_back(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Redis forgets a live worker (as a restart without persistence does), and a write lands on
+    its worker hash before the next heartbeat (a job's end counts it there): the worker hash
+    exists again without RQ's registration. The worker still registers again within seconds,
+    with a full record that ``rq info`` lists."""
+    import redis as sync_redis
+
+    model = f"rereg-{uuid.uuid4().hex[:6]}"
+    r = sync_redis.Redis.from_url(redis_url)
+    with LocalFleet(redis_url=redis_url, model=model, workers=1, log_dir=str(tmp_path / "logs"),
+                    worker_args=["--heartbeat-ttl", "2"]):  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not (members := r.smembers(K.RQ_WORKERS)):
+            assert time.monotonic() < deadline, "the worker never registered"
+            time.sleep(0.05)  # polling the registration, bounded by the deadline
+        (wkey,) = members
+        queue_set = K.rq_workers_of_queue(K.queue_name_for_model(model))
+        pipe = r.pipeline()
+        pipe.srem(K.RQ_WORKERS, wkey).srem(queue_set, wkey).delete(wkey)
+        pipe.hincrby(wkey, "successful_job_count", 1)  # the partial hash a job's end writes
+        pipe.execute()
+        deadline = time.monotonic() + 15
+        while not (r.sismember(K.RQ_WORKERS, wkey) and r.sismember(queue_set, wkey)):
+            assert time.monotonic() < deadline, f"the worker did not register again: {r.hgetall(wkey)}; " + "".join(
+                p.read_text()[-2000:] for p in (tmp_path / "logs").glob("*.log")
+            )
+            time.sleep(0.05)  # polling the registration, bounded by the deadline
+        assert r.hexists(wkey, "birth") and r.hget(wkey, "rlmq_concurrency") is not None
+    r.close()

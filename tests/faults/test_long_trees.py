@@ -84,6 +84,9 @@ def test_a_long_tree_is_never_cut_off_while_short_trees_keep_starting(hosts: Loc
     watch.start()
     try:
         out, _ = proc.communicate(timeout=240)
+        deadline = time.monotonic() + 5  # the driver exits as the long tree ends: let the watch see it go
+        while watch.unlisted_at is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the watch, bounded by the deadline
     finally:
         watch.stop.set()
         watch.join(10)
