@@ -31,12 +31,14 @@ def job_args(f: HostFleet, *extra: str) -> list[str]:
 
 def test_a_worker_host_cut_off_mid_job_and_back_loses_nothing(tmp_path: Any) -> None:
     logs = str(tmp_path / "logs")
-    with HostFleet(workers={"w1": [], "w2": [], "w3": []}, rtt_ms=5, log_dir=logs) as f:
+    room = ["--concurrency", "8"]  # 24 calls at once in all: 72 calls of 3 s take three waves
+    with HostFleet(workers={"w1": room, "w2": room, "w3": room}, rtt_ms=5, log_dir=logs) as f:
         proc = f.start_driver("trainer1", "main-job", *job_args(f), "--rollouts", "3", "--calls", "24",
                               "--budget", "12000", "--cap", "400", "--tokens", "200", "--sleep", "3",
                               "--busy", "20")  # fmt: skip
         wait_go(proc)
-        wait_go(proc, "busy")  # the calls are at the model, from every worker host (3 s each)
+        # 20 calls at the model (3 s each), at most 8 from each host: w1 has 4 at least
+        wait_go(proc, "busy")
         f.net.down("w1")
         time.sleep(6)  # twice the heartbeat TTL: its jobs are taken back and run elsewhere
         f.net.up("w1")
