@@ -3,6 +3,10 @@
 It has one import name. Imported as ``producer`` (the checkout's root on ``sys.path``, e.g. under
 pytest's default import mode) it would be a second copy of every module, with classes of its
 own (which ``isinstance`` and ``except`` of the real ones do not match), so that import stops here.
+
+Internal: no module of this package is part of rlmq's supported API, which is the names of
+``rlmq.__all__`` (import them from ``rlmq``, even those defined here), the plug-ins and the ``rlmq``
+command. Any module here may change in any release (docs/design.md, "Public and internal").
 """
 
 if __name__ != "rlmq.producer":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rlmq.common.errors import ModelError, PromptTooLongError, ReplError, RootBudgetSpent
@@ -28,6 +29,9 @@ from rlmq.producer.rollout import Rollout
 from rlmq.producer.root import RootClient
 from rlmq.producer.root_tokens import ask_for_tokens, root_turn_tokens
 from rlmq.producer.scaffold import context_warning, repl_tool
+
+_Stop = tuple[StopReason, str | None]
+"""How the loop ended: the stop reason and the final answer."""
 
 
 class CellRunner(Protocol):
@@ -96,116 +100,188 @@ async def root_loop(root: RootClient, rollout: Rollout, repl: CellRunner) -> tup
         RlmqError: the REPL could not run a cell.
     """
     o = rollout.options
-    stats, trajectory, messages = rollout.stats, rollout.trajectory, rollout.messages
-    last_answer: str | None = None
-    warned = False
-    turn = 0
     tool = repl_tool(o.repl_language)
-    tool_name = tool["function"]["name"]
+    state = _LoopState()
+    turn = 0
     while o.max_turns <= 0 or turn < o.max_turns:
         turn += 1
-        kwargs: dict[str, Any] = {"model": rollout.model, "messages": messages, "tools": [tool]}
-        sampling = dict(o.sampling_args)  # checked: never model, messages, tools, n, stream
-        sampling.pop("max_tokens", None)
-        per_call = root_turn_max_tokens(o)
-        if sampling:
-            kwargs["extra_body"] = sampling  # merged into the request body as they are
-        if per_call is not None:
-            kwargs["max_tokens"] = per_call
-        if o.root_max_completion_tokens is not None and per_call is not None:
-            left = o.root_max_completion_tokens - stats.root_completion_tokens
-            if left < per_call:  # a turn is whole or not started: never a tool call cut by the limit
-                text = f"root completion-token limit reached: {max(0, left)} left, a turn needs {per_call}"
-                trajectory.append({"type": "note", "text": text})
-                return "max_turns", last_answer
-        t0 = time.perf_counter()
-        kwargs = ask_for_tokens(rollout, kwargs)
-        try:
-            resp = await root.chat(**kwargs)
-        except PromptTooLongError as exc:
-            trajectory.append({"type": "note", "text": f"prompt_too_long: {exc}"})
-            return "prompt_too_long", last_answer
-        except RootBudgetSpent as exc:  # a child's root turn the tree budget cannot grant
-            trajectory.append({"type": "note", "text": f"budget_spent: {exc}"})
-            return "budget_spent", last_answer
-        stats.root_turns += 1
-        usage = getattr(resp, "usage", None)
-        prompt_tokens, completion_tokens = _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens")
-        stats.root_prompt_tokens += prompt_tokens
-        stats.root_completion_tokens += completion_tokens
-        choices = getattr(resp, "choices", None)
-        if not choices:
-            raise ModelError(f"the root model answered without a choice: {str(resp)[:200]}")
-        msg = choices[0].message
-        calls = [_tool_call(tc) for tc in (getattr(msg, "tool_calls", None) or [])]
-        content = getattr(msg, "content", None) or ""
-        assistant: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            assistant["tool_calls"] = [
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else ""},
-                }
-                for call_id, name, arguments in calls
-            ]
-        messages.append(assistant)
-        event: dict[str, Any] = {
-            "type": "root",
-            "content": content,
-            "tool_calls": assistant.get("tool_calls", []),
-            "seconds": round(time.perf_counter() - t0, 4),
-            "usage": {"prompt": prompt_tokens, "completion": completion_tokens},
+        stop = await _turn(root, rollout, repl, tool, state)
+        if stop is not None:
+            return stop
+    return "max_turns", state.last_answer
+
+
+@dataclass
+class _LoopState:
+    """What the loop carries from turn to turn: the last non-empty ``answer["content"]`` and
+    whether the context warning was given."""
+
+    last_answer: str | None = None
+    warned: bool = False
+
+
+async def _turn(
+    root: RootClient, rollout: Rollout, repl: CellRunner, tool: dict[str, Any], state: _LoopState
+) -> _Stop | None:
+    """One root turn: the root model's reply, then each of its tool calls; the stop it reached, or
+    ``None`` to go on (errors as :func:`root_loop`'s)."""
+    kwargs, per_call = _request(rollout, tool)
+    note = _root_limit_note(rollout, per_call)
+    if note is not None:  # a turn is whole or not started: never a tool call cut by the limit
+        rollout.trajectory.append({"type": "note", "text": note})
+        return "max_turns", state.last_answer
+    t0 = time.perf_counter()
+    kwargs = ask_for_tokens(rollout, kwargs)
+    try:
+        resp = await root.chat(**kwargs)
+    except PromptTooLongError as exc:
+        rollout.trajectory.append({"type": "note", "text": f"prompt_too_long: {exc}"})
+        return "prompt_too_long", state.last_answer
+    except RootBudgetSpent as exc:  # a child's root turn the tree budget cannot grant
+        rollout.trajectory.append({"type": "note", "text": f"budget_spent: {exc}"})
+        return "budget_spent", state.last_answer
+    calls, prompt_tokens = _record_reply(root, rollout, resp, kwargs, t0)
+    if not calls:
+        # the reference's final answer here: answer["content"] so far, "" when never set
+        return "no_tool_call", state.last_answer or ""
+    for call in calls:
+        stop = await _run_call(rollout, repl, tool["function"]["name"], call, state)
+        if stop is not None:
+            return stop
+    _warn_near_context(rollout, prompt_tokens, state)
+    return None
+
+
+def _request(rollout: Rollout, tool: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """The keyword arguments of the next root call, and its ``max_tokens`` (``None``: none sent)."""
+    o = rollout.options
+    kwargs: dict[str, Any] = {"model": rollout.model, "messages": rollout.messages, "tools": [tool]}
+    sampling = dict(o.sampling_args)  # checked: never model, messages, tools, n, stream
+    sampling.pop("max_tokens", None)
+    per_call = root_turn_max_tokens(o)
+    if sampling:
+        kwargs["extra_body"] = sampling  # merged into the request body as they are
+    if per_call is not None:
+        kwargs["max_tokens"] = per_call
+    return kwargs, per_call
+
+
+def _root_limit_note(rollout: Rollout, per_call: int | None) -> str | None:
+    """The note that ends the rollout when ``root_max_completion_tokens`` leaves fewer than a
+    turn's ``per_call`` tokens; ``None`` while a whole turn fits (or there is no limit)."""
+    limit = rollout.options.root_max_completion_tokens
+    if limit is None or per_call is None:
+        return None
+    left = limit - rollout.stats.root_completion_tokens
+    if left >= per_call:
+        return None
+    return f"root completion-token limit reached: {max(0, left)} left, a turn needs {per_call}"
+
+
+def _record_reply(
+    root: RootClient, rollout: Rollout, resp: Any, kwargs: dict[str, Any], t0: float
+) -> tuple[list[tuple[str, str, object]], int]:
+    """Count the reply's tokens, append its assistant message and its ``root`` event (``t0``: the
+    turn's start, ``time.perf_counter()``); returns its tool calls and its prompt tokens.
+
+    Raises:
+        ModelError: the reply has no choice.
+    """
+    stats = rollout.stats
+    stats.root_turns += 1
+    usage = getattr(resp, "usage", None)
+    prompt_tokens, completion_tokens = _tokens(usage, "prompt_tokens"), _tokens(usage, "completion_tokens")
+    stats.root_prompt_tokens += prompt_tokens
+    stats.root_completion_tokens += completion_tokens
+    choices = getattr(resp, "choices", None)
+    if not choices:
+        raise ModelError(f"the root model answered without a choice: {str(resp)[:200]}")
+    msg = choices[0].message
+    calls = [_tool_call(tc) for tc in (getattr(msg, "tool_calls", None) or [])]
+    content = getattr(msg, "content", None) or ""
+    assistant: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        assistant["tool_calls"] = [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else ""},
+            }
+            for call_id, name, arguments in calls
+        ]
+    rollout.messages.append(assistant)
+    event: dict[str, Any] = {
+        "type": "root",
+        "content": content,
+        "tool_calls": assistant.get("tool_calls", []),
+        "seconds": round(time.perf_counter() - t0, 4),
+        "usage": {"prompt": prompt_tokens, "completion": completion_tokens},
+    }
+    sent = getattr(root, "sent_max_tokens", None)  # a child's root turn: its grant
+    sent_kwargs = kwargs if sent is None else {**kwargs, "max_tokens": sent}
+    tokens = root_turn_tokens(rollout, resp, sent_kwargs, _usage_pair(usage))
+    if tokens is not None:
+        event["tokens"] = tokens
+    rollout.trajectory.append(event)
+    return calls, prompt_tokens
+
+
+async def _run_call(
+    rollout: Rollout, repl: CellRunner, tool_name: str, call: tuple[str, str, object], state: _LoopState
+) -> _Stop | None:
+    """One tool call of a reply: an ``[error]`` tool message for a wrong name or arguments, else its
+    cell run in the REPL; the stop the cell reached, or ``None``.
+
+    Raises:
+        ReplError: the REPL could not run the cell, or the bash REPL's helpers failed in it.
+    """
+    o, messages = rollout.options, rollout.messages
+    call_id, name, arguments = call
+    if name != tool_name:
+        out = f"[error] unknown tool {name!r}; the only tool is {tool_name}(code)"
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        return None
+    code = _repl_code(arguments)
+    if code is None:
+        out = f'[error] {tool_name} takes one string argument: {{"code": "..."}}'
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
+        return None
+    if o.expose_message_history:
+        history = "".join(json.dumps(m, ensure_ascii=False, default=str) + "\n" for m in messages)
+        cell = await repl.execute(code, history)
+    else:
+        cell = await repl.execute(code)
+    rollout.stats.repl_times.append(cell.seconds)
+    rollout.trajectory.append(
+        {
+            "type": "cell",
+            "code": code,
+            "output": cell.output,
+            "seconds": round(cell.seconds, 4),
+            "timed_out": cell.timed_out,
+            "restarted": cell.restarted,
         }
-        sent = getattr(root, "sent_max_tokens", None)  # a child's root turn: its grant
-        sent_kwargs = kwargs if sent is None else {**kwargs, "max_tokens": sent}
-        tokens = root_turn_tokens(rollout, resp, sent_kwargs, _usage_pair(usage))
-        if tokens is not None:
-            event["tokens"] = tokens
-        trajectory.append(event)
-        if not calls:
-            # the reference's final answer here: answer["content"] so far, "" when never set
-            return "no_tool_call", last_answer or ""
-        for call_id, name, arguments in calls:
-            if name != tool_name:
-                out = f"[error] unknown tool {name!r}; the only tool is {tool_name}(code)"
-                messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
-                continue
-            code = _repl_code(arguments)
-            if code is None:
-                out = f'[error] {tool_name} takes one string argument: {{"code": "..."}}'
-                messages.append({"role": "tool", "tool_call_id": call_id, "content": out})
-                continue
-            if o.expose_message_history:
-                history = "".join(json.dumps(m, ensure_ascii=False, default=str) + "\n" for m in messages)
-                cell = await repl.execute(code, history)
-            else:
-                cell = await repl.execute(code)
-            stats.repl_times.append(cell.seconds)
-            trajectory.append(
-                {
-                    "type": "cell",
-                    "code": code,
-                    "output": cell.output,
-                    "seconds": round(cell.seconds, 4),
-                    "timed_out": cell.timed_out,
-                    "restarted": cell.restarted,
-                }
-            )
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": cell.output})
-            if cell.helper_error:  # its llm_batch & co never ran: no answer of this rollout may stand
-                raise ReplError(f"in a cell of the bash REPL, {cell.helper_error}")
-            if cell.answer_content:
-                last_answer = cell.answer_content
-            if cell.answer_ready:
-                return "answer_ready", cell.answer_content
-            if cell.timed_out and o.abort_on_code_timeout:
-                trajectory.append({"type": "note", "text": "code_timeout: a cell ran past code_execution_timeout"})
-                return "code_timeout", last_answer
-        context = o.root_context_tokens
-        if not warned and context is not None and prompt_tokens >= o.context_warning_threshold * context:
-            warned = True
-            warning = context_warning(prompt_tokens, context, o.repl_language)
-            messages[-1]["content"] = f"{messages[-1]['content']}\n\n{warning}"
-            trajectory.append({"type": "note", "text": warning})
-    return "max_turns", last_answer
+    )
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": cell.output})
+    if cell.helper_error:  # its llm_batch & co never ran: no answer of this rollout may stand
+        raise ReplError(f"in a cell of the bash REPL, {cell.helper_error}")
+    if cell.answer_content:
+        state.last_answer = cell.answer_content
+    if cell.answer_ready:
+        return "answer_ready", cell.answer_content
+    if cell.timed_out and o.abort_on_code_timeout:
+        rollout.trajectory.append({"type": "note", "text": "code_timeout: a cell ran past code_execution_timeout"})
+        return "code_timeout", state.last_answer
+    return None
+
+
+def _warn_near_context(rollout: Rollout, prompt_tokens: int, state: _LoopState) -> None:
+    """Once the reply's ``prompt_tokens`` reach ``context_warning_threshold`` of
+    ``root_context_tokens``, append the warning to the last tool message (once per rollout)."""
+    o = rollout.options
+    context = o.root_context_tokens
+    if not state.warned and context is not None and prompt_tokens >= o.context_warning_threshold * context:
+        state.warned = True
+        warning = context_warning(prompt_tokens, context, o.repl_language)
+        rollout.messages[-1]["content"] = f"{rollout.messages[-1]['content']}\n\n{warning}"
+        rollout.trajectory.append({"type": "note", "text": warning})

@@ -110,32 +110,53 @@ def root_system_prompt(
 
     ``tests/e2e/test_cli_flags.py`` checks that a run's flags reach this text.
     """
-    parts = (
-        bash_parts(files)
-        if language == "bash"
-        else [
-            "You are answering a question about a long input that you cannot see directly. You work in a "
-            "persistent Python REPL through the tool `call_python_repl(code)`.",
-            f"In the REPL, the variable `context` holds the input: {describe_context(context)}."
-            + (f" {files}" if files else ""),
-            "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
-            "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
-            "part of `context` and your question into each prompt.",
-            'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
-            "cell; that ends the task.",
-        ]
-    )
+    parts = _opening(context, files, language)
     if not sub_llms:
         parts = [p for p in parts if "llm_batch" not in p]
         max_depth, sub_tools, budget = 1, (), None
     if message_history:
-        how = "cat .messages" if language == "bash" else '[json.loads(line) for line in open(".messages")]'
-        parts.append(
-            "The file `.messages` in the working directory holds this conversation so far, one JSON message per "
-            f"line, written anew before each of your calls; read it with `{how}`."
-        )
+        parts.append(_history_text(language))
     if max_depth > 1:
         parts.append(rlm_batch_text(depth, max_depth))
+    parts += _tool_parts(tools, sub_tools, language)
+    parts += _budget_parts(budget, root_budget, root_turn_tokens)
+    parts += _guidance_parts(verbosity, max_turns, max_output_length, parallelism, sub_llm_max_turns, sub_llms)
+    if not sub_llms:
+        parts = [p for p in parts if "llm_batch" not in p and "sub-LLM" not in p]
+    return "\n\n".join(parts)
+
+
+def _opening(context: Any, files: str | None, language: str) -> list[str]:
+    """The system message's first paragraphs: the task, the REPL, ``context``, ``llm_batch`` and
+    how to answer (the bash REPL's own: :func:`bash_parts`)."""
+    if language == "bash":
+        return bash_parts(files)
+    return [
+        "You are answering a question about a long input that you cannot see directly. You work in a "
+        "persistent Python REPL through the tool `call_python_repl(code)`.",
+        f"In the REPL, the variable `context` holds the input: {describe_context(context)}."
+        + (f" {files}" if files else ""),
+        "`llm_batch(prompts: list[str]) -> list[str]` sends each prompt to a sub-LLM, all in parallel, and "
+        "returns their answers in order. Sub-LLMs see only the prompt you give them, so put the relevant "
+        "part of `context` and your question into each prompt.",
+        'When you know the final answer, set `answer["content"] = "..."` and `answer["ready"] = True` in a '
+        "cell; that ends the task.",
+    ]
+
+
+def _history_text(language: str) -> str:
+    """Where the conversation so far is (``expose_message_history``) and how to read it in ``language``."""
+    how = "cat .messages" if language == "bash" else '[json.loads(line) for line in open(".messages")]'
+    return (
+        "The file `.messages` in the working directory holds this conversation so far, one JSON message per "
+        f"line, written anew before each of your calls; read it with `{how}`."
+    )
+
+
+def _tool_parts(tools: Sequence[str], sub_tools: Sequence[str], language: str) -> list[str]:
+    """The root tools (one line each, as the REPL of ``language`` offers them) and the sub-LLMs' tools;
+    no paragraph for an empty list."""
+    parts: list[str] = []
     if tools:
         how = (
             "These tools are also commands in the REPL: `name arg1 arg2` (an argument that is JSON is decoded, "
@@ -152,6 +173,12 @@ def root_system_prompt(
             "call them from the REPL; ask for them in your prompts when they help):\n"
             + "\n".join(f"- {line}" for line in sub_tools)
         )
+    return parts
+
+
+def _budget_parts(budget: int | None, root_budget: int | None, root_turn_tokens: int | None) -> list[str]:
+    """The sub-LLMs' budget and the root's own (tokens; ``None``: not told)."""
+    parts: list[str] = []
     if budget is not None:
         parts.append(
             f"Sub-LLM calls share a budget of {budget:,} completion tokens for this task. Each `llm_batch` "
@@ -166,6 +193,19 @@ def root_system_prompt(
             + ". A turn starts only while a whole turn's tokens are left; then the task ends with "
             '`answer["content"]` as it is, so keep it up to date.'
         )
+    return parts
+
+
+def _guidance_parts(
+    verbosity: Verbosity,
+    max_turns: int,
+    max_output_length: int,
+    parallelism: int,
+    sub_llm_max_turns: int,
+    sub_llms: bool,
+) -> list[str]:
+    """What ``medium`` verbosity adds (the limits) and what ``heavy`` adds to it (a strategy)."""
+    parts: list[str] = []
     if verbosity in ("medium", "heavy"):
         turns = f"You have at most {max_turns} turns." if max_turns > 0 else "You have no turn limit, but a time limit."
         parts.append(
@@ -185,9 +225,7 @@ def root_system_prompt(
             "answers in code (for example by majority) before setting `answer`. Errors from sub-LLM calls "
             "come back as strings starting with `[error]` or `[rejected]`."
         )
-    if not sub_llms:
-        parts = [p for p in parts if "llm_batch" not in p and "sub-LLM" not in p]
-    return "\n\n".join(parts)
+    return parts
 
 
 def sub_tool_lines(paths: Sequence[str]) -> list[str]:

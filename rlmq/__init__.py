@@ -4,9 +4,15 @@ One import name. ``rlmq.common``, ``rlmq.producer`` and ``rlmq.workers`` are the
 top-level folders ``common/``, ``producer/`` and ``workers/`` (this folder links to them, so an
 editable install, ``mypy --strict`` and a built wheel all see the same single package).
 
-The public API, for a trainer or an evaluation script::
+The supported API is what ``__all__`` lists, imported from ``rlmq`` itself, for a trainer, an
+evaluation script or a plug-in::
 
     from rlmq import RLMEnv, Settings, DatasetRow, load_settings
+
+with the plug-ins (:mod:`rlmq.verifiers_plugin`, :mod:`rlmq.verifiers_legacy`) and the ``rlmq``
+command. Every module under ``rlmq.common``, ``rlmq.producer`` and ``rlmq.workers`` is internal
+(their packages say so): it may change in any release, even where a public name is defined in it.
+``tests/unit/test_public_api.py`` pins the list and checks that the plug-ins use nothing else.
 
 Importing ``rlmq`` connects to nothing and imports nothing optional (no verifiers). The names
 above are imported on first use (PEP 562), so ``import rlmq.cli.main`` (every ``rlmq``
@@ -62,40 +68,89 @@ def _mapped_here(side: str, folder: Path) -> bool:
 _check_layout()
 
 if TYPE_CHECKING:
-    from rlmq.common.errors import ConfigError, RlmqError
-    from rlmq.common.schemas import DatasetRow, ResultRow, SubLLMRequest, SubLLMResult, read_dataset
-    from rlmq.common.settings import Settings, load_settings
+    from rlmq.common.errors import (
+        ArgumentError,
+        ConfigError,
+        ModelError,
+        PromptTooLongError,
+        RlmqError,
+        RootBudgetSpent,
+    )
+    from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
+    from rlmq.common.schemas import (
+        ROOT_RESERVED_SAMPLING,
+        DatasetRow,
+        ResultRow,
+        SubLLMRequest,
+        SubLLMResult,
+        read_dataset,
+    )
+    from rlmq.common.settings import RolloutOptions, Settings, build_settings, load_settings
+    from rlmq.common.settings.schema import unset_model
+    from rlmq.common.token_wire import expand_trajectory, turn_counts
+    from rlmq.common.tool_wire import TOOL_ERROR
+    from rlmq.common.tree import MAX_DEPTH
     from rlmq.producer.env import RLMEnv, RolloutResult
+    from rlmq.producer.rollout import normalize_answer
 
 _WHERE = {
+    "ArgumentError": "rlmq.common.errors",
     "ConfigError": "rlmq.common.errors",
+    "ModelError": "rlmq.common.errors",
+    "PromptTooLongError": "rlmq.common.errors",
     "RlmqError": "rlmq.common.errors",
+    "RootBudgetSpent": "rlmq.common.errors",
+    "DEFAULT_CALL_MAX_TOKENS": "rlmq.common.sampling",
+    "ROOT_RESERVED_SAMPLING": "rlmq.common.schemas",
     "DatasetRow": "rlmq.common.schemas",
     "ResultRow": "rlmq.common.schemas",
     "SubLLMRequest": "rlmq.common.schemas",
     "SubLLMResult": "rlmq.common.schemas",
     "read_dataset": "rlmq.common.schemas",
+    "RolloutOptions": "rlmq.common.settings",
     "Settings": "rlmq.common.settings",
+    "build_settings": "rlmq.common.settings",
     "load_settings": "rlmq.common.settings",
+    "unset_model": "rlmq.common.settings.schema",
+    "expand_trajectory": "rlmq.common.token_wire",
+    "turn_counts": "rlmq.common.token_wire",
+    "TOOL_ERROR": "rlmq.common.tool_wire",
+    "MAX_DEPTH": "rlmq.common.tree",
     "RLMEnv": "rlmq.producer.env",
     "RolloutResult": "rlmq.producer.env",
+    "normalize_answer": "rlmq.producer.rollout",
 }
+"""Each public name -> the internal module that defines it (imported on first use)."""
 
 _PLUGIN = ("RlmqEnv", "RlmqHarness", "RlmqTaskset")
 """verifiers plug-in classes, resolved on first access (see the module docstring)."""
 
 __all__ = [
+    "DEFAULT_CALL_MAX_TOKENS",
+    "MAX_DEPTH",
+    "ROOT_RESERVED_SAMPLING",
+    "TOOL_ERROR",
+    "ArgumentError",
     "ConfigError",
     "DatasetRow",
+    "ModelError",
+    "PromptTooLongError",
     "RLMEnv",
     "ResultRow",
     "RlmqError",
+    "RolloutOptions",
     "RolloutResult",
+    "RootBudgetSpent",
     "Settings",
     "SubLLMRequest",
     "SubLLMResult",
+    "build_settings",
+    "expand_trajectory",
     "load_settings",
+    "normalize_answer",
     "read_dataset",
+    "turn_counts",
+    "unset_model",
 ]
 if find_spec("verifiers") is not None:  # the extra is installed: export the plug-in (no import yet)
     __all__ += _PLUGIN

@@ -8,7 +8,7 @@ An environment module written for verifiers' own ``RLMEnv`` changes one line::
 and runs through ``env.evaluate(...)`` and ``vf-eval`` as before. The constructor takes every
 argument of the reference (pull request #966 and verifiers 0.1.14, same defaults), and the
 base ``Environment``'s (``dataset``, ``eval_dataset``, ``rubric``, ``parser``, ``max_seq_len``,
-...) pass through. Each rollout is an rlmq rollout (:class:`rlmq.producer.env.RLMEnv`): the
+...) pass through. Each rollout is an rlmq rollout (:class:`rlmq.RLMEnv`): the
 root model's calls go through the client verifiers hands to ``rollout`` (so verifiers counts
 them and records them in ``state["trajectory"]``), the sub-LLM calls run as jobs on the rlmq
 worker fleet under the hard budget, and Redis is found through ``REDIS_URL`` (or
@@ -32,11 +32,16 @@ from typing import Any, Literal
 import verifiers as vf
 from redis.exceptions import RedisError
 
-from rlmq.common.errors import ArgumentError, ConfigError, RlmqError
-from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
-from rlmq.common.settings import RolloutOptions
-from rlmq.common.tool_wire import TOOL_ERROR
-from rlmq.producer.env import RLMEnv as RlmqEnv
+from rlmq import (
+    ROOT_RESERVED_SAMPLING,
+    TOOL_ERROR,
+    ArgumentError,
+    ConfigError,
+    DatasetRow,
+    RlmqError,
+    RolloutOptions,
+)
+from rlmq import RLMEnv as RlmqEnv
 from rlmq.verifiers_legacy.hooks import ReferenceHooks
 from rlmq.verifiers_legacy.root_turns import CURRENT, RootDispatch, RootTurns
 from rlmq.verifiers_legacy.state import LegacyMonitorRubric, fill_state

@@ -38,8 +38,7 @@ import verifiers as vf
 from verifiers.types import Tool
 from verifiers.utils.message_utils import normalize_messages
 
-from rlmq.common.errors import ModelError, PromptTooLongError, RootBudgetSpent
-from rlmq.common.sampling import DEFAULT_CALL_MAX_TOKENS
+from rlmq import DEFAULT_CALL_MAX_TOKENS, ModelError, PromptTooLongError, RootBudgetSpent
 
 __all__ = ["CURRENT", "SUMMARIZE_TURNS_IN_A_ROW", "RootDispatch", "RootTurns"]
 

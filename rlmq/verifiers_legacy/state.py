@@ -2,7 +2,7 @@
 
 verifiers 0.1.14's ``RLMEnv`` leaves its figures in the rollout's ``State`` and reports them
 through its monitor rubric (``RLMMonitorRubric``: one metric per state key, 0 when absent).
-:func:`fill_state` writes an rlmq :class:`~rlmq.producer.rollout.RolloutResult` into the state
+:func:`fill_state` writes an rlmq :class:`~rlmq.RolloutResult` into the state
 under the reference's names and meanings; :class:`LegacyMonitorRubric` reports them under the
 same names.
 """
@@ -57,7 +57,7 @@ def fill_state(state: Any, result: Any, *, first_prompt: list[Any] | None, turn_
 
     Args:
         state: the verifiers ``State`` (a dict-like) of the rollout.
-        result: the :class:`~rlmq.producer.rollout.RolloutResult`.
+        result: the :class:`~rlmq.RolloutResult`.
         first_prompt: the model-visible prompt of the first root call (verifiers messages), or
             ``None`` when no root call was made.
         turn_cap: ``max_turns_in_context`` when it, not ``max_turns``, limited the root turns.

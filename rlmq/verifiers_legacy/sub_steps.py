@@ -6,7 +6,7 @@ after the root turn whose cell made the call: ``trajectory_id`` ``"<batch>_<requ
 ``extras`` with ``is_sub_llm_call=True``, ``parent_turn``, ``batch_id``, ``request_id``,
 ``sub_turn_index``, ``total_sub_turns``, ``tool_call_count``, and the turn's token ids and
 logprobs in ``tokens``. Here they come from rlmq's trajectory, the same turns
-``trajectories.jsonl`` holds (:func:`~rlmq.common.token_wire.expand_trajectory`): the ids and
+``trajectories.jsonl`` holds (:func:`~rlmq.expand_trajectory`): the ids and
 logprobs the model server served, as the worker recorded them; a turn rlmq could not keep
 tokens for (a server that sent none, the payload cap) has ``tokens=None`` and says why in
 ``extras["untrainable_reason"]``. ``response`` is ``None``: the worker's response object stays
@@ -19,7 +19,7 @@ from typing import Any
 
 from verifiers.types import TrajectoryStep
 
-from rlmq.common.token_wire import expand_trajectory
+from rlmq import expand_trajectory
 
 __all__ = ["interleave_sub_steps", "sub_steps"]
 

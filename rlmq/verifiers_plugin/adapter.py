@@ -9,9 +9,9 @@ the thin seam between the two. It relies on exactly these rlmq calls:
 * ``RLMEnv(settings=..., max_turns=..., ...)`` with the reference's keyword arguments,
   used as ``async with`` (``start()`` / ``close()``),
 * ``RLMEnv.rollout(row, model=..., rollout_id=...)`` returning a ``RolloutResult`` whose
-  ``row`` is a :class:`~rlmq.common.schemas.ResultRow` and whose ``trajectory`` is a list of
+  ``row`` is a :class:`~rlmq.ResultRow` and whose ``trajectory`` is a list of
   JSON-able event dicts,
-* :func:`rlmq.producer.env.normalize_answer` (the exact-match rule of ``correct``).
+* :func:`rlmq.normalize_answer` (the exact-match rule of ``correct``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlmq import ConfigError, DatasetRow, ResultRow, RLMEnv, load_settings
-from rlmq.producer.env import normalize_answer
+from rlmq import ConfigError, DatasetRow, ResultRow, RLMEnv, load_settings, normalize_answer
 
 __all__ = [
     "RolloutKnobs", "RolloutOutcome", "exact_match", "rollout_env", "rollout_id_for", "run_rollout", "STOP_CONDITIONS",
@@ -46,7 +45,7 @@ class RolloutKnobs:
     """What one rollout needs besides the row: the rlmq settings and ``RLMEnv`` arguments.
 
     Attributes:
-        settings: keyword overrides for :func:`~rlmq.common.settings.load_settings`
+        settings: keyword overrides for :func:`~rlmq.load_settings`
             (``None`` values are ignored, so ``RLMQ_*`` / ``REDIS_URL`` fill them).
         env_args: keyword arguments of ``RLMEnv`` (``max_turns``, ``sub_model``, ...): only
             those given, so that the ``RLMQ_*`` variables and rlmq's defaults fill the rest.

@@ -20,11 +20,16 @@ import verifiers.v1 as vf
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from verifiers.v1.types import ID
 
-from rlmq.common.errors import ConfigError
-from rlmq.common.schemas import ROOT_RESERVED_SAMPLING, DatasetRow
-from rlmq.common.settings import RolloutOptions, build_settings
-from rlmq.common.settings.schema import unset_model
-from rlmq.common.token_wire import expand_trajectory, turn_counts
+from rlmq import (
+    ROOT_RESERVED_SAMPLING,
+    ConfigError,
+    DatasetRow,
+    RolloutOptions,
+    build_settings,
+    expand_trajectory,
+    turn_counts,
+    unset_model,
+)
 from rlmq.verifiers_plugin.adapter import STOP_CONDITIONS, RolloutKnobs, rollout_id_for, run_rollout
 from rlmq.verifiers_plugin.rlm_keys import RlmHarnessKeys, log_ignored, rlm_settings
 from rlmq.verifiers_plugin.tree_nodes import commit_tree
@@ -46,7 +51,7 @@ def harness_flag(name: str) -> str:
 class RlmqHarnessConfig(vf.HarnessConfig, RlmHarnessKeys, _RolloutKnobFields):
     """The ``rlmq`` harness's knobs, under ``--env.agent.harness.*``.
 
-    Every field of :class:`~rlmq.common.settings.RolloutOptions` is a knob of the same name
+    Every field of :class:`~rlmq.RolloutOptions` is a knob of the same name
     (``--env.agent.harness.max-turns``, ...), derived from the declaration, except
     ``max_depth``, which takes the meaning of verifiers' ``rlm`` harness: the keys of that
     harness (:class:`~rlmq.verifiers_plugin.rlm_keys.RlmHarnessKeys`: ``max_depth``,
@@ -136,7 +141,7 @@ def trace_events(trajectory: list[dict[str, Any]], prompt_chars: int) -> list[di
     longer than ``prompt_chars`` characters are cut, with a marker saying how long they were, in
     the children's nested trajectories too. With ``include_sub_llm_in_trajectory``, every turn's
     served ids and logprobs are JSON lists, as in ``trajectories.jsonl``
-    (:func:`~rlmq.common.token_wire.expand_trajectory`)."""
+    (:func:`~rlmq.expand_trajectory`)."""
     events: list[dict[str, Any]] = json.loads(json.dumps(expand_trajectory(trajectory), default=str))
     _cut_prompts(events, prompt_chars)
     return events

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from rlmq.common.tree import MAX_DEPTH
+from rlmq import MAX_DEPTH
 
 __all__ = ["IGNORED", "MAPPED", "RlmHarnessKeys", "log_ignored", "rlm_settings"]
 

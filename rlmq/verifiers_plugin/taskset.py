@@ -15,7 +15,7 @@ import verifiers.v1 as vf
 from pydantic import Field
 from verifiers.v1.runtimes import SubprocessConfig
 
-from rlmq.common.schemas import DatasetRow, read_dataset
+from rlmq import DatasetRow, read_dataset
 from rlmq.verifiers_plugin.adapter import exact_match
 from rlmq.verifiers_plugin.harness import RlmqHarnessConfig
 

@@ -1,7 +1,7 @@
 """The served turns of an rlmq tree as trainable nodes of a verifiers 0.4 ``Trace``.
 
 With ``include_sub_llm_in_trajectory``, every sub-call turn and every child rollout's root turn
-carries the ids and logprobs its server returned (:func:`rlmq.common.token_wire.expand_trajectory`).
+carries the ids and logprobs its server returned (:func:`rlmq.expand_trajectory`).
 :func:`commit_tree` writes each trainable one into the trace as verifiers' interception commits a
 model turn (``verifiers/v1/graph.py``, 0.4.0: ``prepare_turn(...).commit(Response(tokens=TurnTokens(
 prompt_ids, completion_ids, completion_logprobs)))``, then a ``ModelCall`` pointing at the committed
