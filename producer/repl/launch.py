@@ -15,7 +15,7 @@ from rlmq.common.errors import ReplStartupError
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, killpg
 from rlmq.producer.repl.output import OutputBuffer
-from rlmq.producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
+from rlmq.producer.repl_child import reachable_by_others  # the child is stdlib-only; the parent shares its check
 
 __all__ = ["child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
 
@@ -95,13 +95,13 @@ def child_interpreter(run_as: str | int | None) -> str:
     system Python of the same version, when there is one, so the dropped child can import."""
     import sysconfig
 
-    if run_as is None or os.geteuid() != 0 or _reachable_by_others(sysconfig.get_paths()["stdlib"]):
+    if run_as is None or os.geteuid() != 0 or reachable_by_others(sysconfig.get_paths()["stdlib"]):
         return sys.executable
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     for candidate in (f"/usr/local/bin/python{version}", f"/usr/bin/python{version}"):
-        if os.access(candidate, os.X_OK) and _reachable_by_others(candidate):
+        if os.access(candidate, os.X_OK) and reachable_by_others(candidate):
             return candidate
-    return sys.executable  # the child then stays root (see repl_child._drop_privileges)
+    return sys.executable  # the child then stays root (see repl_child.privileges.drop_privileges)
 
 
 def rmtree(path: str) -> None:
@@ -220,7 +220,7 @@ async def _handshake(child: ChildHandle, init: dict[str, Any]) -> dict[str, Any]
     if message is None or message.get("type") != "ready":
         status = await child.reap(REAP_GRACE)
         raise ReplStartupError(f"the child exited before it was ready (status {status})")
-    if message.get("helper_error"):  # bash: llm_batch & co would fail in every cell (repl_child._probe_helper)
+    if message.get("helper_error"):  # bash: llm_batch & co would fail in every cell (repl_child.helper.probe_helper)
         raise ReplStartupError(f"the bash REPL's commands (llm_batch, ...) cannot start: {message['helper_error']}")
     return message
 

@@ -20,16 +20,17 @@ from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
 from rlmq.producer.repl.containment import Containment, note_containment
 from rlmq.producer.repl.files import ContextFiles, prepare_files, retain_working_directory
-from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
+from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, describe_death
 from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
 from rlmq.producer.repl.sweep import sweep_uid
+from rlmq.producer.repl_child import HOME, PROGRAM, UID_BASE
 
 __all__ = ["Repl"]
 
 log = logging.getLogger("rlmq.repl")
 
-_CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repl_child.py")
+_CHILD = PROGRAM
 _MESSAGE_SLACK = 64 * 1024  # bytes of a reply line besides the answer's characters
 _RESET_NOTE = "its state (variables, imports) was reset. `context`, `llm_batch` and `answer` are available again."
 
@@ -37,7 +38,7 @@ _RESET_NOTE = "its state (variables, imports) was reset. `context`, `llm_batch` 
 class Repl:
     """One persistent Python subprocess per rollout, running model-written cells.
 
-    The child interpreter (``sys.executable -I producer/repl_child.py``) keeps its
+    The child interpreter (``sys.executable -I producer/repl_child/__main__.py``) keeps its
     globals across cells: ``context`` (the rollout's input, reloaded from JSON at
     every start), ``llm_batch(prompts: list[str]) -> list[str]`` (POSTs
     ``{"prompts": [...]}`` to ``endpoint_url`` with ``Authorization: Bearer
@@ -121,7 +122,7 @@ class Repl:
             copied by the child into its working directory at every (re)start, so a restarted
             REPL finds them as they were at first. ``None``: an empty working directory.
         language: ``"python"`` (cells are Python) or ``"bash"`` (cells are bash, as the
-            verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_bash.py``).
+            verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_child/bash.py``).
         output_format: ``"rlmq"`` or ``"reference"`` (verifiers 0.1.14's ``RLMEnv``: a Python
             cell's Python-level stderr after a ``stderr:`` line, its last expression as
             ``Out[n]: repr``; a cell of either language with no output reads ``(no output)``).
@@ -294,7 +295,7 @@ class Repl:
             child.proc.pid,
             private,
             self._workdir,
-            "/tmp/home",  # noqa: S108
+            HOME,
         )
         if skipped:
             log.warning("the REPL's files kept in %s lack %d entries: %s", dest, len(skipped), skipped[:5])
@@ -569,7 +570,7 @@ class Repl:
             cgroup=self._cgroup,
         )
         uid = ready.get("uid")
-        child.uid = uid if isinstance(uid, int) and uid >= MIN_OWN_UID else None
+        child.uid = uid if isinstance(uid, int) and uid >= UID_BASE else None
         self.containment = Containment.from_ready(
             ready,
             isolate_network=self._isolate_network,
