@@ -17,9 +17,29 @@ from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, killpg
 from rlmq.producer.repl.output import OutputBuffer
 from rlmq.producer.repl_child import reachable_by_others  # the child is stdlib-only; the parent shares its check
 
-__all__ = ["child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
+__all__ = ["check_limits", "child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
 
 _PIP_ENV_KEYS = ("PATH", "HOME", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
+
+
+def check_limits(
+    lengths: tuple[int, int], positive: dict[str, float], positive_or_none: dict[str, float | None]
+) -> None:
+    """Refuse a REPL's limits out of range: ``lengths`` (``max_output_length``, ``max_answer_length``)
+    below 0, a value of ``positive`` not above 0, one of ``positive_or_none`` neither ``None``
+    nor above 0.
+
+    Raises:
+        ValueError: naming the first such limit.
+    """
+    if min(lengths) < 0:
+        raise ValueError("max_output_length and max_answer_length must be >= 0")
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    for name, maybe in positive_or_none.items():
+        if maybe is not None and maybe <= 0:
+            raise ValueError(f"{name} must be > 0 or None")
 
 
 def child_env(workdir: str, site_packages: str | None) -> dict[str, str]:
@@ -193,18 +213,7 @@ async def spawn_child(
         parent_fds = []
         ready = await asyncio.wait_for(_handshake(child, init), timeout)
     except BaseException as exc:
-        output = ""
-        if child is not None:
-            child.kill()
-            await child.proc.wait()
-            child.drain_output()
-            output, _ = child.output.take()
-            child.release()
-        elif proc is not None:
-            killpg(proc.pid)
-            await proc.wait()
-        for fd in parent_fds + child_fds:
-            os.close(fd)
+        output = await _abandon(proc, child, parent_fds + child_fds)
         if isinstance(exc, asyncio.TimeoutError):
             raise ReplStartupError(f"the REPL was not ready within {timeout:g} s" + _tail(output)) from None
         if isinstance(exc, (ReplStartupError, OSError)):
@@ -212,6 +221,24 @@ async def spawn_child(
         raise
     child.output.take()  # start-up noise (warnings) is nobody's cell output
     return child, ready
+
+
+async def _abandon(proc: asyncio.subprocess.Process | None, child: ChildHandle | None, fds: list[int]) -> str:
+    """Kill a child that did not get ready (its handle ``child`` once made, else ``proc`` once
+    started), wait for it and close ``fds``; returns what it wrote to fd 1/2 (once it has a handle)."""
+    output = ""
+    if child is not None:
+        child.kill()
+        await child.proc.wait()
+        child.drain_output()
+        output, _ = child.output.take()
+        child.release()
+    elif proc is not None:
+        killpg(proc.pid)
+        await proc.wait()
+    for fd in fds:
+        os.close(fd)
+    return output
 
 
 async def _handshake(child: ChildHandle, init: dict[str, Any]) -> dict[str, Any]:

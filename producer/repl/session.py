@@ -21,7 +21,7 @@ from rlmq.producer.repl.cgroup import create as create_cgroup
 from rlmq.producer.repl.containment import Containment, note_containment
 from rlmq.producer.repl.files import ContextFiles, prepare_files, retain_working_directory
 from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, describe_death
-from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
+from rlmq.producer.repl.launch import check_limits, child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
 from rlmq.producer.repl.sweep import sweep_uid
 from rlmq.producer.repl_child import HOME, PROGRAM, UID_BASE
@@ -166,22 +166,18 @@ class Repl:
         output_format: str = "rlmq",
         sub_llms: bool = True,
     ) -> None:
-        if max_output_length < 0 or max_answer_length < 0:
-            raise ValueError("max_output_length and max_answer_length must be >= 0")
-        for name, value in (
-            ("code_execution_timeout", code_execution_timeout),
-            ("max_startup_wait_seconds", max_startup_wait_seconds),
-            ("llm_batch_timeout", llm_batch_timeout),
-            ("scratch_bytes", scratch_bytes),
-            ("max_batch_bytes", max_batch_bytes),
-            ("max_batch_prompts", max_batch_prompts),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if cpu_seconds is not None and cpu_seconds <= 0:
-            raise ValueError("cpu_seconds must be > 0 or None")
-        if memory_bytes is not None and memory_bytes <= 0:
-            raise ValueError("memory_bytes must be > 0 or None")
+        check_limits(
+            (max_output_length, max_answer_length),
+            {
+                "code_execution_timeout": code_execution_timeout,
+                "max_startup_wait_seconds": max_startup_wait_seconds,
+                "llm_batch_timeout": llm_batch_timeout,
+                "scratch_bytes": scratch_bytes,
+                "max_batch_bytes": max_batch_bytes,
+                "max_batch_prompts": max_batch_prompts,
+            },
+            {"cpu_seconds": cpu_seconds, "memory_bytes": memory_bytes},
+        )
         try:
             self._context_json = json.dumps(context, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
@@ -402,29 +398,7 @@ class Repl:
                 raise ReplError("the REPL was closed while a cell was running")
 
             if reply is not None:
-                child.drain_output()
-                text, dropped = child.output.take()
-                output = with_marker(text, dropped)
-                if not output and self.output_format == "reference":
-                    output = "(no output)"
-                content = reply.get("answer_content", "")
-                content = content if isinstance(content, str) else ""
-                if len(content) > self.max_answer_length:  # the child's own cut was bypassed
-                    output = _append(
-                        output,
-                        f"[answer['content'] has {len(content)} characters; only the first "
-                        f"{self.max_answer_length} are kept]",
-                    )
-                    content = content[: self.max_answer_length]
-                return CellResult(
-                    output=output,
-                    answer_ready=reply.get("answer_ready") is True,
-                    answer_content=content,
-                    seconds=seconds,
-                    timed_out=False,
-                    restarted=False,
-                    helper_error=str(reply["helper_error"])[:1000] if reply.get("helper_error") else None,
-                )
+                return self._result(child, reply, seconds)
 
             self._child = None
             try:
@@ -465,6 +439,32 @@ class Repl:
                 timed_out=timed_out,
                 restarted=True,
             )
+
+    def _result(self, child: ChildHandle, reply: dict[str, Any], seconds: float) -> CellResult:
+        """The result of a cell the child answered: its output (drained now) and its answer,
+        cut again to ``max_answer_length`` characters."""
+        child.drain_output()
+        text, dropped = child.output.take()
+        output = with_marker(text, dropped)
+        if not output and self.output_format == "reference":
+            output = "(no output)"
+        content = reply.get("answer_content", "")
+        content = content if isinstance(content, str) else ""
+        if len(content) > self.max_answer_length:  # the child's own cut was bypassed
+            output = _append(
+                output,
+                f"[answer['content'] has {len(content)} characters; only the first {self.max_answer_length} are kept]",
+            )
+            content = content[: self.max_answer_length]
+        return CellResult(
+            output=output,
+            answer_ready=reply.get("answer_ready") is True,
+            answer_content=content,
+            seconds=seconds,
+            timed_out=False,
+            restarted=False,
+            helper_error=str(reply["helper_error"])[:1000] if reply.get("helper_error") else None,
+        )
 
     async def _run_cell(
         self, child: ChildHandle, code: str, history: str | None = None
