@@ -135,14 +135,12 @@ def _non_string_prompts(prompts: list[Any]) -> dict[int, str]:
 
 @dataclass(frozen=True)
 class _BatchKind:
-    """What tells ``llm_batch`` and ``rlm_batch`` apart on the way out (see :func:`_batch_sender`)."""
+    """What tells ``llm_batch`` and ``rlm_batch`` apart on the way out (see :func:`_send_batch`)."""
 
     name: str
     """The REPL global: ``llm_batch`` or ``rlm_batch``."""
     items: str
     """What one batch holds, plural: ``prompts`` or ``tasks``."""
-    path: str | None
-    """The endpoint's path beside the ``llm_batch`` URL (``rlm_batch``), or ``None``: that URL."""
     service: str
     """Who answers, for the errors: ``the sub-LLM service`` or ``the producer``."""
     shorter: str
@@ -170,23 +168,29 @@ def _rlm_body(tasks: list[Any]) -> bytes:
         ) from None
 
 
-_LLM = _BatchKind("llm_batch", "prompts", None, "the sub-LLM service", "send shorter prompts or split the batch",
+_LLM = _BatchKind("llm_batch", "prompts", "the sub-LLM service", "send shorter prompts or split the batch",
                   _llm_body)  # fmt: skip
-_RLM = _BatchKind("rlm_batch", "tasks", "rlm_batch", "the producer",
+_RLM = _BatchKind("rlm_batch", "tasks", "the producer",
                   "send shorter prompts and contexts or split the batch", _rlm_body)  # fmt: skip
 
 
-def _batch_sender(
+def _send_batch(
     kind: _BatchKind,
+    items: list[Any],
+    opener: urllib.request.OpenerDirector,
     url: str,
     token: str,
     timeout: float,
-    unix_socket: str | None,
+    in_flight: threading.BoundedSemaphore,
     max_batch_bytes: int,
     max_batch_prompts: int,
-) -> Callable[[list[Any]], list[str]]:
-    """The one core of ``llm_batch`` and ``rlm_batch``: sends a non-empty list of checked items
-    (prompt strs, task dicts) and returns one answer string per item, in order.
+) -> list[str]:
+    """The one core of ``llm_batch`` and ``rlm_batch``: send a non-empty list of checked ``items``
+    (prompt strs, task dicts) to ``url`` and return one answer string per item, in order.
+
+    ``in_flight`` bounds the batches of one global in flight at once: the producer serves one batch
+    of a rollout at a time and keeps a bounded number of its connections open (closing extras at
+    once), so threads of a cell wait here, not there.
 
     Raises:
         TypeError, ValueError: more than ``max_batch_prompts`` items or ``max_batch_bytes`` bytes
@@ -194,30 +198,21 @@ def _batch_sender(
         RuntimeError: the batch was refused, the endpoint could not be reached (``timeout``
             seconds), or its answer is malformed.
     """
-    opener = _opener(unix_socket)
-    target = url if kind.path is None else url.rsplit("/", 1)[0] + "/" + kind.path
-    # The producer serves one batch of a rollout at a time and keeps a bounded number of its
-    # connections open (closing extras at once): threads of a cell wait here, not there.
-    in_flight = threading.BoundedSemaphore(8)
-
-    def send(items: list[Any]) -> list[str]:
-        if len(items) > max_batch_prompts:
-            raise ValueError(
-                f"{kind.name} got {len(items)} {kind.items}; at most {max_batch_prompts} per call: split the batch"
-            )
-        body = kind.encode(items)
-        if len(body) > max_batch_bytes:
-            raise ValueError(
-                f"{kind.name} {kind.items} take {len(body)} bytes; at most {max_batch_bytes} per call: {kind.shorter}"
-            )
-        with in_flight:
-            raw = _post(
-                opener, target, body, token, timeout,
-                refused=f"{kind.name} failed", unreachable=f"{kind.name} could not reach {kind.service}",
-            )  # fmt: skip
-        return _batch_results(raw, len(items), kind.name, kind.service)
-
-    return send
+    if len(items) > max_batch_prompts:
+        raise ValueError(
+            f"{kind.name} got {len(items)} {kind.items}; at most {max_batch_prompts} per call: split the batch"
+        )
+    body = kind.encode(items)
+    if len(body) > max_batch_bytes:
+        raise ValueError(
+            f"{kind.name} {kind.items} take {len(body)} bytes; at most {max_batch_bytes} per call: {kind.shorter}"
+        )
+    with in_flight:
+        raw = _post(
+            opener, url, body, token, timeout,
+            refused=f"{kind.name} failed", unreachable=f"{kind.name} could not reach {kind.service}",
+        )  # fmt: skip
+    return _batch_results(raw, len(items), kind.name, kind.service)
 
 
 def make_llm_batch(
@@ -231,7 +226,8 @@ def make_llm_batch(
     """The REPL global ``llm_batch``: posts ``{"prompts"}`` to ``url`` with the bearer ``token``
     (``timeout`` seconds per request; over ``unix_socket`` when given), at most
     ``max_batch_prompts`` prompts and ``max_batch_bytes`` bytes of JSON per call."""
-    send = _batch_sender(_LLM, url, token, timeout, unix_socket, max_batch_bytes, max_batch_prompts)
+    opener = _opener(unix_socket)
+    in_flight = threading.BoundedSemaphore(8)
 
     def llm_batch(prompts: list[str]) -> list[str]:
         """Send a batch of prompts to sub-LLMs and return their answers, in order.
@@ -270,7 +266,7 @@ def make_llm_batch(
                 raise ValueError(
                     f"llm_batch: prompts[{i}] is not valid Unicode text (a lone surrogate at character {exc.start})"
                 ) from None
-        return send(prompts)
+        return _send_batch(_LLM, prompts, opener, url, token, timeout, in_flight, max_batch_bytes, max_batch_prompts)
 
     return llm_batch
 
@@ -285,7 +281,9 @@ def make_rlm_batch(
 ) -> Callable[[list[Any]], list[str]]:
     """The REPL global ``rlm_batch``: posts its tasks to ``<url's folder>/rlm_batch`` (arguments
     as :func:`make_llm_batch`'s)."""
-    send = _batch_sender(_RLM, url, token, timeout, unix_socket, max_batch_bytes, max_batch_prompts)
+    opener = _opener(unix_socket)
+    rlm_url = url.rsplit("/", 1)[0] + "/rlm_batch"
+    in_flight = threading.BoundedSemaphore(8)
 
     def rlm_batch(tasks: list[Any]) -> list[str]:
         """Run each task as a child RLM (its own REPL and model) and return their answers, in order.
@@ -307,7 +305,11 @@ def make_rlm_batch(
         if not isinstance(tasks, list):
             raise TypeError(f"rlm_batch(tasks) expects a list, got {type(tasks).__name__}")
         body_tasks = [_rlm_task(i, task) for i, task in enumerate(tasks)]
-        return send(body_tasks) if body_tasks else []
+        if not body_tasks:
+            return []
+        return _send_batch(
+            _RLM, body_tasks, opener, rlm_url, token, timeout, in_flight, max_batch_bytes, max_batch_prompts
+        )
 
     return rlm_batch
 

@@ -17,7 +17,7 @@ from .containment import contain
 from .endpoint import make_llm_batch, make_rlm_batch, make_root_tool
 from .helper import bash_runner, command, helper_env, load_bash, probe_helper
 from .privileges import apply_limits, copy_files, drop_privileges, hand_over, host_home, own_uid, share_read_only
-from .process import Channel, close_other_descriptors, die_with_the_producer, stdio
+from .process import _Channel, close_other_descriptors, die_with_the_producer, stdio
 from .seccomp import forbid_user_namespaces
 from .shared import HOME
 
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     for fd in (cmd_fd, reply_fd):
         os.set_inheritable(fd, False)  # not leaked to processes the cell starts
     commands = open(cmd_fd, "rb")  # noqa: SIM115
-    channel = Channel(reply_fd)
+    channel = _Channel(reply_fd)
 
     line = commands.readline()
     if not line:
@@ -143,7 +143,7 @@ def _main_module(init: dict[str, Any], paths: dict[str, Any]) -> types.ModuleTyp
     return module
 
 
-def _serve(commands: BinaryIO, channel: Channel, runner: Any, home: str) -> int:
+def _serve(commands: BinaryIO, channel: _Channel, runner: Any, home: str) -> int:
     """Run each ``exec`` command's cell (writing its ``history`` to ``<home>/.messages`` first)
     and send its result, until EOF on the command pipe; returns 0."""
     while True:
