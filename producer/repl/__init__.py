@@ -1,7 +1,7 @@
 """The REPL sandbox: one persistent Python subprocess per rollout.
 
-The root model's code runs in a child interpreter (``producer/repl_child.py``, stdlib
-only, one file) in which the long input is the variable ``context``, ``llm_batch`` posts
+The root model's code runs in a child interpreter (``producer/repl_child/``, stdlib
+only, a program of its own) in which the long input is the variable ``context``, ``llm_batch`` posts
 prompts to the rollout's interception server, and ``answer`` holds the final answer.
 
 Modules: :mod:`.session` (:class:`Repl`, the producer's view of one REPL), :mod:`.cell`

@@ -66,39 +66,14 @@ class Containment:
         shm_refused = message.get("shared_memory_refused") is True
         missing: list[str] = []
         if cgroup is None:
-            where = "the private tmpfs (scratch_bytes)" if fs else "the host's /dev/shm and /tmp"
-            refused = (
-                "memfd and System V shared memory are refused"
-                if shm_refused
-                else "memfd and System V shared memory are NOT refused"
-            )
-            missing.append(
-                f"memory: bounded per process (RLIMIT_AS of each of up to max_processes processes), not per REPL, "
-                f"since no cgroup could be made ({no_cgroup_why or 'not asked'}); {refused}; POSIX shared memory "
-                f"and files in memory count against {where}"
-            )
+            missing.append(_memory_not_contained(fs, shm_refused, no_cgroup_why))
         if not net:
             why = "" if isolate_network else " (no interception Unix socket was given)"
             missing.append(
                 f"network: the REPL can open TCP/UDP connections to anything the host reaches, and abstract "
                 f"Unix sockets{why}"
             )
-        if not fs:
-            if isinstance(message.get("fs_error"), str):
-                missing.append(f"the private file system failed: {message['fs_error'][:300]}")
-            if uid:
-                missing.append(
-                    "files: the REPL shares the host's /tmp, /var/tmp, /dev/shm and /run (its own files and "
-                    "System V IPC objects there are removed when it ends; disk use is limited per file, not in "
-                    "total), and it can connect to host Unix sockets (databases under /run, say)"
-                )
-            else:
-                missing.append(
-                    "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there (and its System V "
-                    "IPC objects) can outlive it, and it can connect to host Unix sockets (databases under /run, say)"
-                )
-        elif not ro:
-            missing.append("files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable")
+        missing += _files_not_contained(message, fs, ro, uid)
         if not procs:
             missing.append("processes: the REPL can list the host's processes and read their command lines")
         if not no_userns:
@@ -125,6 +100,44 @@ class Containment:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (for ``meta.json``)."""
         return asdict(self)
+
+
+def _memory_not_contained(fs: bool, shm_refused: bool, no_cgroup_why: str) -> str:
+    """What is not contained of the REPL's memory without a cgroup (``fs``: with a private file
+    system; ``shm_refused``: shared memory refused by seccomp; ``no_cgroup_why``: why none)."""
+    where = "the private tmpfs (scratch_bytes)" if fs else "the host's /dev/shm and /tmp"
+    refused = (
+        "memfd and System V shared memory are refused"
+        if shm_refused
+        else "memfd and System V shared memory are NOT refused"
+    )
+    return (
+        f"memory: bounded per process (RLIMIT_AS of each of up to max_processes processes), not per REPL, "
+        f"since no cgroup could be made ({no_cgroup_why or 'not asked'}); {refused}; POSIX shared memory "
+        f"and files in memory count against {where}"
+    )
+
+
+def _files_not_contained(message: dict[str, Any], fs: bool, ro: bool, uid: bool) -> list[str]:
+    """What is not contained of the host's files (``fs``: a private file system; ``ro``: the host
+    read-only; ``uid``: a uid of its own; ``message``: the ``ready`` message, for ``fs_error``)."""
+    if fs:
+        return [] if ro else ["files: host folders writable by everyone (other than /tmp, /dev/shm, /run) are writable"]
+    missing = []
+    if isinstance(message.get("fs_error"), str):
+        missing.append(f"the private file system failed: {message['fs_error'][:300]}")
+    if uid:
+        missing.append(
+            "files: the REPL shares the host's /tmp, /var/tmp, /dev/shm and /run (its own files and "
+            "System V IPC objects there are removed when it ends; disk use is limited per file, not in "
+            "total), and it can connect to host Unix sockets (databases under /run, say)"
+        )
+    else:
+        missing.append(
+            "files: the REPL shares the host's /tmp, /dev/shm and /run; its files there (and its System V "
+            "IPC objects) can outlive it, and it can connect to host Unix sockets (databases under /run, say)"
+        )
+    return missing
 
 
 class _Seen:

@@ -10,15 +10,14 @@ from typing import Any
 
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.output import OutputBuffer
+from rlmq.producer.repl_child import UID_BASE
 
-__all__ = ["MIN_OWN_UID", "ChildHandle", "describe_death", "kill_uid", "killpg"]
+__all__ = ["ChildHandle", "describe_death", "kill_uid", "killpg"]
 
 _READ_CHUNK = 1 << 18  # bytes per read of the child's output pipe
 
-MIN_OWN_UID = 100_000
 REAP_GRACE = 2.0
 """Seconds a child that closed its reply pipe gets to exit before SIGKILL."""
-"""``repl_child.UID_BASE``: uids of REPL children (never a real user's)."""
 
 
 class ChildHandle:
@@ -177,7 +176,7 @@ def kill_uid(uid: int) -> None:
     the producer's (many connections to the interception socket, say). Otherwise, or if
     the fork fails: a sweep of ``/proc``, three times.
     """
-    if uid < MIN_OWN_UID or uid == os.getuid():
+    if uid < UID_BASE or uid == os.getuid():
         return
     if os.geteuid() == 0:
         try:

@@ -15,11 +15,31 @@ from rlmq.common.errors import ReplStartupError
 from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, killpg
 from rlmq.producer.repl.output import OutputBuffer
-from rlmq.producer.repl_child import _reachable_by_others  # the child is stdlib-only; the parent shares its check
+from rlmq.producer.repl_child import reachable_by_others  # the child is stdlib-only; the parent shares its check
 
-__all__ = ["child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
+__all__ = ["check_limits", "child_env", "child_interpreter", "pip_install", "rmtree", "spawn_child"]
 
 _PIP_ENV_KEYS = ("PATH", "HOME", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
+
+
+def check_limits(
+    lengths: tuple[int, int], positive: dict[str, float], positive_or_none: dict[str, float | None]
+) -> None:
+    """Refuse a REPL's limits out of range: ``lengths`` (``max_output_length``, ``max_answer_length``)
+    below 0, a value of ``positive`` not above 0, one of ``positive_or_none`` neither ``None``
+    nor above 0.
+
+    Raises:
+        ValueError: naming the first such limit.
+    """
+    if min(lengths) < 0:
+        raise ValueError("max_output_length and max_answer_length must be >= 0")
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    for name, maybe in positive_or_none.items():
+        if maybe is not None and maybe <= 0:
+            raise ValueError(f"{name} must be > 0 or None")
 
 
 def child_env(workdir: str, site_packages: str | None) -> dict[str, str]:
@@ -95,13 +115,13 @@ def child_interpreter(run_as: str | int | None) -> str:
     system Python of the same version, when there is one, so the dropped child can import."""
     import sysconfig
 
-    if run_as is None or os.geteuid() != 0 or _reachable_by_others(sysconfig.get_paths()["stdlib"]):
+    if run_as is None or os.geteuid() != 0 or reachable_by_others(sysconfig.get_paths()["stdlib"]):
         return sys.executable
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     for candidate in (f"/usr/local/bin/python{version}", f"/usr/bin/python{version}"):
-        if os.access(candidate, os.X_OK) and _reachable_by_others(candidate):
+        if os.access(candidate, os.X_OK) and reachable_by_others(candidate):
             return candidate
-    return sys.executable  # the child then stays root (see repl_child._drop_privileges)
+    return sys.executable  # the child then stays root (see repl_child.privileges.drop_privileges)
 
 
 def rmtree(path: str) -> None:
@@ -193,18 +213,7 @@ async def spawn_child(
         parent_fds = []
         ready = await asyncio.wait_for(_handshake(child, init), timeout)
     except BaseException as exc:
-        output = ""
-        if child is not None:
-            child.kill()
-            await child.proc.wait()
-            child.drain_output()
-            output, _ = child.output.take()
-            child.release()
-        elif proc is not None:
-            killpg(proc.pid)
-            await proc.wait()
-        for fd in parent_fds + child_fds:
-            os.close(fd)
+        output = await _abandon(proc, child, parent_fds + child_fds)
         if isinstance(exc, asyncio.TimeoutError):
             raise ReplStartupError(f"the REPL was not ready within {timeout:g} s" + _tail(output)) from None
         if isinstance(exc, (ReplStartupError, OSError)):
@@ -214,13 +223,31 @@ async def spawn_child(
     return child, ready
 
 
+async def _abandon(proc: asyncio.subprocess.Process | None, child: ChildHandle | None, fds: list[int]) -> str:
+    """Kill a child that did not get ready (its handle ``child`` once made, else ``proc`` once
+    started), wait for it and close ``fds``; returns what it wrote to fd 1/2 (once it has a handle)."""
+    output = ""
+    if child is not None:
+        child.kill()
+        await child.proc.wait()
+        child.drain_output()
+        output, _ = child.output.take()
+        child.release()
+    elif proc is not None:
+        killpg(proc.pid)
+        await proc.wait()
+    for fd in fds:
+        os.close(fd)
+    return output
+
+
 async def _handshake(child: ChildHandle, init: dict[str, Any]) -> dict[str, Any]:
     await child.send(init)
     message = await child.receive()
     if message is None or message.get("type") != "ready":
         status = await child.reap(REAP_GRACE)
         raise ReplStartupError(f"the child exited before it was ready (status {status})")
-    if message.get("helper_error"):  # bash: llm_batch & co would fail in every cell (repl_child._probe_helper)
+    if message.get("helper_error"):  # bash: llm_batch & co would fail in every cell (repl_child.helper.probe_helper)
         raise ReplStartupError(f"the bash REPL's commands (llm_batch, ...) cannot start: {message['helper_error']}")
     return message
 

@@ -20,16 +20,17 @@ from rlmq.producer.repl.cgroup import ReplCgroup
 from rlmq.producer.repl.cgroup import create as create_cgroup
 from rlmq.producer.repl.containment import Containment, note_containment
 from rlmq.producer.repl.files import ContextFiles, prepare_files, retain_working_directory
-from rlmq.producer.repl.handle import MIN_OWN_UID, REAP_GRACE, ChildHandle, describe_death
-from rlmq.producer.repl.launch import child_env, child_interpreter, pip_install, rmtree, spawn_child
+from rlmq.producer.repl.handle import REAP_GRACE, ChildHandle, describe_death
+from rlmq.producer.repl.launch import check_limits, child_env, child_interpreter, pip_install, rmtree, spawn_child
 from rlmq.producer.repl.output import with_marker
 from rlmq.producer.repl.sweep import sweep_uid
+from rlmq.producer.repl_child import HOME, PROGRAM, UID_BASE
 
 __all__ = ["Repl"]
 
 log = logging.getLogger("rlmq.repl")
 
-_CHILD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "repl_child.py")
+_CHILD = PROGRAM
 _MESSAGE_SLACK = 64 * 1024  # bytes of a reply line besides the answer's characters
 _RESET_NOTE = "its state (variables, imports) was reset. `context`, `llm_batch` and `answer` are available again."
 
@@ -37,7 +38,7 @@ _RESET_NOTE = "its state (variables, imports) was reset. `context`, `llm_batch` 
 class Repl:
     """One persistent Python subprocess per rollout, running model-written cells.
 
-    The child interpreter (``sys.executable -I producer/repl_child.py``) keeps its
+    The child interpreter (``sys.executable -I producer/repl_child/__main__.py``) keeps its
     globals across cells: ``context`` (the rollout's input, reloaded from JSON at
     every start), ``llm_batch(prompts: list[str]) -> list[str]`` (POSTs
     ``{"prompts": [...]}`` to ``endpoint_url`` with ``Authorization: Bearer
@@ -121,7 +122,7 @@ class Repl:
             copied by the child into its working directory at every (re)start, so a restarted
             REPL finds them as they were at first. ``None``: an empty working directory.
         language: ``"python"`` (cells are Python) or ``"bash"`` (cells are bash, as the
-            verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_bash.py``).
+            verifiers RLMEnv's ``repl_language="bash"``: see ``producer/repl_child/bash.py``).
         output_format: ``"rlmq"`` or ``"reference"`` (verifiers 0.1.14's ``RLMEnv``: a Python
             cell's Python-level stderr after a ``stderr:`` line, its last expression as
             ``Out[n]: repr``; a cell of either language with no output reads ``(no output)``).
@@ -165,22 +166,18 @@ class Repl:
         output_format: str = "rlmq",
         sub_llms: bool = True,
     ) -> None:
-        if max_output_length < 0 or max_answer_length < 0:
-            raise ValueError("max_output_length and max_answer_length must be >= 0")
-        for name, value in (
-            ("code_execution_timeout", code_execution_timeout),
-            ("max_startup_wait_seconds", max_startup_wait_seconds),
-            ("llm_batch_timeout", llm_batch_timeout),
-            ("scratch_bytes", scratch_bytes),
-            ("max_batch_bytes", max_batch_bytes),
-            ("max_batch_prompts", max_batch_prompts),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if cpu_seconds is not None and cpu_seconds <= 0:
-            raise ValueError("cpu_seconds must be > 0 or None")
-        if memory_bytes is not None and memory_bytes <= 0:
-            raise ValueError("memory_bytes must be > 0 or None")
+        check_limits(
+            (max_output_length, max_answer_length),
+            {
+                "code_execution_timeout": code_execution_timeout,
+                "max_startup_wait_seconds": max_startup_wait_seconds,
+                "llm_batch_timeout": llm_batch_timeout,
+                "scratch_bytes": scratch_bytes,
+                "max_batch_bytes": max_batch_bytes,
+                "max_batch_prompts": max_batch_prompts,
+            },
+            {"cpu_seconds": cpu_seconds, "memory_bytes": memory_bytes},
+        )
         try:
             self._context_json = json.dumps(context, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
@@ -294,7 +291,7 @@ class Repl:
             child.proc.pid,
             private,
             self._workdir,
-            "/tmp/home",  # noqa: S108
+            HOME,
         )
         if skipped:
             log.warning("the REPL's files kept in %s lack %d entries: %s", dest, len(skipped), skipped[:5])
@@ -401,29 +398,7 @@ class Repl:
                 raise ReplError("the REPL was closed while a cell was running")
 
             if reply is not None:
-                child.drain_output()
-                text, dropped = child.output.take()
-                output = with_marker(text, dropped)
-                if not output and self.output_format == "reference":
-                    output = "(no output)"
-                content = reply.get("answer_content", "")
-                content = content if isinstance(content, str) else ""
-                if len(content) > self.max_answer_length:  # the child's own cut was bypassed
-                    output = _append(
-                        output,
-                        f"[answer['content'] has {len(content)} characters; only the first "
-                        f"{self.max_answer_length} are kept]",
-                    )
-                    content = content[: self.max_answer_length]
-                return CellResult(
-                    output=output,
-                    answer_ready=reply.get("answer_ready") is True,
-                    answer_content=content,
-                    seconds=seconds,
-                    timed_out=False,
-                    restarted=False,
-                    helper_error=str(reply["helper_error"])[:1000] if reply.get("helper_error") else None,
-                )
+                return self._result(child, reply, seconds)
 
             self._child = None
             try:
@@ -464,6 +439,32 @@ class Repl:
                 timed_out=timed_out,
                 restarted=True,
             )
+
+    def _result(self, child: ChildHandle, reply: dict[str, Any], seconds: float) -> CellResult:
+        """The result of a cell the child answered: its output (drained now) and its answer,
+        cut again to ``max_answer_length`` characters."""
+        child.drain_output()
+        text, dropped = child.output.take()
+        output = with_marker(text, dropped)
+        if not output and self.output_format == "reference":
+            output = "(no output)"
+        content = reply.get("answer_content", "")
+        content = content if isinstance(content, str) else ""
+        if len(content) > self.max_answer_length:  # the child's own cut was bypassed
+            output = _append(
+                output,
+                f"[answer['content'] has {len(content)} characters; only the first {self.max_answer_length} are kept]",
+            )
+            content = content[: self.max_answer_length]
+        return CellResult(
+            output=output,
+            answer_ready=reply.get("answer_ready") is True,
+            answer_content=content,
+            seconds=seconds,
+            timed_out=False,
+            restarted=False,
+            helper_error=str(reply["helper_error"])[:1000] if reply.get("helper_error") else None,
+        )
 
     async def _run_cell(
         self, child: ChildHandle, code: str, history: str | None = None
@@ -569,7 +570,7 @@ class Repl:
             cgroup=self._cgroup,
         )
         uid = ready.get("uid")
-        child.uid = uid if isinstance(uid, int) and uid >= MIN_OWN_UID else None
+        child.uid = uid if isinstance(uid, int) and uid >= UID_BASE else None
         self.containment = Containment.from_ready(
             ready,
             isolate_network=self._isolate_network,

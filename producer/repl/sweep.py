@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 
-from rlmq.producer.repl.handle import MIN_OWN_UID
+from rlmq.producer.repl_child import UID_BASE
 
 __all__ = ["WORLD_WRITABLE", "sweep_uid"]
 
@@ -102,7 +102,7 @@ def sweep_uid(uid: int, roots: tuple[str, ...] = WORLD_WRITABLE) -> int:
     Raises:
         ValueError: ``uid`` is below 100000 (not a REPL's own).
     """
-    if uid < MIN_OWN_UID:  # never sweep a uid that is not a REPL's own
+    if uid < UID_BASE:  # never sweep a uid that is not a REPL's own
         raise ValueError(f"refusing to sweep uid {uid}: not a REPL's own")
     removed = sum(_sweep_tree(root, uid) for root in roots if os.path.isdir(root))
     return removed + _sweep_sysv(uid)

@@ -34,7 +34,7 @@ from rlmq.scripted.server import root_code_directive
 ROOT = os.geteuid() == 0
 MiB = 1024**2
 REPO = Path(__file__).resolve().parents[2]
-PROGRAMS = ("repl_child.py", "repl_bash.py")
+PROGRAMS = "repl_child"
 
 
 @pytest.fixture(autouse=True)
@@ -73,11 +73,10 @@ EXPECTED = {"python": "['A', 'B']1/2", "bash": '["A", "B"]'}
 
 
 def programs_under(folder: Path) -> str:
-    """The child's two programs copied into ``folder`` (under ``/tmp``); the path of ``repl_child.py``."""
+    """The child's programs (its package) copied into ``folder`` (under ``/tmp``); the path of its ``__main__.py``."""
     folder.mkdir(parents=True)
-    for name in PROGRAMS:
-        shutil.copy(REPO / "producer" / name, folder / name)
-    return str(folder / PROGRAMS[0])
+    shutil.copytree(REPO / "producer" / PROGRAMS, folder / PROGRAMS, ignore=shutil.ignore_patterns("__pycache__"))
+    return str(folder / PROGRAMS / "__main__.py")
 
 
 def python_under(folder: Path) -> str:
@@ -140,7 +139,7 @@ async def test_a_bash_repl_whose_commands_cannot_start_refuses_to_start(
     finally:
         await repl.close()
     line = str(info.value).splitlines()[0]
-    assert "the bash REPL's commands (llm_batch, ...) cannot start" in line and "repl_child.py" in line, line
+    assert "the bash REPL's commands (llm_batch, ...) cannot start" in line and "repl_child/__main__.py" in line, line
 
 
 @pytest.mark.parametrize("broken", ["RLMQ_HELPER=/nonexistent/repl_child.py", "RLMQ_PYTHON=/nonexistent/python"])

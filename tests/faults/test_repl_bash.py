@@ -1,4 +1,4 @@
-"""The bash REPL (``repl_language="bash"``, producer/repl_bash.py): the reference's meanings and
+"""The bash REPL (``repl_language="bash"``, producer/repl_child/bash.py): the reference's meanings and
 the same containment as the Python REPL.
 
 Meanings (verifiers RLMEnv 0.1.14's bash worker): every cell a fresh bash in the directory the

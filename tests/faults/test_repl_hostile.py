@@ -454,11 +454,11 @@ async def test_system_v_shared_memory_does_not_outlive_the_repl(namespaces: bool
 
 CONTAIN_AS_NOBODY = """
 import os, socket, sys
-sys.path.insert(0, sys.argv[1])
-import repl_child
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from repl_child.containment import contain
 work = sys.argv[2]
-report = repl_child._contain({"workdir": work, "context_path": work + "/context.json", "unix_socket": None,
-                              "isolate_network": True, "scratch_bytes": 1 << 20})
+report = contain({"workdir": work, "context_path": work + "/context.json", "unix_socket": None,
+                  "isolate_network": True, "scratch_bytes": 1 << 20})
 try:
     socket.create_connection(("127.0.0.1", int(sys.argv[3])), timeout=2)
     reached = "CONNECTED"

@@ -15,6 +15,10 @@ the code keeps them (and as each package's ``__init__`` docstring states them):
   other way round).
 - The flat modules of ``common`` (keys, errors, schemas, connection, ...) import no
   ``common.jobs``.
+- The REPL child (``producer/repl_child/``, a program that runs where rlmq may not be
+  importable) imports the standard library and its own modules only, those relatively (the one
+  place relative imports are allowed); the rest of rlmq imports from it only what it shares
+  with the parent (the package's ``__all__``).
 
 And the mapping of the sides into ``rlmq``, declared once in ``pyproject.toml``'s
 ``[tool.setuptools]``: its package list is every package folder, and the links in ``rlmq/`` agree
@@ -24,6 +28,7 @@ with its ``package-dir``.
 from __future__ import annotations
 
 import ast
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,9 @@ FRONT = ("rlmq.cli", "rlmq.scripted", "rlmq.verifiers_plugin", "rlmq.verifiers_l
 GROUPED = ("budget", "jobs", "settings")
 """The packages of ``common/``."""
 
+CHILD = ROOT / "producer" / "repl_child"
+"""The REPL child's package: stdlib only, its own modules imported relatively."""
+
 
 def _module(path: Path) -> str:
     """``common/budget/ledger.py`` -> ``rlmq.common.budget.ledger`` (a package: its folder's name)."""
@@ -48,9 +56,14 @@ def _module(path: Path) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every rlmq module ``path`` imports: ``from rlmq.common import keys`` counts as ``rlmq.common.keys``."""
+    """Every rlmq module ``path`` imports: ``from rlmq.common import keys`` counts as ``rlmq.common.keys``
+    (in the REPL child, ``from .endpoint import make_llm_batch`` as ``rlmq.producer.repl_child.endpoint``)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and path.parent == CHILD:
+            base = ".".join(filter(None, ("rlmq.producer.repl_child", node.module)))
+            found |= {base, *(f"{base}.{a.name}" for a in node.names)}
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name == "rlmq" or a.name.startswith("rlmq.")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -99,6 +112,49 @@ RULES = [
 @pytest.mark.parametrize(("source", "forbidden"), RULES, ids=[r[0] for r in RULES])
 def test_import_rule_holds(source: str, forbidden: tuple[str, ...]) -> None:
     assert not _breaks(source, forbidden)
+
+
+def _child_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of each absolute import of ``path``; a relative one is ``"."``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, "." * node.level if node.level else (node.module or "").split(".")[0]))
+    return found
+
+
+def test_the_repl_child_imports_the_standard_library_and_itself_only() -> None:
+    """It runs under ``python -I`` (another interpreter than the producer's, maybe) and runs
+    model-written code: no rlmq, no third-party package; its own modules relatively (``..``
+    would leave the package)."""
+    modules = sorted(CHILD.glob("*.py"))
+    assert {p.name for p in modules} >= {"__init__.py", "__main__.py", "containment.py", "endpoint.py", "cells.py"}
+    allowed = set(sys.stdlib_module_names) | {"__future__", "."}
+    strangers = [
+        f"{p.relative_to(ROOT)}:{line} imports {name}" for p in modules for line, name in _child_imports(p)
+        if name not in allowed
+    ]  # fmt: skip
+    assert not strangers
+    assert not [p for p in CHILD.rglob("*") if p.is_dir() and p.name != "__pycache__"]  # one flat folder
+
+
+def test_a_foreign_import_in_the_repl_child_is_seen(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom .cells import CellRunner\nfrom .. import engine\nimport redis\n", encoding="utf-8")
+    names = [name for _, name in _child_imports(bad)]
+    assert names == ["os", ".", "..", "redis"]
+
+
+def test_rlmq_takes_from_the_repl_child_only_what_it_shares() -> None:
+    """The producer (and the rest of rlmq) import the package's shared names, never its inner modules."""
+    from rlmq.producer import repl_child
+
+    shared = {"rlmq.producer.repl_child", *(f"rlmq.producer.repl_child.{n}" for n in repl_child.__all__)}
+    taken = {n for m, names in GRAPH.items() if not m.startswith("rlmq.producer.repl_child") for n in names}
+    assert {n for n in taken if n.startswith("rlmq.producer.repl_child")} <= shared
+    assert "rlmq.producer.repl_child.UID_BASE" in taken  # the uid base is shared, not retyped
 
 
 def test_the_scan_reads_every_package() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlmq.producer import repl_child
+from rlmq.producer.repl_child import endpoint
 
 
 @pytest.fixture
@@ -21,12 +21,12 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         bodies.append(prompts)
         return json.dumps({"results": [p.upper() for p in prompts]}).encode()
 
-    monkeypatch.setattr(repl_child, "_post", post)
+    monkeypatch.setattr(endpoint, "_post", post)
     return bodies
 
 
 def _llm_batch() -> Any:
-    return repl_child._make_llm_batch("http://x.invalid/llm_batch", "t", 5.0, None, 1 << 20, 100)
+    return endpoint.make_llm_batch("http://x.invalid/llm_batch", "t", 5.0, None, 1 << 20, 100)
 
 
 def test_a_non_string_prompt_is_answered_with_an_error_and_the_rest_run(sent: list[list[str]]) -> None:

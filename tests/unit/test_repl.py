@@ -1,4 +1,4 @@
-"""Tests of the REPL sandbox (producer/repl/ and producer/repl_child.py).
+"""Tests of the REPL sandbox (producer/repl/ and producer/repl_child/).
 
 Each test starts real child interpreters; none needs the network (the interception
 server is a tiny aiohttp app on 127.0.0.1 started here, in the test's own loop,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rlmq.producer import repl_bash
+from rlmq.producer.repl_child import bash as repl_bash
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[Any], str]:

@@ -1,6 +1,6 @@
 """The bash REPL (``repl_language="bash"``): the sandboxed child's side, stdlib only.
 
-Loaded by ``repl_child.py`` from its own folder before it drops its privileges. Meanings follow
+Imported by the REPL child (:mod:`.helper`) before it drops its privileges. Meanings follow
 verifiers' ``RLMEnv`` (0.1.14, its bash worker and root-tool helper):
 
 * Each cell is a fresh ``bash`` (here ``--noprofile --norc``: no host start-up file runs) in
@@ -10,8 +10,8 @@ verifiers' ``RLMEnv`` (0.1.14, its bash worker and root-tool helper):
   ``y``, ``on``, any case) ends the rollout. Both are set in the environment of every cell
   from the last cell's values.
 * ``llm_batch``, ``rlm_batch`` and each root tool are shell functions that run this child's
-  interpreter as a helper (:func:`command`), which posts to the rollout's interception
-  endpoint as the Python REPL's globals do. ``llm_batch "p1" "p2"`` (one prompt per argument;
+  interpreter as a helper (:mod:`.helper`, then :func:`command`), which posts to the rollout's
+  interception endpoint as the Python REPL's globals do. ``llm_batch "p1" "p2"`` (one prompt per argument;
   a single argument that is a JSON list or object is decoded), ``llm_batch --json '{"prompts":
   [...]}'``, ``llm_batch --lines`` (one prompt per stdin line), or a JSON or text on stdin;
   prints the JSON list of answers (the batch summary goes to stderr). A tool: each argument is
