@@ -82,99 +82,11 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
     now = time.time() if now is None else now
     sec, usec = redis.time()
     server_now = float(sec) + float(usec) / 1e6  # serving entries expire by Redis's clock
-    queues: list[dict[str, Any]] = []
-    for qkey in sorted(_s(k) for k in redis.smembers(K.RQ_QUEUES)):
-        name = K.queue_of_key(qkey)
-        with redis.pipeline(transaction=False) as pipe:
-            pipe.llen(qkey)
-            pipe.lindex(qkey, 0)
-            pipe.zcard(K.rq_started(name))
-            pipe.zcard(K.rq_failed(name))
-            # Live workers (heartbeat not lapsed) of the model queue, which serve its tenant
-            # queues too (<queue>@<tenant>); RQ's per-queue worker set keeps dead ones.
-            pipe.zcount(K.serving(name), server_now, "+inf")
-            depth, head, started, failed, live = pipe.execute()
-        nworkers = int(live)
-        oldest = None
-        if head is not None:
-            enq = parse_rq_time(redis.hget(K.rq_job(_s(head)), "enqueued_at"))
-            oldest = None if enq is None else max(0.0, now - enq)
-        queues.append(
-            {
-                "name": name,
-                "depth": int(depth),
-                "oldest_age": oldest,
-                "started": int(started),
-                "failed": int(failed),
-                "workers": int(nworkers),
-            }
-        )
-
-    workers: list[dict[str, Any]] = []
-    for wkey in sorted(_s(k) for k in redis.smembers(K.RQ_WORKERS)):
-        name = K.worker_of_key(wkey)
-        with redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(wkey)
-            pipe.scard(K.rq_worker_executions(name))
-            raw, inflight = pipe.execute()
-        h = _hash(raw)
-        beat = parse_rq_time(h.get("last_heartbeat"))
-        state = h.get("state") or ("gone" if not h else "?")
-        if h.get("death"):
-            state = "dead"
-        lease = [redis.zscore(K.serving(q), name) for q in h.get("queues", "").split(",") if q]
-        live = any(x is not None and float(x) > server_now for x in lease)
-        if not live and state not in ("gone", "dead"):
-            state = "lapsed"  # no heartbeat within its lease (killed with kill -9?)
-        workers.append(
-            {
-                "name": name,
-                "state": state,
-                "live": live,
-                "queues": [q for q in h.get("queues", "").split(",") if q],
-                "inflight": int(inflight),
-                "concurrency": _int(h.get("rlmq_concurrency")),
-                "heartbeat_age": None if beat is None else max(0.0, now - beat),
-                "hostname": h.get("hostname") or None,
-                "pid": _int(h.get("pid")),
-                "successful": _int(h.get("successful_job_count"), 0),
-                "failed": _int(h.get("failed_job_count"), 0),
-            }
-        )
-
+    queues = [_queue_row(redis, _s(k), now, server_now) for k in sorted(_s(k) for k in redis.smembers(K.RQ_QUEUES))]
+    workers = [_worker_row(redis, _s(k), now, server_now) for k in sorted(_s(k) for k in redis.smembers(K.RQ_WORKERS))]
     total = int(redis.zcount(K.LIVE_ROLLOUTS, server_now, "+inf"))
-    rollouts: list[dict[str, Any]] = []
     entries = redis.zrevrangebyscore(K.LIVE_ROLLOUTS, "+inf", server_now, 0, max_rollouts, withscores=True)
-    for member, expires in entries:
-        rid = _s(member)
-        try:
-            keys = K.RolloutKeys(rid)
-        except ValueError:
-            continue
-        with redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(keys.info)
-            pipe.hgetall(keys.budget)
-            info_raw, budget_raw = pipe.execute()
-        info, budget = _hash(info_raw), _hash(budget_raw)
-        started = info.get("started")
-        rollouts.append(
-            {
-                "id": rid,
-                "row": info.get("row") or None,
-                "model": info.get("model") or None,
-                "sub_model": info.get("sub_model") or None,
-                "queue": info.get("queue") or None,
-                "depth": _int(info.get("depth"), 1),
-                "parent": info.get("parent") or None,
-                "ledger": info.get("ledger") or rid,
-                "age": None if not started else max(0.0, now - float(started)),
-                "expires_in": float(expires) - server_now,
-                "budget_limit": _int(budget.get("limit")),
-                "budget_used": _int(budget.get("used"), 0) if budget else None,
-                "budget_charged": _int(budget.get("charged"), 0) if budget else None,
-                "budget_rejections": _int(budget.get("rejections"), 0) if budget else None,
-            }
-        )
+    rollouts = [row for m, e in entries if (row := _rollout_row(redis, _s(m), float(e), now, server_now)) is not None]
     _add_trees(redis, rollouts)
     rollouts.sort(key=lambda r: -(r["age"] or 0.0))
     providers = provider_snapshot(redis)
@@ -182,6 +94,91 @@ def collect(redis: Any, *, now: float | None = None, max_rollouts: int = 200) ->
         "time": now, "queues": queues, "workers": workers, "rollouts": rollouts, "rollouts_total": total,
         "providers": providers,
     }  # fmt: skip
+
+
+def _queue_row(redis: Any, qkey: str, now: float, server_now: float) -> dict[str, Any]:
+    """One queue's row of :func:`collect` (``qkey``: a member of ``rq:queues``)."""
+    name = K.queue_of_key(qkey)
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.llen(qkey)
+        pipe.lindex(qkey, 0)
+        pipe.zcard(K.rq_started(name))
+        pipe.zcard(K.rq_failed(name))
+        # Live workers (heartbeat not lapsed) of the model queue, which serve its tenant
+        # queues too (<queue>@<tenant>); RQ's per-queue worker set keeps dead ones.
+        pipe.zcount(K.serving(name), server_now, "+inf")
+        depth, head, started, failed, live = pipe.execute()
+    oldest = None
+    if head is not None:
+        enq = parse_rq_time(redis.hget(K.rq_job(_s(head)), "enqueued_at"))
+        oldest = None if enq is None else max(0.0, now - enq)
+    return {
+        "name": name, "depth": int(depth), "oldest_age": oldest, "started": int(started), "failed": int(failed),
+        "workers": int(live),
+    }  # fmt: skip
+
+
+def _worker_row(redis: Any, wkey: str, now: float, server_now: float) -> dict[str, Any]:
+    """One worker's row of :func:`collect` (``wkey``: a member of ``rq:workers``)."""
+    name = K.worker_of_key(wkey)
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(wkey)
+        pipe.scard(K.rq_worker_executions(name))
+        raw, inflight = pipe.execute()
+    h = _hash(raw)
+    beat = parse_rq_time(h.get("last_heartbeat"))
+    state = h.get("state") or ("gone" if not h else "?")
+    if h.get("death"):
+        state = "dead"
+    queues = [q for q in h.get("queues", "").split(",") if q]
+    lease = [redis.zscore(K.serving(q), name) for q in queues]
+    live = any(x is not None and float(x) > server_now for x in lease)
+    if not live and state not in ("gone", "dead"):
+        state = "lapsed"  # no heartbeat within its lease (killed with kill -9?)
+    return {
+        "name": name,
+        "state": state,
+        "live": live,
+        "queues": queues,
+        "inflight": int(inflight),
+        "concurrency": _int(h.get("rlmq_concurrency")),
+        "heartbeat_age": None if beat is None else max(0.0, now - beat),
+        "hostname": h.get("hostname") or None,
+        "pid": _int(h.get("pid")),
+        "successful": _int(h.get("successful_job_count"), 0),
+        "failed": _int(h.get("failed_job_count"), 0),
+    }
+
+
+def _rollout_row(redis: Any, rid: str, expires: float, now: float, server_now: float) -> dict[str, Any] | None:
+    """One live rollout's row of :func:`collect` (``expires``: its lease's end, Redis's clock);
+    ``None`` for a member that is no rollout id."""
+    try:
+        keys = K.RolloutKeys(rid)
+    except ValueError:
+        return None
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.info)
+        pipe.hgetall(keys.budget)
+        info_raw, budget_raw = pipe.execute()
+    info, budget = _hash(info_raw), _hash(budget_raw)
+    started = info.get("started")
+    return {
+        "id": rid,
+        "row": info.get("row") or None,
+        "model": info.get("model") or None,
+        "sub_model": info.get("sub_model") or None,
+        "queue": info.get("queue") or None,
+        "depth": _int(info.get("depth"), 1),
+        "parent": info.get("parent") or None,
+        "ledger": info.get("ledger") or rid,
+        "age": None if not started else max(0.0, now - float(started)),
+        "expires_in": expires - server_now,
+        "budget_limit": _int(budget.get("limit")),
+        "budget_used": _int(budget.get("used"), 0) if budget else None,
+        "budget_charged": _int(budget.get("charged"), 0) if budget else None,
+        "budget_rejections": _int(budget.get("rejections"), 0) if budget else None,
+    }
 
 
 def _add_trees(redis: Any, rollouts: list[dict[str, Any]]) -> None:
@@ -284,80 +281,47 @@ def render(snap: dict[str, Any], *, redis_label: str = "") -> str:
     """The snapshot of :func:`collect` as plain text tables."""
     stamp = datetime.fromtimestamp(snap["time"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     out = [f"rlmq status  {redis_label}  {stamp}".replace("    ", "  ").strip(), ""]
-    qs = snap["queues"]
-    out.append(f"QUEUES ({len(qs)})")
-    if qs:
-        out.append(
-            table(
-                ["QUEUE", "DEPTH", "OLDEST", "STARTED", "FAILED", "WORKERS"],
-                [
-                    [
-                        q["name"],
-                        str(q["depth"]),
-                        fmt_age(q["oldest_age"]),
-                        str(q["started"]),
-                        str(q["failed"]),
-                        str(q["workers"]),
-                    ]
-                    for q in qs
-                ],  # fmt: skip
-            )
-        )
-    else:
-        out.append("  (none)")
-    ws = snap["workers"]
+    qs, ws, rs = snap["queues"], snap["workers"], snap["rollouts"]
+    out += [f"QUEUES ({len(qs)})", _queue_table(qs)]
     inflight = sum(w["inflight"] for w in ws)
     live = sum(1 for w in ws if w.get("live", True))
-    out += ["", f"WORKERS ({live} live, {inflight} sub-calls in flight)"]
-    if ws:
-        out.append(
-            table(
-                ["WORKER", "STATE", "IN-FLIGHT", "CONCURRENCY", "HEARTBEAT", "OK", "FAILED", "QUEUES"],
-                [
-                    [
-                        w["name"],
-                        w["state"],
-                        str(w["inflight"]),
-                        "-" if w["concurrency"] is None else str(w["concurrency"]),
-                        fmt_age(w["heartbeat_age"]),
-                        str(w["successful"]),
-                        str(w["failed"]),
-                        ",".join(w["queues"]),
-                    ]
-                    for w in ws
-                ],  # fmt: skip
-            )
-        )
-    else:
-        out.append("  (none)")
+    out += ["", f"WORKERS ({live} live, {inflight} sub-calls in flight)", _worker_table(ws)]
     out += _providers(snap.get("providers") or [])
-    rs = snap["rollouts"]
     shown = "" if len(rs) == snap["rollouts_total"] else f", {len(rs)} shown"
-    out += ["", f"LIVE ROLLOUTS ({snap['rollouts_total']}{shown})"]
-    if rs:
-        tops = {r["id"]: r for r in rs if (r.get("depth") or 1) == 1}
-        out.append(
-            table(
-                ["ROLLOUT", "DEPTH", "PARENT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT", "TREE"],
-                [
-                    [
-                        r["id"],
-                        str(r.get("depth") or 1),
-                        r.get("parent") or "-",
-                        r["row"] or "-",
-                        r["model"] or "-",
-                        r["sub_model"] or "-",
-                        fmt_age(r["age"]),
-                        _budget(r, tops),
-                        _tree(r),
-                    ]
-                    for r in rs
-                ],  # fmt: skip
-            )
-        )
-    else:
-        out.append("  (none)")
+    out += ["", f"LIVE ROLLOUTS ({snap['rollouts_total']}{shown})", _rollout_table(rs)]
     return "\n".join(out)
+
+
+def _queue_table(qs: list[dict[str, Any]]) -> str:
+    if not qs:
+        return "  (none)"
+    rows = [[q["name"], str(q["depth"]), fmt_age(q["oldest_age"]), str(q["started"]), str(q["failed"]),
+             str(q["workers"])] for q in qs]  # fmt: skip
+    return table(["QUEUE", "DEPTH", "OLDEST", "STARTED", "FAILED", "WORKERS"], rows)
+
+
+def _worker_table(ws: list[dict[str, Any]]) -> str:
+    if not ws:
+        return "  (none)"
+    rows = [
+        [w["name"], w["state"], str(w["inflight"]), "-" if w["concurrency"] is None else str(w["concurrency"]),
+         fmt_age(w["heartbeat_age"]), str(w["successful"]), str(w["failed"]), ",".join(w["queues"])]
+        for w in ws
+    ]  # fmt: skip
+    return table(["WORKER", "STATE", "IN-FLIGHT", "CONCURRENCY", "HEARTBEAT", "OK", "FAILED", "QUEUES"], rows)
+
+
+def _rollout_table(rs: list[dict[str, Any]]) -> str:
+    if not rs:
+        return "  (none)"
+    tops = {r["id"]: r for r in rs if (r.get("depth") or 1) == 1}
+    rows = [
+        [r["id"], str(r.get("depth") or 1), r.get("parent") or "-", r["row"] or "-", r["model"] or "-",
+         r["sub_model"] or "-", fmt_age(r["age"]), _budget(r, tops), _tree(r)]
+        for r in rs
+    ]  # fmt: skip
+    header = ["ROLLOUT", "DEPTH", "PARENT", "ROW", "MODEL", "SUB-MODEL", "AGE", "SUB-LLM BUDGET USED/LIMIT", "TREE"]
+    return table(header, rows)
 
 
 def run_status(redis: Any, *, as_json: bool = False, watch: float | None = None, redis_label: str = "",
