@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
@@ -35,7 +35,11 @@ from rlmq.workers.kinds import JobKind, Outcome
 from rlmq.workers.subllm_kind import sub_llm_outcome
 
 if TYPE_CHECKING:
-    from rlmq.workers.worker import SubLLMWorker
+    from redis.asyncio import Redis
+
+    from rlmq.common.budget.ledger import BudgetLedger
+    from rlmq.workers.child_host import ChildHost
+    from rlmq.workers.inflight import InFlight
 
 log = logging.getLogger("rlmq.worker")
 
@@ -73,15 +77,29 @@ def child_failure(
     )
 
 
+class ChildKindPort(Protocol):
+    """What the child-rollout kind uses of its worker, and nothing else
+    (:class:`rlmq.workers.worker.SubLLMWorker` is one), read per job: where a child runs
+    (``child_host``), which queue its job came from (``jobs``) and the worker's own (``queue``,
+    where its sub-calls go when that was no child queue), the tree it joins or ends (``ledger``,
+    ``redis``), and the ``name`` its results and log lines carry."""
+
+    name: str
+    queue: str
+    redis: Redis
+    ledger: BudgetLedger
+    jobs: InFlight
+    child_host: ChildHost | None
+
+
 class ChildKind:
     """The child-rollout kind on one worker.
 
     Args:
-        worker: the worker that runs it (``worker.child_host``, ``worker.jobs`` and
-            ``worker.name`` are read per job).
+        worker: the worker that runs it (see :class:`ChildKindPort`).
     """
 
-    def __init__(self, worker: SubLLMWorker) -> None:
+    def __init__(self, worker: ChildKindPort) -> None:
         self.w = worker
 
     def kind(self, *, max_attempts: int) -> JobKind:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
+from redis.asyncio import Redis
 
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
@@ -102,6 +103,13 @@ class SubLLMWorker:
     Raises:
         ConfigError: ``base_url`` / ``model`` / ``redis_url`` missing.
     """
+
+    redis: Redis
+    """The worker's Redis client (made by :meth:`run`)."""
+    ledger: BudgetLedger
+    """The budget ledgers of the sub-calls and children it runs (made by :meth:`run`)."""
+    ctx: SubLLMContext
+    """What its sub-calls run with: model client, ledger, tools (made by :meth:`run`)."""
 
     def __init__(
         self,
