@@ -25,6 +25,7 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from rlmq.common.errors import PayloadError, validation_summary
@@ -149,11 +150,12 @@ class SubCallOptions(_Strict):
     sampling: dict[str, Any] = Field(default_factory=dict)
     """Sampling arguments of every model call (``temperature``, ``top_p``, a server's own keys),
     checked by :func:`normalize_sampling` (never ``max_tokens``, ``n``, ``model``, ...)."""
-    include_messages: bool = False
-    """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
-    include_tokens: bool = False
-    """Ask the server for each turn's token ids and logprobs and return them in the result's
-    ``turn_tokens`` (``include_sub_llm_in_trajectory``; :mod:`rlmq.common.token_wire`)."""
+    include_sub_llm_in_trajectory: bool = False
+    """The rollout's ``include_sub_llm_in_trajectory``: ask the server for each turn's token ids
+    and logprobs and return them in the result's ``turn_tokens`` (:mod:`rlmq.common.token_wire`),
+    and return the sub-LLM's conversation (``messages``). A payload that carries the two older
+    fields ``include_tokens`` / ``include_messages`` (always equal) instead is read as this one
+    (:meth:`_older_fields`)."""
     final_answer_turn: bool = True
     """At ``max_turns`` with tool calls: one more turn without tools asking for the final answer
     (``sub_llm_final_answer_turn``), budgeted like any turn."""
@@ -162,6 +164,19 @@ class SubCallOptions(_Strict):
     @classmethod
     def _checked_sampling(cls, value: Any) -> dict[str, Any]:
         return normalize_sampling(value, sub=True)  # a job cannot claim max_tokens past its grant
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_fields(cls, data: Any) -> Any:
+        """A payload of an older producer: its ``include_tokens`` (else ``include_messages``) is
+        the value of ``include_sub_llm_in_trajectory`` unless that is given too; both are dropped."""
+        if isinstance(data, dict) and ("include_tokens" in data or "include_messages" in data):
+            data = dict(data)
+            tokens, messages = data.pop("include_tokens", None), data.pop("include_messages", None)
+            older = tokens if tokens is not None else messages
+            if older is not None:
+                data.setdefault("include_sub_llm_in_trajectory", older)
+        return data
 
 
 class SubLLMRequest(SubCallOptions):
@@ -336,7 +351,7 @@ class SubLLMResult(_Strict):
     """Set on the answer of a child rollout (``rlm_batch``)."""
     turn_tokens: list[TurnTokens] | None = None
     """One record per model turn of the call, in order, with its served token ids and logprobs
-    (or why it has none), when the request asked (``include_tokens``) and the call answered
+    (or why it has none), when the request asked (``include_sub_llm_in_trajectory``) and the call answered
     (``ok``); rejected and failed calls carry none."""
     spilled: bool = False
     """True when the worker moved this result's ``turn_tokens`` and ``child.trajectory`` to their

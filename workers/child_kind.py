@@ -151,7 +151,7 @@ class ChildKind:
             log.warning("worker %s: child rollout %s failed to run: %s", self.w.name, node, exc)
             return self._fail(slot, job, "host", f"{type(exc).__name__}: {exc}")
         result = self._result(req, job, res, node, options, started)
-        return await self._deliver(result, req.deadline, trainable=options.include_sub_llm_in_trajectory)
+        return await self._deliver(result, req.deadline, options.include_sub_llm_in_trajectory)
 
     def _sub_queue(self, job: StartedJob) -> str:
         """The queue the child's sub-calls go to: the model's (tenant) queue of the child queue
@@ -227,14 +227,18 @@ class ChildKind:
             ),
         )
 
-    async def _deliver(self, result: SubLLMResult, deadline: float, *, trainable: bool) -> Outcome:
-        """What the job delivers of ``result``; a trainable child's (a large trajectory with
-        tokens) goes beside the reply stream until ``deadline`` (Unix seconds)."""
+    async def _deliver(self, result: SubLLMResult, deadline: float, include_sub_llm_in_trajectory: bool) -> Outcome:
+        """What the job delivers of ``result``; with ``include_sub_llm_in_trajectory`` (a large
+        trajectory with tokens) it goes beside the reply stream until ``deadline`` (Unix seconds)."""
+
+        async def spilled(r: SubLLMResult) -> SubLLMResult:
+            return await spill_result(self.w.redis, r, deadline) if include_sub_llm_in_trajectory else r
+
         try:
-            return sub_llm_outcome(await spill_result(self.w.redis, result, deadline) if trainable else result, [])
+            return sub_llm_outcome(await spilled(result), [])
         except PydanticSerializationError:  # a lone surrogate in the answer or the trajectory
             clean = SubLLMResult.model_validate(without_surrogates(result.model_dump()))
-            return sub_llm_outcome(await spill_result(self.w.redis, clean, deadline) if trainable else clean, [])
+            return sub_llm_outcome(await spilled(clean), [])
 
     async def _check_parent(self, req: ChildRolloutRequest) -> tuple[str, str] | None:
         """``(error kind, message)`` when the job may not join the tree it names, else ``None``.

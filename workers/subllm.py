@@ -82,8 +82,6 @@ class SubLLMContext:
         ledger: the budget ledger; may be ``None`` only if no request is ``budgeted``.
         tools: the worker's allow-listed sub-tools.
         worker_name: written into each result's ``worker`` field.
-        include_messages: return the sub-LLM's conversation in ``SubLLMResult.messages``
-            (the producer's ``include_sub_llm_in_trajectory``).
         tool_timeout: seconds one sub-tool call may run.
         frozen: this worker's server is not the policy being trained (``rlmq worker --frozen``):
             its turns are marked untrainable (``frozen_fleet``) and no token is asked for.
@@ -100,7 +98,6 @@ class SubLLMContext:
     ledger: BudgetLedger | None
     tools: ToolRegistry
     worker_name: str
-    include_messages: bool = False
     tool_timeout: float = 30.0
     frozen: bool = False
     redis: Redis | None = None
@@ -267,7 +264,7 @@ class _Run(SegmentedTurns):
                 )
             else:
                 self.segments += 1
-            if request.include_tokens:
+            if request.include_sub_llm_in_trajectory:
                 self._record_tokens(turn, response, max_tokens, offered_now)
             if grant is not None:
                 used = last.completion_tokens if last.usage_reported else grant.tokens
@@ -404,7 +401,7 @@ class _Run(SegmentedTurns):
         conversation's and the request's); a failed call settles its grant (see the module docstring)."""
         request = self.request
         self.turns = turn
-        tokens = request.include_tokens and not self.ctx.frozen
+        tokens = request.include_sub_llm_in_trajectory and not self.ctx.frozen
         try:
             response = await self.ctx.client.chat(
                 model=request.model,
@@ -600,6 +597,6 @@ async def run_sub_llm(
         seconds=time.perf_counter() - t0,
         worker=ctx.worker_name,
         attempt=attempt,
-        messages=list(run.messages) if (ctx.include_messages or request.include_messages) else None,
-        turn_tokens=run.turn_tokens if request.include_tokens and status == "ok" else None,
+        messages=list(run.messages) if request.include_sub_llm_in_trajectory else None,
+        turn_tokens=run.turn_tokens if request.include_sub_llm_in_trajectory and status == "ok" else None,
     )

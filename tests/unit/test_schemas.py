@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+from pydantic import ValidationError
+
 from rlmq.common.schemas import SubLLMRequest
 
 
@@ -29,3 +32,27 @@ def test_a_child_rollouts_call_sends_them_to_the_top_whose_ledger_it_charges() -
 def test_a_chain_that_names_another_rollout_without_charging_its_ledger_reaches_only_its_own() -> None:
     forged = request(nodes=["someone-elses-top", "own"])
     assert forged.tool_host == "own"
+
+
+@pytest.mark.parametrize(
+    ("older", "on"),
+    [
+        ({"include_tokens": True, "include_messages": True}, True),
+        ({"include_tokens": False, "include_messages": False}, False),
+        ({"include_messages": True}, True),
+        ({"include_tokens": True}, True),
+        ({"include_tokens": True, "include_sub_llm_in_trajectory": False}, False),  # the new name wins
+    ],
+)
+def test_an_older_producers_two_fields_are_read_as_the_one(older: dict[str, object], on: bool) -> None:
+    req = request(**older)
+    assert req.include_sub_llm_in_trajectory is on
+    assert "include_tokens" not in req.model_dump() and "include_messages" not in req.model_dump()
+
+
+def test_the_option_travels_under_its_one_name_and_an_older_field_stays_checked() -> None:
+    wire = request(include_sub_llm_in_trajectory=True).model_dump_json()
+    assert '"include_sub_llm_in_trajectory":true' in wire and "include_tokens" not in wire
+    assert SubLLMRequest.model_validate_json(wire).include_sub_llm_in_trajectory
+    with pytest.raises(ValidationError):
+        request(include_tokens="many")

@@ -127,7 +127,7 @@ def request(prompt: str, *, tokens: bool = True, sub_tools: list[str] | None = N
     now = time.time()
     return SubLLMRequest(
         model="m", rollout_id="r1", batch_id="b1", index=0, prompt=prompt, enqueued_at=now, deadline=now + 30,
-        include_tokens=tokens, max_turns=3, sub_tools=sub_tools or [], temperature=0.6,
+        include_sub_llm_in_trajectory=tokens, max_turns=3, sub_tools=sub_tools or [], temperature=0.6,
     )  # fmt: skip
 
 
