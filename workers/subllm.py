@@ -59,7 +59,7 @@ from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.settings import setting_default
 from rlmq.common.token_servers import sampled_with
-from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
+from rlmq.common.token_wire import TurnEncoder, TurnTokens, served_unless_frozen, tokens_asked, validate_served
 from rlmq.common.tool_registry import canonical_tool_path, cut_text
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
 from rlmq.workers.continuation import Continuation
@@ -401,7 +401,7 @@ class _Run(SegmentedTurns):
         conversation's and the request's); a failed call settles its grant (see the module docstring)."""
         request = self.request
         self.turns = turn
-        tokens = request.include_sub_llm_in_trajectory and not self.ctx.frozen
+        tokens = tokens_asked(request.include_sub_llm_in_trajectory, self.ctx.frozen)
         try:
             response = await self.ctx.client.chat(
                 model=request.model,
@@ -437,8 +437,7 @@ class _Run(SegmentedTurns):
             sampling["temperature"] = request.temperature
         if tools:
             sampling["tools"] = sorted(t["function"]["name"] for t in tools)
-        reason = "frozen_fleet" if self.ctx.frozen else response.untrainable
-        served = None if self.ctx.frozen else response.served
+        served, reason = served_unless_frozen(self.ctx.frozen, lambda: (response.served, response.untrainable))
         served, reason = validate_served(served, reason, max_tokens=max_tokens, max_ids=self.ctx.turn_token_max_ids)
         drawn = sampled_with(sampling, self.ctx.client.token_api)  # the request's, else the server's default
         self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling, drawn))
