@@ -18,6 +18,7 @@ import json
 from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -25,7 +26,6 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
-    model_validator,
 )
 
 from rlmq.common.errors import PayloadError, validation_summary
@@ -150,12 +150,17 @@ class SubCallOptions(_Strict):
     sampling: dict[str, Any] = Field(default_factory=dict)
     """Sampling arguments of every model call (``temperature``, ``top_p``, a server's own keys),
     checked by :func:`normalize_sampling` (never ``max_tokens``, ``n``, ``model``, ...)."""
-    include_sub_llm_in_trajectory: bool = False
+    include_sub_llm_in_trajectory: bool = Field(
+        default=False, validation_alias=AliasChoices("include_sub_llm_in_trajectory", "include_tokens")
+    )
     """The rollout's ``include_sub_llm_in_trajectory``: ask the server for each turn's token ids
     and logprobs and return them in the result's ``turn_tokens`` (:mod:`rlmq.common.token_wire`),
-    and return the sub-LLM's conversation (``messages``). A payload that carries the two older
-    fields ``include_tokens`` / ``include_messages`` (always equal) instead is read as this one
-    (:meth:`_older_fields`)."""
+    and return the sub-LLM's conversation (``messages``). Read from ``include_tokens`` too: a job
+    of an older producer carried the option as two equal booleans, ``include_tokens`` and
+    ``include_messages`` (:attr:`older_include_messages`)."""
+    older_include_messages: bool = Field(default=False, exclude=True, repr=False, validation_alias="include_messages")
+    """An older producer's ``include_messages`` (always equal to its ``include_tokens``, which is
+    read as :attr:`include_sub_llm_in_trajectory`): accepted on the wire, never written nor used."""
     final_answer_turn: bool = True
     """At ``max_turns`` with tool calls: one more turn without tools asking for the final answer
     (``sub_llm_final_answer_turn``), budgeted like any turn."""
@@ -164,19 +169,6 @@ class SubCallOptions(_Strict):
     @classmethod
     def _checked_sampling(cls, value: Any) -> dict[str, Any]:
         return normalize_sampling(value, sub=True)  # a job cannot claim max_tokens past its grant
-
-    @model_validator(mode="before")
-    @classmethod
-    def _older_fields(cls, data: Any) -> Any:
-        """A payload of an older producer: its ``include_tokens`` (else ``include_messages``) is
-        the value of ``include_sub_llm_in_trajectory`` unless that is given too; both are dropped."""
-        if isinstance(data, dict) and ("include_tokens" in data or "include_messages" in data):
-            data = dict(data)
-            tokens, messages = data.pop("include_tokens", None), data.pop("include_messages", None)
-            older = tokens if tokens is not None else messages
-            if older is not None:
-                data.setdefault("include_sub_llm_in_trajectory", older)
-        return data
 
 
 class SubLLMRequest(SubCallOptions):
