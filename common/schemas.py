@@ -18,6 +18,7 @@ import json
 from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -149,11 +150,17 @@ class SubCallOptions(_Strict):
     sampling: dict[str, Any] = Field(default_factory=dict)
     """Sampling arguments of every model call (``temperature``, ``top_p``, a server's own keys),
     checked by :func:`normalize_sampling` (never ``max_tokens``, ``n``, ``model``, ...)."""
-    include_messages: bool = False
-    """Return the sub-LLM's conversation in the result (``include_sub_llm_in_trajectory``)."""
-    include_tokens: bool = False
-    """Ask the server for each turn's token ids and logprobs and return them in the result's
-    ``turn_tokens`` (``include_sub_llm_in_trajectory``; :mod:`rlmq.common.token_wire`)."""
+    include_sub_llm_in_trajectory: bool = Field(
+        default=False, validation_alias=AliasChoices("include_sub_llm_in_trajectory", "include_tokens")
+    )
+    """The rollout's ``include_sub_llm_in_trajectory``: ask the server for each turn's token ids
+    and logprobs and return them in the result's ``turn_tokens`` (:mod:`rlmq.common.token_wire`),
+    and return the sub-LLM's conversation (``messages``). Read from ``include_tokens`` too: a job
+    of an older producer carried the option as two equal booleans, ``include_tokens`` and
+    ``include_messages`` (:attr:`older_include_messages`)."""
+    older_include_messages: bool = Field(default=False, exclude=True, repr=False, validation_alias="include_messages")
+    """An older producer's ``include_messages`` (always equal to its ``include_tokens``, which is
+    read as :attr:`include_sub_llm_in_trajectory`): accepted on the wire, never written nor used."""
     final_answer_turn: bool = True
     """At ``max_turns`` with tool calls: one more turn without tools asking for the final answer
     (``sub_llm_final_answer_turn``), budgeted like any turn."""
@@ -336,7 +343,7 @@ class SubLLMResult(_Strict):
     """Set on the answer of a child rollout (``rlm_batch``)."""
     turn_tokens: list[TurnTokens] | None = None
     """One record per model turn of the call, in order, with its served token ids and logprobs
-    (or why it has none), when the request asked (``include_tokens``) and the call answered
+    (or why it has none), when the request asked (``include_sub_llm_in_trajectory``) and the call answered
     (``ok``); rejected and failed calls carry none."""
     spilled: bool = False
     """True when the worker moved this result's ``turn_tokens`` and ``child.trajectory`` to their

@@ -31,7 +31,7 @@ import json
 import math
 import sys
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,7 +42,7 @@ from rlmq.common.token_servers import TokenApi, VersionSpan, check_versions
 __all__ = [
     "UNTRAINABLE_REASONS", "ServedTokens", "TokenCap", "TurnDecoder", "TurnEncoder", "TurnTokens",
     "completion_id_count", "decode_ids", "decode_logprobs", "encode_ids", "encode_logprobs", "expand_trajectory",
-    "served_tokens", "turn_counts", "validate_served",
+    "served_tokens", "served_unless_frozen", "tokens_asked", "turn_counts", "validate_served",
 ]  # fmt: skip
 
 UNTRAINABLE_REASONS: tuple[str, ...] = (
@@ -205,6 +205,22 @@ def served_tokens(
 def _bad_logprob(values: list[float]) -> bool:
     """A logprob no sampler gives: ``NaN``, infinite, or above 0 (a probability above 1)."""
     return any(not (math.isfinite(v) and v <= 0.0) for v in values)
+
+
+def tokens_asked(include_sub_llm_in_trajectory: bool, frozen: bool) -> bool:
+    """Whether a model call asks its server for the served tokens: with the rollout's
+    ``include_sub_llm_in_trajectory`` on, unless the server is a frozen fleet's (``frozen_fleet``:
+    not the policy being trained, its turns are never trainable)."""
+    return include_sub_llm_in_trajectory and not frozen
+
+
+def served_unless_frozen(
+    frozen: bool, read: Callable[[], tuple[ServedTokens | None, str | None]]
+) -> tuple[ServedTokens | None, str | None]:
+    """A turn's served tokens and why it is untrainable: ``read()`` (as :func:`served_tokens`
+    answers), or, when a frozen fleet served it, ``(None, "frozen_fleet")`` without reading
+    (whatever the server sent)."""
+    return (None, "frozen_fleet") if frozen else read()
 
 
 def validate_served(

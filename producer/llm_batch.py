@@ -105,8 +105,7 @@ class LlmBatchService:
                 max_completion_tokens=sub_call_max_tokens(o),  # sent with or without a budget
                 budgeted=rollout.budget is not None,
                 sampling=sub_call_sampling(o),
-                include_messages=o.include_sub_llm_in_trajectory,
-                include_tokens=o.include_sub_llm_in_trajectory,
+                include_sub_llm_in_trajectory=o.include_sub_llm_in_trajectory,
             ),
             result_ttl=self.result_ttl,
             reply_ttl=o.rollout_key_ttl,
@@ -200,8 +199,8 @@ def trajectory_result(rollout: Rollout, result: SubLLMResult) -> dict[str, Any]:
     """``result`` as ``rollout``'s trajectory keeps it in its batch's event: without ``None``
     fields and the worker's ``spilled`` flag, and with the sub-LLM's conversation only under
     ``include_sub_llm_in_trajectory``."""
-    keep_messages = rollout.options.include_sub_llm_in_trajectory
-    return result.model_dump(exclude_none=True, exclude={"spilled"} if keep_messages else {"messages", "spilled"})
+    kept = {"spilled"} if rollout.options.include_sub_llm_in_trajectory else {"messages", "spilled"}
+    return result.model_dump(exclude_none=True, exclude=kept)
 
 
 def _cut_note(result: SubLLMResult, cap: int) -> str:

@@ -14,7 +14,13 @@ from typing import Any
 
 from rlmq.common.settings import setting_default
 from rlmq.common.token_servers import KNOWN_TOKEN_APIS, sampled_with
-from rlmq.common.token_wire import completion_id_count, served_tokens, validate_served
+from rlmq.common.token_wire import (
+    completion_id_count,
+    served_tokens,
+    served_unless_frozen,
+    tokens_asked,
+    validate_served,
+)
 from rlmq.producer.rollout import Rollout
 
 __all__ = ["ask_for_tokens", "root_turn_tokens", "served_completion_ids"]
@@ -28,7 +34,7 @@ _NOT_SAMPLING = frozenset({"model", "messages", "tools", "extra_body"})
 def ask_for_tokens(rollout: Rollout, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` of a root call (``chat.completions.create``), asking for the served tokens when
     the rollout's option is on (merged into ``extra_body``); unchanged when it is off."""
-    if not rollout.options.include_sub_llm_in_trajectory or rollout.frozen:
+    if not tokens_asked(rollout.options.include_sub_llm_in_trajectory, rollout.frozen):
         return kwargs
     return {**kwargs, "extra_body": {**(kwargs.get("extra_body") or {}), **rollout.token_api.request_fields()}}
 
@@ -60,7 +66,7 @@ def root_turn_tokens(
     sampling = {k: v for k, v in kwargs.items() if k not in _NOT_SAMPLING}
     extra = {k: v for k, v in (kwargs.get("extra_body") or {}).items() if k not in api.request_fields()}
     body = _body(resp)
-    served, reason = (None, "frozen_fleet") if rollout.frozen else served_tokens(body, usage, api)
+    served, reason = served_unless_frozen(rollout.frozen, lambda: served_tokens(body, usage, api))
     rollout.token_fields_log.note(body, api, reason, served is not None and served.versions is not None)
     cap = kwargs.get("max_tokens", kwargs.get("max_completion_tokens"))
     cap = cap if isinstance(cap, int) and not isinstance(cap, bool) else None

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rlmq.common.errors import UncontainedReplError
 from rlmq.common.schemas import DatasetRow
@@ -36,7 +36,11 @@ from rlmq.producer.repl.containment import Containment
 from rlmq.producer.root import RootModel
 
 if TYPE_CHECKING:
-    from rlmq.workers.worker import SubLLMWorker
+    from redis.asyncio import Redis
+
+    from rlmq.common.metrics import Metrics
+    from rlmq.common.settings import Settings
+    from rlmq.common.token_servers import TokenFieldsLog
 
 log = logging.getLogger("rlmq.worker")
 
@@ -75,14 +79,28 @@ async def probe_containment(server: InterceptionServer, options: RolloutOptions)
             server.unregister(token)
 
 
+class ChildHostPort(Protocol):
+    """What the rollout host uses of its worker, and nothing else
+    (:class:`rlmq.workers.worker.SubLLMWorker` is one), read at :meth:`ChildHost.start` and after:
+    how to build the host (``settings``, ``redis``, ``metrics``, ``token_fields_log``: the
+    worker's, so a server without token fields is reported once per worker) and the ``name``
+    its log lines carry."""
+
+    name: str
+    settings: Settings
+    redis: Redis
+    metrics: Metrics
+    token_fields_log: TokenFieldsLog
+
+
 class ChildHost:
     """The worker-side :class:`~rlmq.producer.engine.RolloutHost` of one REPL-hosting worker.
 
     Args:
-        worker: the worker (its settings, Redis client and metrics are read at :meth:`start`).
+        worker: the worker (see :class:`ChildHostPort`; read at :meth:`start` and after).
     """
 
-    def __init__(self, worker: SubLLMWorker) -> None:
+    def __init__(self, worker: ChildHostPort) -> None:
         self.w = worker
         self.server: InterceptionServer | None = None
         self.root: RootModel | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
@@ -30,12 +30,17 @@ from rlmq.common.settings import RolloutOptions
 from rlmq.common.tree import TreePosition
 from rlmq.producer.child_trajectory import CHILD_TRAJECTORY_MAX_CHARS, cut_trajectory, without_surrogates
 from rlmq.producer.engine import run_rollout
+from rlmq.producer.rollout import RolloutResult
 from rlmq.workers.capacity import REPL, repl_pool
 from rlmq.workers.kinds import JobKind, Outcome
 from rlmq.workers.subllm_kind import sub_llm_outcome
 
 if TYPE_CHECKING:
-    from rlmq.workers.worker import SubLLMWorker
+    from redis.asyncio import Redis
+
+    from rlmq.common.budget.ledger import BudgetLedger
+    from rlmq.workers.child_host import ChildHost
+    from rlmq.workers.inflight import InFlight
 
 log = logging.getLogger("rlmq.worker")
 
@@ -73,15 +78,29 @@ def child_failure(
     )
 
 
+class ChildKindPort(Protocol):
+    """What the child-rollout kind uses of its worker, and nothing else
+    (:class:`rlmq.workers.worker.SubLLMWorker` is one), read per job: where a child runs
+    (``child_host``), which queue its job came from (``jobs``) and the worker's own (``queue``,
+    where its sub-calls go when that was no child queue), the tree it joins or ends (``ledger``,
+    ``redis``), and the ``name`` its results and log lines carry."""
+
+    name: str
+    queue: str
+    redis: Redis
+    ledger: BudgetLedger
+    jobs: InFlight
+    child_host: ChildHost | None
+
+
 class ChildKind:
     """The child-rollout kind on one worker.
 
     Args:
-        worker: the worker that runs it (``worker.child_host``, ``worker.jobs`` and
-            ``worker.name`` are read per job).
+        worker: the worker that runs it (see :class:`ChildKindPort`).
     """
 
-    def __init__(self, worker: SubLLMWorker) -> None:
+    def __init__(self, worker: ChildKindPort) -> None:
         self.w = worker
 
     def kind(self, *, max_attempts: int) -> JobKind:
@@ -119,53 +138,73 @@ class ChildKind:
         if remaining <= 0:
             return self._fail(slot, job, "deadline", "the parent stopped waiting before the child started")
         try:
-            options = RolloutOptions.model_validate(req.options)
+            options = child_options(req.options, remaining)
         except ValidationError as exc:
             return self._fail(slot, job, "payload", f"invalid options: {validation_summary(exc, 'options')}")
-        # pip runs outside the REPL's sandbox, with the worker's rights: a job's payload never
-        # makes a worker install anything (the children import what the worker's environment has)
-        options = options.model_copy(
-            # nor keep a child's files on the worker's host (retain_filesystem_after_rollout: top rollouts only)
-            update={
-                "rollout_timeout": min(options.rollout_timeout, remaining),
-                "pip_install_packages": [],
-                "retain_filesystem_after_rollout": False,
-            }
-        )
         refused = await self._check_parent(req)
         if refused is not None:
             return self._fail(slot, job, *refused)
-        queue = self.w.jobs.queue_of(job.member)
-        parsed = K.parse_child_queue(queue)
-        sub_queue = parsed[0] if parsed is not None else self.w.queue  # its sub-calls: the model's (tenant) queue
         node = child_node(req.child_id, job.attempt)
+        try:
+            res = await self._run_hosted(req, job, options, node)
+        except Exception as exc:  # Redis failed announcing it, or a bug: the parent gets an error slot
+            log.warning("worker %s: child rollout %s failed to run: %s", self.w.name, node, exc)
+            return self._fail(slot, job, "host", f"{type(exc).__name__}: {exc}")
+        result = self._result(req, job, res, node, options, started)
+        return await self._deliver(result, req.deadline, options.include_sub_llm_in_trajectory)
+
+    def _sub_queue(self, job: StartedJob) -> str:
+        """The queue the child's sub-calls go to: the model's (tenant) queue of the child queue
+        ``job`` came from, else this worker's own."""
+        parsed = K.parse_child_queue(self.w.jobs.queue_of(job.member))
+        return parsed[0] if parsed is not None else self.w.queue
+
+    async def _run_hosted(
+        self, req: ChildRolloutRequest, job: StartedJob, options: RolloutOptions, node: str
+    ) -> RolloutResult:
+        """Run the child as rollout (and tree node) ``node`` on this worker's rollout host,
+        counted there while it runs.
+
+        Raises:
+            ConfigError: this worker hosts no child rollout.
+            Exception: whatever :func:`~rlmq.producer.engine.run_rollout` raised.
+        """
         tree = TreePosition(
             req.ledger_id, depth=req.depth, max_depth=req.max_depth, nodes=tuple(req.nodes), parent_id=req.rollout_id
         )
         row = DatasetRow(id=req.child_id, question=req.prompt, context=req.context if req.context is not None else "")
+        if self.w.child_host is None:
+            raise ConfigError("this worker hosts no child rollout (--repl-slots 0)")
+        host = self.w.child_host
+        host.began()
+        ended: tuple[str, str | None] = ("cancelled", None)  # cancelled unless it returns or fails
         try:
-            if self.w.child_host is None:
-                raise ConfigError("this worker hosts no child rollout (--repl-slots 0)")
-            host = self.w.child_host
-            host.began()
-            ended: tuple[str, str | None] = ("cancelled", None)  # cancelled unless it returns or fails
-            try:
-                res = await run_rollout(
-                    host.host, row, options, model=req.model, queue=sub_queue, rollout_id=node, tree=tree,
-                    hosted_tools=req.hosted_tools,
-                )  # fmt: skip
-                ended = (res.row.stop_reason, res.row.error)
-            except Exception:
-                ended = ("failed to run", None)  # logged below
-                raise
-            finally:
-                host.finished(node, *ended)
-        except Exception as exc:  # Redis failed announcing it, or a bug: the parent gets an error slot
-            log.warning("worker %s: child rollout %s failed to run: %s", self.w.name, node, exc)
-            return self._fail(slot, job, "host", f"{type(exc).__name__}: {exc}")
+            res = await run_rollout(
+                host.host, row, options, model=req.model, queue=self._sub_queue(job), rollout_id=node, tree=tree,
+                hosted_tools=req.hosted_tools,
+            )  # fmt: skip
+            ended = (res.row.stop_reason, res.row.error)
+            return res
+        except Exception:
+            ended = ("failed to run", None)  # logged by the caller
+            raise
+        finally:
+            host.finished(node, *ended)
+
+    def _result(
+        self,
+        req: ChildRolloutRequest,
+        job: StartedJob,
+        res: RolloutResult,
+        node: str,
+        options: RolloutOptions,
+        started: float,
+    ) -> SubLLMResult:
+        """The parent's result of a child that ran (``started``: Unix seconds): its answer, or its
+        error, and its outcome, its trajectory cut to :func:`trajectory_bound`."""
         r = res.row
         ok = r.stop_reason != "error"
-        result = SubLLMResult(
+        return SubLLMResult(
             rollout_id=req.rollout_id,
             batch_id=req.batch_id,
             index=req.index,
@@ -187,12 +226,19 @@ class ChildKind:
                 trajectory=cut_trajectory(res.trajectory, trajectory_bound(options)),  # before Redis and the parent
             ),
         )
-        trainable = options.include_sub_llm_in_trajectory  # a large trajectory with tokens: beside the stream
+
+    async def _deliver(self, result: SubLLMResult, deadline: float, include_sub_llm_in_trajectory: bool) -> Outcome:
+        """What the job delivers of ``result``; with ``include_sub_llm_in_trajectory`` (a large
+        trajectory with tokens) it goes beside the reply stream until ``deadline`` (Unix seconds)."""
+
+        async def spilled(r: SubLLMResult) -> SubLLMResult:
+            return await spill_result(self.w.redis, r, deadline) if include_sub_llm_in_trajectory else r
+
         try:
-            return sub_llm_outcome(await spill_result(self.w.redis, result, req.deadline) if trainable else result, [])
+            return sub_llm_outcome(await spilled(result), [])
         except PydanticSerializationError:  # a lone surrogate in the answer or the trajectory
             clean = SubLLMResult.model_validate(without_surrogates(result.model_dump()))
-            return sub_llm_outcome(await spill_result(self.w.redis, clean, req.deadline) if trainable else clean, [])
+            return sub_llm_outcome(await spilled(clean), [])
 
     async def _check_parent(self, req: ChildRolloutRequest) -> tuple[str, str] | None:
         """``(error kind, message)`` when the job may not join the tree it names, else ``None``.
@@ -271,6 +317,27 @@ class ChildKind:
         return child_failure(
             slot_of(job_id, meta), job_id, "abandoned", "worker stopped heartbeating"
         ).model_dump_json()
+
+
+def child_options(raw: dict[str, Any], remaining: float) -> RolloutOptions:
+    """A child's rollout options from its payload's ``raw`` options, as a worker runs them: its
+    rollout timeout at most ``remaining`` (seconds to its parent's deadline); no package
+    installed (pip runs outside the REPL's sandbox, with the worker's rights: a job's payload
+    never makes a worker install anything; the children import what the worker's environment
+    has), nor its files kept on the worker's host (``retain_filesystem_after_rollout``: top
+    rollouts only).
+
+    Raises:
+        ValidationError: ``raw`` is not valid rollout options.
+    """
+    options = RolloutOptions.model_validate(raw)
+    return options.model_copy(
+        update={
+            "rollout_timeout": min(options.rollout_timeout, remaining),
+            "pip_install_packages": [],
+            "retain_filesystem_after_rollout": False,
+        }
+    )
 
 
 def trajectory_bound(options: RolloutOptions) -> int:

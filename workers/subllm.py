@@ -59,7 +59,7 @@ from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.settings import setting_default
 from rlmq.common.token_servers import sampled_with
-from rlmq.common.token_wire import TurnEncoder, TurnTokens, validate_served
+from rlmq.common.token_wire import TurnEncoder, TurnTokens, served_unless_frozen, tokens_asked, validate_served
 from rlmq.common.tool_registry import canonical_tool_path, cut_text
 from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
 from rlmq.workers.continuation import Continuation
@@ -82,8 +82,6 @@ class SubLLMContext:
         ledger: the budget ledger; may be ``None`` only if no request is ``budgeted``.
         tools: the worker's allow-listed sub-tools.
         worker_name: written into each result's ``worker`` field.
-        include_messages: return the sub-LLM's conversation in ``SubLLMResult.messages``
-            (the producer's ``include_sub_llm_in_trajectory``).
         tool_timeout: seconds one sub-tool call may run.
         frozen: this worker's server is not the policy being trained (``rlmq worker --frozen``):
             its turns are marked untrainable (``frozen_fleet``) and no token is asked for.
@@ -100,7 +98,6 @@ class SubLLMContext:
     ledger: BudgetLedger | None
     tools: ToolRegistry
     worker_name: str
-    include_messages: bool = False
     tool_timeout: float = 30.0
     frozen: bool = False
     redis: Redis | None = None
@@ -267,7 +264,7 @@ class _Run(SegmentedTurns):
                 )
             else:
                 self.segments += 1
-            if request.include_tokens:
+            if request.include_sub_llm_in_trajectory:
                 self._record_tokens(turn, response, max_tokens, offered_now)
             if grant is not None:
                 used = last.completion_tokens if last.usage_reported else grant.tokens
@@ -404,7 +401,7 @@ class _Run(SegmentedTurns):
         conversation's and the request's); a failed call settles its grant (see the module docstring)."""
         request = self.request
         self.turns = turn
-        tokens = request.include_tokens and not self.ctx.frozen
+        tokens = tokens_asked(request.include_sub_llm_in_trajectory, self.ctx.frozen)
         try:
             response = await self.ctx.client.chat(
                 model=request.model,
@@ -440,8 +437,7 @@ class _Run(SegmentedTurns):
             sampling["temperature"] = request.temperature
         if tools:
             sampling["tools"] = sorted(t["function"]["name"] for t in tools)
-        reason = "frozen_fleet" if self.ctx.frozen else response.untrainable
-        served = None if self.ctx.frozen else response.served
+        served, reason = served_unless_frozen(self.ctx.frozen, lambda: (response.served, response.untrainable))
         served, reason = validate_served(served, reason, max_tokens=max_tokens, max_ids=self.ctx.turn_token_max_ids)
         drawn = sampled_with(sampling, self.ctx.client.token_api)  # the request's, else the server's default
         self.turn_tokens.append(self.encoder.encode(turn, served, reason, sampling, drawn))
@@ -600,6 +596,6 @@ async def run_sub_llm(
         seconds=time.perf_counter() - t0,
         worker=ctx.worker_name,
         attempt=attempt,
-        messages=list(run.messages) if (ctx.include_messages or request.include_messages) else None,
-        turn_tokens=run.turn_tokens if request.include_tokens and status == "ok" else None,
+        messages=list(run.messages) if request.include_sub_llm_in_trajectory else None,
+        turn_tokens=run.turn_tokens if request.include_sub_llm_in_trajectory and status == "ok" else None,
     )

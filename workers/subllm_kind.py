@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rlmq.common.jobs.record import SUB_LLM_FUNC, rq_exc_string, rq_return_value
 from rlmq.common.jobs.spill import spill_key_of, spill_result
@@ -17,20 +17,37 @@ from rlmq.common.jobs.store import ABANDONED_CONTENT, StartedJob, slot_of
 from rlmq.common.schemas import SubLLMRequest, SubLLMResult, load_request
 from rlmq.workers.capacity import MODEL_CALLS
 from rlmq.workers.kinds import JobKind, Outcome
-from rlmq.workers.subllm import run_sub_llm
+from rlmq.workers.subllm import SubLLMContext, run_sub_llm
 
 if TYPE_CHECKING:
-    from rlmq.workers.worker import SubLLMWorker
+    from redis.asyncio import Redis
+
+    from rlmq.common.metrics import Metrics
+
+
+class SubLLMKindPort(Protocol):
+    """What the sub-LLM kind uses of its worker, and nothing else
+    (:class:`rlmq.workers.worker.SubLLMWorker` is one), read per call: what a sub-call runs with
+    (``ctx``: its client, ledger, tools), where a large token payload goes (``redis``), what it
+    counts (``metrics``), the ``name`` its results carry, and where an early call's outcome goes
+    (:meth:`finish_job`)."""
+
+    name: str
+    redis: Redis
+    metrics: Metrics
+    ctx: SubLLMContext
+
+    def finish_job(self, job: StartedJob, outcome: Outcome) -> None: ...
 
 
 class SubLLMKind:
     """The sub-LLM kind on one worker (its client, ledger and metrics).
 
     Args:
-        worker: the worker that runs it (``worker.ctx`` and ``worker.metrics`` are read per call).
+        worker: the worker that runs it (see :class:`SubLLMKindPort`).
     """
 
-    def __init__(self, worker: SubLLMWorker) -> None:
+    def __init__(self, worker: SubLLMKindPort) -> None:
         self.w = worker
 
     def kind(self, *, max_attempts: int) -> JobKind:

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import redis
 from rq import Queue
@@ -35,7 +35,13 @@ from rlmq.common.connection import sync_client
 from rlmq.common.fleet_checks import redis_time
 
 if TYPE_CHECKING:
-    from rlmq.workers.worker import SubLLMWorker
+    from redis.asyncio import Redis
+
+    from rlmq.common.jobs.store import JobStore
+    from rlmq.common.metrics import Metrics
+    from rlmq.common.settings import Settings
+    from rlmq.workers.inflight import InFlight
+    from rlmq.workers.kinds import JobKind
 
 log = logging.getLogger("rlmq.worker")
 
@@ -52,14 +58,48 @@ def heartbeat_period(interval: float, ttl: float) -> float:
     return min(interval, ttl / HEARTBEAT_MARGIN)
 
 
+class ServedQueues(Protocol):
+    """The queues a worker takes jobs from now (its fetcher's: its own, its child queues, the
+    tenant queues found)."""
+
+    @property
+    def queues(self) -> list[str]: ...
+
+
+class UpkeepPort(Protocol):
+    """What the upkeep uses of its worker, and nothing else (:class:`rlmq.workers.worker.SubLLMWorker`
+    is one): who it registers (``name``, ``queue``, :meth:`child_queues`, ``concurrency``,
+    ``repl_slots``, ``settings``: ``redis_url``, ``heartbeat_interval``, ``job_heartbeat_ttl``),
+    what it extends and takes back (``jobs``, :meth:`records_for`, :meth:`kind_of_queue`, the
+    ``fetcher``'s queues) on which Redis (``redis``), and what it reports (``metrics``)."""
+
+    settings: Settings
+    name: str
+    queue: str
+    concurrency: int
+    repl_slots: int
+    redis: Redis
+    jobs: InFlight
+    metrics: Metrics
+
+    @property
+    def fetcher(self) -> ServedQueues: ...
+
+    def child_queues(self) -> list[str]: ...
+
+    def records_for(self, queue: str) -> JobStore: ...
+
+    def kind_of_queue(self, queue: str) -> JobKind: ...
+
+
 class Upkeep:
     """Registration, heartbeat and reaper of one worker.
 
     Args:
-        worker: the worker it keeps (its settings, name, client, in-flight jobs, queues).
+        worker: the worker it keeps (see :class:`UpkeepPort`).
     """
 
-    def __init__(self, worker: SubLLMWorker) -> None:
+    def __init__(self, worker: UpkeepPort) -> None:
         self.w = worker
         self.late_beats = 0
         """Heartbeats that came more than half a ``job_heartbeat_ttl`` after the one before (a

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
+from redis.asyncio import Redis
 
 from rlmq.common import keys as K
 from rlmq.common.aio import cancel_and_wait
@@ -68,6 +69,8 @@ from rlmq.workers.tools import ToolRegistry
 from rlmq.workers.upkeep import Upkeep
 
 if TYPE_CHECKING:
+    from rq import Worker as RQWorker
+
     from rlmq.workers.child_host import ChildHost
     from rlmq.workers.child_kind import ChildKind
 
@@ -79,6 +82,10 @@ FLUSH_GIVE_UP = 30.0
 ``READONLY`` or ``OOM``; a lost connection waits for ever, the jobs' heartbeats stop with it)
 before the worker lets go of them: it stops heartbeating them, so the reaper of any worker
 re-queues them once Redis takes writes again. Slower, never lost."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that request a worker's stop (a second one hands its in-flight jobs back at once)."""
 
 
 def default_worker_name() -> str:
@@ -102,6 +109,13 @@ class SubLLMWorker:
     Raises:
         ConfigError: ``base_url`` / ``model`` / ``redis_url`` missing.
     """
+
+    redis: Redis
+    """The worker's Redis client (made by :meth:`run`)."""
+    ledger: BudgetLedger
+    """The budget ledgers of the sub-calls and children it runs (made by :meth:`run`)."""
+    ctx: SubLLMContext
+    """What its sub-calls run with: model client, ledger, tools (made by :meth:`run`)."""
 
     def __init__(
         self,
@@ -129,46 +143,18 @@ class SubLLMWorker:
         """The worker's capacity pools (model-call slots: ``concurrency``)."""
         self.kinds = KindRegistry()
         """The job kinds this worker runs: the sub-LLM call; with ``repl_slots`` > 0 the child rollout too."""
-        self.sub_llm = SubLLMKind(self)
-        self.kinds.register(self.sub_llm.kind(max_attempts=settings.job_max_attempts))
         self.repl_slots = settings.repl_slots
         """Child rollouts hosted at once per depth (0: this worker hosts none)."""
         self.child_host: ChildHost | None = None
         """The rollout host of the child rollouts (``repl_slots`` > 0; started by :meth:`run`)."""
         self.children: ChildKind | None = None
         """The child-rollout kind (``repl_slots`` > 0)."""
-        if self.repl_slots > 0:
-            # Imported here: the rollout engine brings the root model's client (openai), which a
-            # worker that hosts no REPL never needs (it would double its start-up time and memory).
-            from rlmq.workers.child_host import ChildHost
-            from rlmq.workers.child_kind import ChildKind
-
-            self.child_host = ChildHost(self)
-            self.children = ChildKind(self)
-            for depth in self.child_depths:
-                self.capacity.add_pool(repl_pool(depth), PoolSpec(self.repl_slots))
-            self.kinds.register(self.children.kind(max_attempts=settings.job_max_attempts))
+        self.sub_llm = self._register_kinds()
         self.metrics = metrics or Metrics()
         self.token_fields_log = TokenFieldsLog()
         """Says once for this worker (its sub-calls and its children's root turns) that its server
         answers no token field rlmq reads."""
-        self._client_factory = client_factory or (
-            lambda: ChatClient(
-                str(settings.base_url),
-                settings.api_key.get_secret_value(),
-                timeout=settings.model_timeout,
-                retries=settings.model_retries,
-                transport=model_transport(  # fleet-wide provider limits, when declared
-                    settings,
-                    self.queue,
-                    self.redis,
-                    name=self.name,
-                    max_connections=max(100, self.concurrency),
-                    metrics=self.metrics,
-                ),  # fmt: skip
-                token_api=settings.token_api(),
-            )
-        )
+        self._client_factory = client_factory or self._model_client
         self.jobs = InFlight(self.queue, self.capacity)
         """In-flight jobs, their tasks, finished jobs waiting to be recorded."""
         self.fetcher = Fetcher(self, lane_early_calls=settings.lane_early_calls)
@@ -181,6 +167,46 @@ class SubLLMWorker:
         self.failure: tuple[str, BaseException] | None = None
         """The task that kept failing and its last error, when one stopped the worker."""
         self._records: dict[str, JobStore] = {}
+
+    def _register_kinds(self) -> SubLLMKind:
+        """Register the job kinds this worker runs (the sub-LLM call; with ``repl_slots`` > 0 the
+        child rollout, its host and one REPL pool per depth); returns the sub-LLM kind."""
+        settings = self.settings
+        sub_llm = SubLLMKind(self)
+        self.kinds.register(sub_llm.kind(max_attempts=settings.job_max_attempts))
+        if self.repl_slots > 0:
+            # Imported here: the rollout engine brings the root model's client (openai), which a
+            # worker that hosts no REPL never needs (it would double its start-up time and memory).
+            from rlmq.workers.child_host import ChildHost
+            from rlmq.workers.child_kind import ChildKind
+
+            self.child_host = ChildHost(self)
+            self.children = ChildKind(self)
+            for depth in self.child_depths:
+                self.capacity.add_pool(repl_pool(depth), PoolSpec(self.repl_slots))
+            self.kinds.register(self.children.kind(max_attempts=settings.job_max_attempts))
+        return sub_llm
+
+    def _model_client(self) -> ChatClient:
+        """The model client of the worker's sub-calls (``base_url``, ``api_key``, ``model_timeout``,
+        ``model_retries``, ``token_ids_api``), through the fleet's provider limits when declared;
+        built by :meth:`run`, on its Redis client."""
+        settings = self.settings
+        return ChatClient(
+            str(settings.base_url),
+            settings.api_key.get_secret_value(),
+            timeout=settings.model_timeout,
+            retries=settings.model_retries,
+            transport=model_transport(  # fleet-wide provider limits, when declared
+                settings,
+                self.queue,
+                self.redis,
+                name=self.name,
+                max_connections=max(100, self.concurrency),
+                metrics=self.metrics,
+            ),  # fmt: skip
+            token_api=settings.token_api(),
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -229,6 +255,33 @@ class SubLLMWorker:
             WorkerFailed: a long-lived task kept failing (after the worker handed its jobs
                 back and unregistered).
         """
+        await self._connect()
+        self._make_context()
+        rq_worker = self.upkeep.register_birth()
+        loop = asyncio.get_running_loop()
+        self._handle_signals(loop)
+        log.info(
+            "worker %s serving queue %s with up to %d sub-calls in flight", self.name, self.queue, self.concurrency
+        )
+        await self.fetcher.discover_queues()
+        aux = self._start_tasks()
+        try:
+            await supervised("fetch", lambda: self.fetcher.fetch_loop(burst), on_give_up=self._give_up)
+            await self._drain(grace)
+        finally:
+            await self._close(aux, rq_worker, loop)
+        if self.failure is not None:
+            task, exc = self.failure
+            raise WorkerFailed(f"worker {self.name}: its {task} task kept failing ({type(exc).__name__}: {exc})")
+
+    async def _connect(self) -> None:
+        """Make the Redis client and check the server (its eviction policy, its clock); start the
+        rollout host of a REPL-hosting worker. Nothing is left open when it raises.
+
+        Raises:
+            ConfigError: Redis may evict rlmq's keys (and ``allow_evicting_redis`` is off).
+            UncontainedReplError: a REPL host's REPL is not contained (see :meth:`ChildHost.start`).
+        """
         s = self.settings
         # one blocking connection per llm_batch in flight: a hosted child rollout has one at a time
         hosted = self.repl_slots * len(self.child_depths)
@@ -244,6 +297,10 @@ class SubLLMWorker:
         except BaseException:
             await self.redis.aclose()
             raise
+
+    def _make_context(self) -> None:
+        """Make the budget ledger and what the sub-calls run with (``ctx``) on the worker's Redis."""
+        s = self.settings
         # each ledger's TTL is stored in it: never this worker's; the lease of grants not begun is this worker's
         self.ledger = BudgetLedger(self.redis, grant_lease=s.sub_llm_budget_grant_lease)
         self.ledger.on_park = self._parked_changed  # parked budget waiters give their slots back...
@@ -259,16 +316,17 @@ class SubLLMWorker:
             turn_token_max_ids=s.turn_token_max_ids,
         )
         self.ctx.client.token_fields_log = self.token_fields_log  # one warning per worker, children's roots too
-        rq_worker = self.upkeep.register_birth()
-        loop = asyncio.get_running_loop()
+
+    def _handle_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """SIGTERM, SIGINT and SIGHUP request a stop (a signal the process ignores stays ignored)."""
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            for sig in STOP_SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup rlmq worker` keeps SIGHUP ignored
                     loop.add_signal_handler(sig, self.request_stop)
-        log.info(
-            "worker %s serving queue %s with up to %d sub-calls in flight", self.name, self.queue, self.concurrency
-        )
-        await self.fetcher.discover_queues()
+
+    def _start_tasks(self) -> list[asyncio.Task[None]]:
+        """Start the long-lived tasks beside the fetch loop, each supervised: the wake listener,
+        the flush, the heartbeat, the reaper, and a REPL host's refresh of its children."""
 
         def keep(name: str, body: Callable[[], object]) -> asyncio.Task[None]:
             return asyncio.create_task(supervised(name, body, on_give_up=self._give_up), name=name)  # type: ignore[arg-type]
@@ -281,26 +339,24 @@ class SubLLMWorker:
         ]
         if self.child_host is not None:
             aux.append(keep("children", self.child_host.refresh_forever))
-        try:
-            await supervised("fetch", lambda: self.fetcher.fetch_loop(burst), on_give_up=self._give_up)
-            await self._drain(grace)
-        finally:
-            await cancel_and_wait(aux)
-            with contextlib.suppress(Exception):
-                await self._flush_once()
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                    loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
-            await self.ctx.client.close()
-            if self.child_host is not None:
-                await self.child_host.close()
-            await self.ledger.aclose()
-            self.upkeep.register_death(rq_worker)
-            await self.redis.aclose()
-            log.info("worker %s stopped after %d sub-calls", self.name, self.processed)
-        if self.failure is not None:
-            task, exc = self.failure
-            raise WorkerFailed(f"worker {self.name}: its {task} task kept failing ({type(exc).__name__}: {exc})")
+        return aux
+
+    async def _close(self, aux: list[asyncio.Task[None]], rq_worker: RQWorker, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop the tasks ``aux``, record what finished, remove the signal handlers, close the
+        model client, the rollout host and the ledger, unregister, and close the Redis client."""
+        await cancel_and_wait(aux)
+        with contextlib.suppress(Exception):
+            await self._flush_once()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)  # a worker run in-process leaves no handler behind
+        await self.ctx.client.close()
+        if self.child_host is not None:
+            await self.child_host.close()
+        await self.ledger.aclose()
+        self.upkeep.register_death(rq_worker)
+        await self.redis.aclose()
+        log.info("worker %s stopped after %d sub-calls", self.name, self.processed)
 
     async def _drain(self, grace: float) -> None:
         # Parked budget calls are not granted while the worker stops: their jobs are handed

@@ -48,7 +48,7 @@ def request(prompt: str, max_tokens: int | None = None) -> SubLLMRequest:
     now = time.time()
     return SubLLMRequest(
         model="m", rollout_id="r1", batch_id="b1", index=0, prompt=prompt, enqueued_at=now, deadline=now + 60,
-        include_tokens=True, max_turns=2, max_completion_tokens=max_tokens,
+        include_sub_llm_in_trajectory=True, max_turns=2, max_completion_tokens=max_tokens,
     )  # fmt: skip
 
 

@@ -163,7 +163,9 @@ async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(
     redis: Any, server: ScriptedModelServer
 ) -> None:
     ctx, ledger = await _ctx(redis, server)
-    result = await run_sub_llm(_request("Summarize. [[mock:tokens:700]]", include_tokens=True), ctx, job_id="j1")
+    result = await run_sub_llm(
+        _request("Summarize. [[mock:tokens:700]]", include_sub_llm_in_trajectory=True), ctx, job_id="j1"
+    )
     assert result.status == "ok" and not result.truncated
     assert result.completion_tokens == 700 and result.segments == 3  # 250 + 313 + 137
     unsegmented = await ChatClient(server.url, "k").chat(
@@ -194,7 +196,7 @@ async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(
 async def test_a_retokenized_boundary_marks_the_turn_untrainable(redis: Any, server: ScriptedModelServer) -> None:
     ctx, ledger = await _ctx(redis, server)
     prompt = "Summarize. [[mock:tokens:400]] [[mock:continue-boundary]]"
-    result = await run_sub_llm(_request(prompt, include_tokens=True), ctx, job_id="j1")
+    result = await run_sub_llm(_request(prompt, include_sub_llm_in_trajectory=True), ctx, job_id="j1")
     assert result.status == "ok" and result.completion_tokens == 400 and result.segments == 2
     assert result.turn_tokens is not None
     record = TurnDecoder().decode(result.turn_tokens[0])

@@ -45,6 +45,8 @@ SOURCES = sorted(
 
 NOT_THE_SETTING = {
     ("rlmq/cli/local.py", "LocalFleet.__init__", "model"): "the local mock server's model name, not a default",
+    ("common/schemas.py", "SubCallOptions", "include_sub_llm_in_trajectory"): "the wire's: a job that does not "
+    "say so asks its server for no token, whatever the rollouts' default",
 }
 """Parameters named like a setting that mean something else, with the reason."""
 

@@ -208,8 +208,8 @@ async def test_unbudgeted_without_ledger_sends_the_cap(llm: ScriptedLLM, client:
 
 async def test_usage_totals_over_turns(llm: ScriptedLLM, ctx: SubLLMContext) -> None:
     llm.script = [tool_call("count_words", {"text": "a b c"}, tokens=12), answer("three", tokens=5)]
-    ctx.include_messages = True
-    result = await run_sub_llm(make_request(sub_tools=["rlmq.workers.tools.count_words"]), ctx, job_id="j")
+    request = make_request(sub_tools=["rlmq.workers.tools.count_words"], include_sub_llm_in_trajectory=True)
+    result = await run_sub_llm(request, ctx, job_id="j")
     assert result.status == "ok" and result.content == "three"
     assert result.turns == 2 and result.tool_calls == 1
     assert result.completion_tokens == 17

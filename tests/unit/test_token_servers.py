@@ -30,7 +30,7 @@ def request(prompt: str, *, temperature: float | None = 0.6, sampling: dict[str,
     now = time.time()
     return SubLLMRequest(
         model="m", rollout_id="r1", batch_id="b1", index=0, prompt=prompt, enqueued_at=now, deadline=now + 30,
-        include_tokens=True, max_turns=3, temperature=temperature, sampling=sampling or {},
+        include_sub_llm_in_trajectory=True, max_turns=3, temperature=temperature, sampling=sampling or {},
     )  # fmt: skip
 
 

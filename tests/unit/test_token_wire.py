@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import fakeredis.aioredis
@@ -16,7 +17,8 @@ import pytest
 
 from rlmq.common import keys as K
 from rlmq.common.jobs.spill import spill_result, unspill
-from rlmq.common.schemas import SubLLMRequest, SubLLMResult
+from rlmq.common.schemas import DatasetRow, SubLLMRequest, SubLLMResult
+from rlmq.common.settings import RolloutOptions
 from rlmq.common.token_wire import (
     ServedTokens,
     TokenCap,
@@ -30,6 +32,8 @@ from rlmq.common.token_wire import (
     served_tokens,
     turn_counts,
 )
+from rlmq.producer.rollout import Rollout
+from rlmq.producer.root_tokens import ask_for_tokens, root_turn_tokens
 from rlmq.scripted.server import ScriptedModelServer
 from rlmq.workers.model import ChatClient
 from rlmq.workers.subllm import SubLLMContext, run_sub_llm
@@ -127,7 +131,7 @@ def request(prompt: str, *, tokens: bool = True, sub_tools: list[str] | None = N
     now = time.time()
     return SubLLMRequest(
         model="m", rollout_id="r1", batch_id="b1", index=0, prompt=prompt, enqueued_at=now, deadline=now + 30,
-        include_tokens=tokens, max_turns=3, sub_tools=sub_tools or [], temperature=0.6,
+        include_sub_llm_in_trajectory=tokens, max_turns=3, sub_tools=sub_tools or [], temperature=0.6,
     )  # fmt: skip
 
 
@@ -182,11 +186,36 @@ async def test_option_off_asks_for_nothing_and_carries_nothing() -> None:
     assert "turn_tokens" not in res.model_dump(exclude_none=True)
 
 
-async def test_a_frozen_fleet_marks_its_turns_and_asks_for_nothing() -> None:
+async def _frozen_sub_call() -> tuple[dict[str, Any], str | None]:
+    """What a frozen worker's sub-call asked its server and the reason its one turn records."""
     async with ScriptedModelServer() as server:
         res = await call(server, request("say hello"), frozen=True)
-        assert "return_token_ids" not in server.stats["params"][-1]
-    assert res.turn_tokens is not None and [t.untrainable for t in res.turn_tokens] == ["frozen_fleet"]
+        asked = server.stats["params"][-1]
+    assert res.turn_tokens is not None and len(res.turn_tokens) == 1
+    return asked, res.turn_tokens[0].untrainable
+
+
+async def _frozen_root_turn() -> tuple[dict[str, Any], str | None]:
+    """What a frozen REPL host's root turn asks and the reason it records, though its server sent ids."""
+    rollout = Rollout(
+        id="r1", row=DatasetRow(id="1", question="q", context="c"), model="m", sub_model="m", queue="q",
+        options=RolloutOptions(include_sub_llm_in_trajectory=True), frozen=True,
+    )  # fmt: skip
+    asked = ask_for_tokens(rollout, {"model": "m", "messages": []}).get("extra_body") or {}
+    body = {"prompt_token_ids": [1, 2], "choices": [{"token_ids": [3], "logprobs": {"content": [{"logprob": -0.5}]}}]}
+    rollout.stats.root_turns = 1
+    record = root_turn_tokens(rollout, body, {"model": "m", "messages": []}, (2, 1))
+    assert record is not None and record["prompt"] == record["completion"] == ""
+    return asked, record["untrainable"]
+
+
+@pytest.mark.parametrize("turn", [_frozen_sub_call, _frozen_root_turn], ids=["sub_call", "root_turn"])
+async def test_a_frozen_fleet_marks_its_turns_and_asks_for_nothing(
+    turn: Callable[[], Awaitable[tuple[dict[str, Any], str | None]]],
+) -> None:
+    asked, reason = await turn()
+    assert "return_token_ids" not in asked and "logprobs" not in asked
+    assert reason == "frozen_fleet"
 
 
 async def test_a_retried_call_carries_only_the_attempt_that_answered() -> None:
