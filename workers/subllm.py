@@ -54,6 +54,7 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from rlmq.common.budget.calls import Settle
 from rlmq.common.budget.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
@@ -150,7 +151,7 @@ class _Run(SegmentedTurns):
         ctx: SubLLMContext,
         job_id: str,
         attempt: int,
-        settle_out: list[tuple[str, str, int]] | None = None,
+        settle_out: list[Settle] | None = None,
         gate: Awaitable[object] | None = None,
     ) -> None:
         self.request = request
@@ -274,11 +275,14 @@ class _Run(SegmentedTurns):
                 used = max(used, last.completion_ids or 0)  # never below the ids it served
                 final = not response.tool_calls or turn == last_turn
                 if final and self.settle_out is not None:
-                    # The last settlement rides with the worker's FINISH round trip; until then
-                    # the grant stays charged in full (a few ms of over-charge, never under).
-                    self.settle_out.append((request.charged_ledger, reservation, used))
+                    # The last settlement rides with the worker's FINISH round trip, with the note
+                    # that the answer ended; until then the grant stays charged in full (a few ms of
+                    # over-charge, never under).
+                    answer, answered = self.take_answer()
+                    self.settle_out.append(Settle(request.charged_ledger, reservation, used, answer, answered))
                     self.released_tokens += max(0, grant.tokens - used)
                 else:
+                    self.answer_over()  # submitted first: both go out in one script call
                     await self._settle(reservation, used)
             self.truncated = response.finish_reason == "length"
             if response.content:
@@ -513,7 +517,7 @@ async def run_sub_llm(
     job_id: str,
     attempt: int = 1,
     started_at: float | None = None,
-    settle_out: list[tuple[str, str, int]] | None = None,
+    settle_out: list[Settle] | None = None,
     gate: Awaitable[object] | None = None,
 ) -> SubLLMResult:
     """Run one sub-LLM call: budget reservations, model turns, sub-tools; return its result.
@@ -530,9 +534,10 @@ async def run_sub_llm(
         started_at: Unix time (seconds) the worker took the job; ``queue_wait_seconds`` is
             measured from ``request.enqueued_at`` to it (default: now).
         settle_out: when given, the final model call's settlement is not sent but appended
-            here as ``(ledger_id, reservation_id, completion tokens used)``, for the caller to
-            send with its own round trip (the worker's ``FINISH``); the grant stays charged in
-            full until then. ``None``: every settlement is sent at once.
+            here as a :class:`~rlmq.common.budget.calls.Settle` (with the note that its answer
+            ended, for an answer granted in segments), for the caller to send with its own round
+            trip (the worker's ``FINISH``); the grant stays charged in full, and the answer
+            running, until then. ``None``: every settlement is sent at once.
         gate: awaited once, after the first budget reservation and before the first model
             call: a worker that starts a job before its ``START`` answered passes that
             answer here, so a job it turns out not to own never calls the model (its

@@ -46,7 +46,9 @@ class SegmentedTurns:
     segments: int
     overrun_tokens: int
     running_answer: str | None = None
-    """The first segment's reservation id of an answer granted in segments and not yet ended."""
+    """The first segment's reservation id of an answer granted in segments and not yet noted as ended."""
+    answer_tokens: int = 0
+    """The tokens that answer ended after, on its own (0: not, or not yet)."""
 
     async def _reserve(self, reservation: str, *, leased: bool = False, segment: int | None = None) -> Grant | None:
         raise NotImplementedError  # pragma: no cover - _Run's
@@ -117,7 +119,7 @@ class SegmentedTurns:
             nxt = await self._next_grant(nxt_id, spent)
             if nxt is None:  # the budget's true end (or the tree's): the answer is cut here
                 self.segments += k
-                self.answer_over(base, 0)
+                self.answer_over()
                 return joined, reservation, None, last, granted
             messages, sampling = continuation_request(
                 self.messages, joined.content or "", dict(self.request.sampling), self.ctx.continuation
@@ -129,13 +131,20 @@ class SegmentedTurns:
             spent, granted, k = spent + last.completion_tokens, granted + nxt.tokens, k + 1
         self.segments += k
         whole = ledger is not None and joined.finish_reason != "length" and joined.usage_reported
-        self.answer_over(base, spent if whole else 0)
+        self.answer_tokens = spent if whole else 0  # noted with the turn's last settlement
         return joined, reservation, grant, last, granted
 
-    def answer_over(self, answer: str | None = None, tokens: int = 0) -> None:
-        """Tell the ledger the running answer ``answer`` (default: the one granted last, if still
-        running) ended after ``tokens`` (0: not on its own); it stops counting as running."""
-        answer = answer or self.running_answer
-        self.running_answer = None
+    def take_answer(self) -> tuple[str, int]:
+        """The running answer (its first segment's reservation id; ``""``: none) and the tokens it ended
+        after (0: not on its own), for the caller to note with its last settlement; it is no longer
+        this turn's to note."""
+        answer, tokens = self.running_answer or "", self.answer_tokens
+        self.running_answer, self.answer_tokens = None, 0
+        return answer, tokens
+
+    def answer_over(self) -> None:
+        """Tell the ledger now, without waiting, that the running answer (if any) ended (see
+        :meth:`take_answer`); it stops counting as running."""
+        answer, tokens = self.take_answer()
         if answer and self.ctx.ledger is not None:
             self.ctx.ledger.note_answer(self.request.charged_ledger, tokens, answer=answer)

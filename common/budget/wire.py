@@ -25,7 +25,7 @@ from enum import IntEnum, StrEnum
 
 __all__ = [
     "COUNTERS", "HASH_FIELDS", "HEAD_ARGS", "SCRIPT_KEYS", "BeginCode", "BudgetSnapshot", "Code", "Grant", "Op",
-    "Release", "Reply", "SettleCode", "lua_names",
+    "Release", "Reply", "SettleCode", "answered_op", "lua_names",
 ]  # fmt: skip
 
 
@@ -99,6 +99,12 @@ class Op(StrEnum):
     ANSWERED = "f"
     """An answer of kind ``<kind>`` ended after ``<total>`` tokens (``f:<kind>:<total>``, no reservation):
     the ledger keeps the longest (``longest`` / ``longest:<kind>``), from which later segments are sized."""
+
+
+def answered_op(tokens: int, kind: str = "") -> str:
+    """The op that notes an answer of reservation kind ``kind`` (``""``: the sub-LLM's) ended after
+    ``tokens`` completion tokens (0: not on its own): ``f:<kind>:<tokens>`` (:attr:`Op.ANSWERED`)."""
+    return f"{Op.ANSWERED.value}:{kind}:{max(0, int(tokens))}"
 
 
 HASH_FIELDS = (
