@@ -40,7 +40,8 @@ def _lua(text: str) -> str:
 # and deadline the call's deadline (Unix seconds); for a settle n is the completion tokens the
 # server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
-# ledger once (HMGET) and writes it once (HSET). Returns one reply (wire.REPLY_FIELDS) per
+# ledger once (HMGET) and writes it once (HSET), and so the running answers (the answers hash: read
+# with the first segment that needs them, written once at the end). Returns one reply (wire.REPLY_FIELDS) per
 # operation, read by wire.Reply.of:
 # * reserve: value = grant. GRANTED (grant > 0); REJECTED (grant 0: nothing free and no live
 #   reservation that could give tokens back); NO_LEDGER (budget hash missing: expired, lost, or
@@ -161,16 +162,30 @@ local added, settled, first_grant, leased = false, false, false, false
 local function answer_of(id)  -- an answer's id: its first segment's reservation id
   return (string.gsub(id, ':s%d+$$', ''))
 end
-local running = nil  -- the running answers: {spent, reach, whole, kind} each, read once
-local longest = {}  -- per kind: the longest answer, ended or running
+local running = nil  -- answer id -> {spent, reach, whole, kind}: the running answers, read once
+local answer_writes, answer_order = {}, {}  -- answer id -> its new entry, or false (ended): written once, at the end
+local ended_longest = {}  -- per kind: the longest answer that ended (tokens; the hash's, read once)
+ended_longest[''] = tonumber(h_longest or '0') or 0
+local longest_changed = {}  -- kinds whose longest answer that ended changed (written with the counters)
+local longest = {}  -- per kind: the longest answer, ended or running (derived: reset by every change)
+local function parse_answer(value)  -- a running answer's entry, or nil when its call's deadline passed
+  local dl, sp, rc, wh, k = string.match(value, '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
+  if dl and tonumber(dl) > now then return {tonumber(sp), tonumber(rc), tonumber(wh), k} end
+  return nil
+end
+local function answer_put(aid, value)  -- value false: the answer ended (or will not go on)
+  if answer_writes[aid] == nil then answer_order[#answer_order + 1] = aid end
+  answer_writes[aid] = value
+  if running ~= nil then running[aid] = value and parse_answer(value) or nil end
+  longest = {}
+end
 local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
   f.charged = f.charged - grant
   f.reclaimed = f.reclaimed + grant
   changed.charged, changed.reclaimed = true, true
   put(id, false)
   redis.call('ZREM', live_set, id)
-  redis.call('HDEL', answers, answer_of(id))  -- its answer does not go on under it
-  running, longest = nil, {}
+  answer_put(answer_of(id), false)  -- its answer does not go on under it
   live = nil
   settled = true
 end
@@ -195,26 +210,31 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
 end
 local function running_answers()
   if running == nil then
-    running = {}
     local flat, stale = redis.call('HGETALL', answers), {}
+    running = {}
     for j = 1, #flat, 2 do
-      local dl, sp, rc, wh, k = string.match(flat[j + 1], '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
-      if dl and tonumber(dl) > now then
-        running[#running + 1] = {tonumber(sp), tonumber(rc), tonumber(wh), k}
-      else
-        stale[#stale + 1] = flat[j]
+      if answer_writes[flat[j]] == nil then  -- (one this script wrote is taken below)
+        running[flat[j]] = parse_answer(flat[j + 1])
+        if running[flat[j]] == nil then stale[#stale + 1] = flat[j] end
       end
     end
-    if #stale > 0 then redis.call('HDEL', answers, unpack(stale)) end
+    for _, aid in ipairs(stale) do answer_put(aid, false) end
+    for aid, value in pairs(answer_writes) do
+      if value then running[aid] = parse_answer(value) end
+    end
   end
   return running
 end
+local function longest_ended(k)  -- the longest answer of kind k that ended (tokens; the hash's, read once)
+  if ended_longest[k] == nil then
+    ended_longest[k] = tonumber(redis.call('HGET', budget, 'longest:' .. k) or '0') or 0
+  end
+  return ended_longest[k]
+end
 local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
   if longest[k] == nil then
-    local field = 'longest'
-    if k ~= '' then field = 'longest:' .. k end
-    longest[k] = tonumber(redis.call('HGET', budget, field) or '0') or 0
-    for _, a in ipairs(running_answers()) do  -- an answer still running grows the estimate as it goes
+    longest[k] = longest_ended(k)
+    for _, a in pairs(running_answers()) do  -- an answer still running grows the estimate as it goes
       if a[4] == k and a[1] > longest[k] then longest[k] = a[1] end
     end
   end
@@ -223,7 +243,7 @@ local function estimate(k, whole)  -- the segment an answer of kind k starts wit
 end
 local function pledged()  -- what the running answers are estimated to need past what they hold
   local sum = 0
-  for _, a in ipairs(running_answers()) do
+  for _, a in pairs(running_answers()) do
     local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
     if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
     if goal > a[2] then sum = sum + goal - a[2] end
@@ -317,10 +337,7 @@ for i = 1, nops do
           f.segments = f.segments + 1
           changed.segments = true
           if need > 0 and dl > now then
-            redis.call('HSET', answers, answer_of(id), dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' '
-              .. whole .. ' ' .. kname)
-            running = nil
-            if ttl > 0 then redis.call('EXPIRE', answers, ttl) end
+            answer_put(answer_of(id), dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' ' .. whole .. ' ' .. kname)
           end
         end
         if dl > now then
@@ -344,20 +361,16 @@ for i = 1, nops do
   elseif op == '$OP_ANSWERED' then
     local k, total = string.match(kind, '^.:([a-z_]*):(%d+)')
     total, k = tonumber(total or '0'), k or ''
-    local field = 'longest'
-    if k ~= '' then field = 'longest:' .. k end
-    if limit and total > (tonumber(redis.call('HGET', budget, field) or '0') or 0) then
-      redis.call('HSET', budget, field, total)
+    if limit and total > longest_ended(k) then
+      ended_longest[k] = total
+      longest_changed[k] = true
       longest[k] = nil
     end
-    if id ~= '' and redis.call('HDEL', answers, id) > 0 then  -- the answer ended: it pledges no more
-      running, longest = nil, {}
-    end
+    if id ~= '' then answer_put(id, false) end  -- the answer ended: it pledges no more
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
-    redis.call('HDEL', answers, answer_of(id))  -- a dead worker's answer will not go on
-    running, longest = nil, {}
+    answer_put(answer_of(id), false)  -- a dead worker's answer will not go on
     if removed > 0 then
       live = nil
       settled = true
@@ -419,7 +432,27 @@ for _, name in ipairs(names) do
     hset[#hset + 1] = f[name]
   end
 end
+for k in pairs(longest_changed) do
+  hset[#hset + 1] = k == '' and 'longest' or 'longest:' .. k
+  hset[#hset + 1] = ended_longest[k]
+end
 if #hset > 0 and limit then redis.call('HSET', budget, unpack(hset)) end  -- never re-create a lost ledger
+local aset, adel = {}, {}
+for _, aid in ipairs(answer_order) do
+  if answer_writes[aid] then
+    aset[#aset + 1] = aid
+    aset[#aset + 1] = answer_writes[aid]
+  else
+    adel[#adel + 1] = aid
+  end
+end
+for i = 1, #adel, 1000 do
+  redis.call('HDEL', answers, unpack(adel, i, math.min(i + 999, #adel)))
+end
+for i = 1, #aset, 1000 do
+  redis.call('HSET', answers, unpack(aset, i, math.min(i + 999, #aset)))
+end
+if #aset > 0 and ttl > 0 then redis.call('EXPIRE', answers, ttl) end
 local rargs, forget = {}, {}
 for _, id in ipairs(order) do
   if writes[id] then

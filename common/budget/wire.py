@@ -109,7 +109,7 @@ def answered_op(tokens: int, kind: str = "") -> str:
 
 HASH_FIELDS = (
     "limit", "charged", "grants", "used", "released", "overrun", "rejections", "waits", "cap", "ttl", "closed",
-    "unlimited", "reclaimed", "segments",
+    "unlimited", "reclaimed", "segments", "longest",
 )  # fmt: skip
 """The fields of a ledger's budget hash (``LedgerKeys.budget``) the script reads, each into the Lua
 local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open reservations), ``grants``,
@@ -117,8 +117,9 @@ local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open re
 ``rejections``, ``waits`` ("wait" answers), ``cap`` (0: none; the cap of sub-LLM reservations), ``ttl``
 (seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger),
 ``reclaimed`` (tokens of leased grants that went back unbegun: given back or reclaimed), ``segments``
-(segment grants: :attr:`Op.SEGMENT`). A reservation kind's own cap is ``cap:<kind>``, and the longest
-answer of the kind that ended is ``longest`` / ``longest:<kind>``, read only when a segment of that kind comes."""
+(segment grants: :attr:`Op.SEGMENT`), ``longest`` (the longest sub-LLM answer that ended, tokens). A
+reservation kind's own cap is ``cap:<kind>``, and the longest answer of the kind that ended
+``longest:<kind>``, read only when a segment or an answer's end of that kind comes."""
 COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits", "reclaimed", "segments")
 """The fields the script counts (integers, written back once per call when changed)."""
 
