@@ -137,7 +137,8 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     Args:
         redis: an asyncio Redis client (``decode_responses`` either way).
         ttl: seconds the keys of a ledger *this process opens* live after a refresh (stored in
-            the ledger by :meth:`open`; the owner refreshes them while its rollout lives).
+            the ledger by :meth:`open`; the owner refreshes them while its rollout lives;
+            ``rollout_key_ttl``).
             Nothing else uses it: a worker's scripts use the TTL stored in each ledger.
         grant_lease: seconds a leased grant of this process may wait for its :meth:`begin` before
             the ledger's next reservation reclaims it (``sub_llm_budget_grant_lease``; > 0).
@@ -156,7 +157,10 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     """
 
     def __init__(
-        self, redis: Redis, ttl: int = 3600, grant_lease: float = setting_default("sub_llm_budget_grant_lease")
+        self,
+        redis: Redis,
+        ttl: int = setting_default("rollout_key_ttl"),
+        grant_lease: float = setting_default("sub_llm_budget_grant_lease"),
     ) -> None:
         if grant_lease <= 0:
             raise ValueError("grant lease must be > 0 seconds")

@@ -65,7 +65,7 @@ def sub_llm_abandoned(jid: str, meta_raw: bytes | None) -> str:
 
 
 _PER_JOB_FIELDS = ("data", "description", F_META)
-DEFAULT_REPLY_TTL = 3600
+DEFAULT_REPLY_TTL: int = setting_default("rollout_key_ttl")
 """Seconds a reply stream lives after a result when its job hash names no ``rlmq_reply_ttl`` (a
 job enqueued by an older producer): the default of ``RolloutOptions.rollout_key_ttl``."""
 ENQUEUE_SHA = sha1(ENQUEUE_LUA)
