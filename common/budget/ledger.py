@@ -84,11 +84,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
 from rlmq.common.budget.calls import LedgerCalls
-from rlmq.common.budget.script import COUNT_REJECTIONS_LUA, LEDGER_LUA
+from rlmq.common.budget.script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
 from rlmq.common.budget.segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
 from rlmq.common.budget.tree import NODE_TTL, LedgerTree, node_ttl
 from rlmq.common.budget.wait import ReleaseWaits
-from rlmq.common.budget.wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
+from rlmq.common.budget.wire import COUNT_REJECTIONS_WIRE, BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.settings import setting_default
 
@@ -166,6 +166,9 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
             raise ValueError("grant lease must be > 0 seconds")
         super().__init__(redis, grant_lease)
         self._ttl = ttl
+        self._count_script = redis.register_script(COUNT_REJECTIONS_LUA)
+        self._close_script = redis.register_script(CLOSE_LEDGER_LUA)
+        self._open_unlimited_script = redis.register_script(OPEN_UNLIMITED_LUA)
         self._parked_leased: set[tuple[str, str]] = set()  # parked reservations asked again leased
         self._give_backs: set[asyncio.Task[None]] = set()
         self._unbudgeted: dict[str, float] = {}
@@ -542,7 +545,8 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
         batch on a spent budget, a waiter giving up) to the ledger's ``rejections``, so it counts
         every refusal. A missing ledger is not re-created, and the ledger's TTL is left as its
         owner set it (a worker's own TTL never touches it)."""
-        await self._redis.eval(COUNT_REJECTIONS_LUA, 1, LedgerKeys(ledger_id).budget, n)
+        keys, args = COUNT_REJECTIONS_WIRE.layout(LedgerKeys(ledger_id), n=n)
+        await self._count_script(keys=keys, args=args)
 
     @property
     def abandoning(self) -> bool:

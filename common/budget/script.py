@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from string import Template
 
-from rlmq.common.budget.wire import lua_names
+from rlmq.common.budget.wire import CLOSE_WIRE, COUNT_REJECTIONS_WIRE, OPEN_UNLIMITED_WIRE, ScriptWire, lua_names
 
 
 def _lua(text: str) -> str:
     """A script with the ledger's wire names spliced in (:func:`rlmq.common.budget.wire.lua_names`)."""
     return Template(text).substitute(lua_names())
+
+
+def _small(wire: ScriptWire, body: str) -> str:
+    """A small script on its named wire: its keys and arguments read into their Lua locals first."""
+    head = "local $KEY_LOCALS = unpack(KEYS, 1, $KEY_COUNT)\nlocal $ARG_LOCALS = unpack(ARGV, 1, $ARG_COUNT)\n"
+    return Template(head + body).substitute(wire.lua_names())
 
 
 # KEYS: the script's own keys (wire.SCRIPT_KEYS): the budget hash, the reservations hash,
@@ -481,38 +487,48 @@ return out
 """)
 
 # Count calls refused outside the script (the producer's up-front refusal, a waiter giving up):
-# KEYS[1] budget hash, ARGV[1] how many. Only an existing ledger is counted (never re-created), and
-# its TTL is left as its owner set it. Returns 1 when counted.
-COUNT_REJECTIONS_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[1], 'rejections', ARGV[1])
+# wire.COUNT_REJECTIONS_WIRE (the budget hash; n, how many). Only an existing ledger is counted (never
+# re-created), and its TTL is left as its owner set it. Returns 1 when counted.
+COUNT_REJECTIONS_LUA = _small(
+    COUNT_REJECTIONS_WIRE,
+    """
+if redis.call('EXISTS', budget) == 0 then return 0 end
+redis.call('HINCRBY', budget, 'rejections', n)
 return 1
-"""
+""",
+)
 
 # Close a ledger (its top rollout ended, timed out or was cancelled) or end some of its nodes:
-# KEYS[1] the budget hash, KEYS[2] its release channel, KEYS[3..] node keys to delete; ARGV[1] '1' to
-# close the ledger, '0' to only delete the nodes. Closing sets 'closed' on an existing ledger (never
+# wire.CLOSE_WIRE (the budget hash, its release channel, then the node keys to delete; close '1' to
+# close the ledger, '0' to only delete the nodes). Closing sets 'closed' on an existing ledger (never
 # re-creates a lost one; its TTL is left as it is) so every later reservation is refused, whatever
 # chain it names. Publishes 'closed' on the channel (not a '<free> <live>' pair: every parked call of
 # the ledger wakes and asks again, so calls under what ended are refused now, not at their
 # deadline). Returns 1 when a ledger was closed.
-CLOSE_LEDGER_LUA = """
-for k = 3, #KEYS do redis.call('DEL', KEYS[k]) end
+CLOSE_LEDGER_LUA = _small(
+    CLOSE_WIRE,
+    """
+local nodes = {unpack(KEYS, $KEY_COUNT + 1)}
+if #nodes > 0 then redis.call('DEL', unpack(nodes)) end
 local closed = 0
-if ARGV[1] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'closed', 1)
+if close == '1' and redis.call('EXISTS', budget) == 1 then
+  redis.call('HSET', budget, 'closed', 1)
   closed = 1
 end
-redis.call('PUBLISH', KEYS[2], 'closed')
+redis.call('PUBLISH', channel, 'closed')
 return closed
-"""
+""",
+)
 
-# Open a liveness-only ledger (a tree without a sub-LLM budget): KEYS[1] the budget hash, ARGV[1]
-# its TTL (seconds). Keeps an existing ledger (budgeted or not) as it is, only pushing its TTL.
-OPEN_UNLIMITED_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'unlimited', 1, 'ttl', ARGV[1])
+# Open a liveness-only ledger (a tree without a sub-LLM budget): wire.OPEN_UNLIMITED_WIRE (the budget
+# hash; ttl, seconds). Keeps an existing ledger (budgeted or not) as it is, only pushing its TTL.
+OPEN_UNLIMITED_LUA = _small(
+    OPEN_UNLIMITED_WIRE,
+    """
+if redis.call('EXISTS', budget) == 0 then
+  redis.call('HSET', budget, 'unlimited', 1, 'ttl', ttl)
 end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', budget, ttl)
 return 1
-"""
+""",
+)
