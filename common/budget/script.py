@@ -174,16 +174,17 @@ local ended_longest = {}  -- per kind: the longest answer that ended (tokens; th
 ended_longest[''] = tonumber(h_longest or '0') or 0
 local longest_changed = {}  -- kinds whose longest answer that ended changed (written with the counters)
 local longest = {}  -- per kind: the longest answer, ended or running (derived: reset by every change)
+local pledge = nil  -- what the running answers are estimated to need past what they hold (derived, as longest)
 local function parse_answer(value)  -- a running answer's entry, or nil when its call's deadline passed
   local dl, sp, rc, wh, k = string.match(value, '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
   if dl and tonumber(dl) > now then return {tonumber(sp), tonumber(rc), tonumber(wh), k} end
   return nil
 end
-local function answer_put(aid, value)  -- value false: the answer ended (or will not go on)
+local function answer_put(aid, value, keep)  -- value false: the answer ended (or will not go on)
   if answer_writes[aid] == nil then answer_order[#answer_order + 1] = aid end
   answer_writes[aid] = value
   if running ~= nil then running[aid] = value and parse_answer(value) or nil end
-  longest = {}
+  if not keep then longest, pledge = {}, nil end  -- keep: the caller updates pledge itself
 end
 local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
   f.charged = f.charged - grant
@@ -248,13 +249,16 @@ local function estimate(k, whole)  -- the segment an answer of kind k starts wit
   return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
 end
 local function pledged()  -- what the running answers are estimated to need past what they hold
-  local sum = 0
-  for _, a in pairs(running_answers()) do
-    local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
-    if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
-    if goal > a[2] then sum = sum + goal - a[2] end
+  if pledge == nil then
+    local sum = 0
+    for _, a in pairs(running_answers()) do
+      local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
+      if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
+      if goal > a[2] then sum = sum + goal - a[2] end
+    end
+    pledge = sum
   end
-  return sum
+  return pledge
 end
 local out = {}
 for i = 1, nops do
@@ -343,7 +347,11 @@ for i = 1, nops do
           f.segments = f.segments + 1
           changed.segments = true
           if need > 0 and dl > now then
-            answer_put(answer_of(id), dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' ' .. whole .. ' ' .. kname)
+            local aid = answer_of(id)
+            -- a new answer within its first segment changes no estimate: its own pledge is added
+            local fresh = spent == 0 and pledge ~= nil and longest[kname] ~= nil and running[aid] == nil
+            answer_put(aid, dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' ' .. whole .. ' ' .. kname, fresh)
+            if fresh and estimate(kname, whole) > grant then pledge = pledge + estimate(kname, whole) - grant end
           end
         end
         if dl > now then
@@ -370,7 +378,7 @@ for i = 1, nops do
     if limit and total > longest_ended(k) then
       ended_longest[k] = total
       longest_changed[k] = true
-      longest[k] = nil
+      longest[k], pledge = nil, nil
     end
     if id ~= '' then answer_put(id, false) end  -- the answer ended: it pledges no more
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
