@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis
 
 from rlmq.common.budget import replica_acks
-from rlmq.common.budget.script import LEDGER_LUA
+from rlmq.common.budget.script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
 from rlmq.common.budget.wire import HEAD_ARGS, SCRIPT_KEYS, BeginCode, Code, Op, Reply, answered_op
 from rlmq.common.errors import ReplicaAckMissing
 from rlmq.common.keys import REPLICA_ACK_MARK, LedgerKeys
@@ -79,6 +79,9 @@ class LedgerCalls:
         self._redis = redis
         self._lease = grant_lease
         self._script = redis.register_script(LEDGER_LUA)
+        self._count_script = redis.register_script(COUNT_REJECTIONS_LUA)  # the small scripts, on the same client
+        self._close_script = redis.register_script(CLOSE_LEDGER_LUA)
+        self._open_unlimited_script = redis.register_script(OPEN_UNLIMITED_LUA)
         self._pending: dict[_Group, list[_Op]] = {}
         self._flush_scheduled = False
         self._flushes: set[asyncio.Task[None]] = set()

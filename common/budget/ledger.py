@@ -84,7 +84,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
 from rlmq.common.budget.calls import LedgerCalls
-from rlmq.common.budget.script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
+from rlmq.common.budget.script import LEDGER_LUA
 from rlmq.common.budget.segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
 from rlmq.common.budget.tree import NODE_TTL, LedgerTree, node_ttl
 from rlmq.common.budget.wait import ReleaseWaits
@@ -166,9 +166,6 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
             raise ValueError("grant lease must be > 0 seconds")
         super().__init__(redis, grant_lease)
         self._ttl = ttl
-        self._count_script = redis.register_script(COUNT_REJECTIONS_LUA)
-        self._close_script = redis.register_script(CLOSE_LEDGER_LUA)
-        self._open_unlimited_script = redis.register_script(OPEN_UNLIMITED_LUA)
         self._parked_leased: set[tuple[str, str]] = set()  # parked reservations asked again leased
         self._give_backs: set[asyncio.Task[None]] = set()
         self._unbudgeted: dict[str, float] = {}
