@@ -168,7 +168,6 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
         self._ttl = ttl
         self._parked_leased: set[tuple[str, str]] = set()  # parked reservations asked again leased
         self._give_backs: set[asyncio.Task[None]] = set()
-        self._longest_noted: dict[tuple[str, str], int] = {}  # (ledger, kind) -> longest answer noted
         self._unbudgeted: dict[str, float] = {}
         self._waits: ReleaseWaits | None = None  # made on the first wait
         self._abandon = False  # a stopping worker gave up its parked calls (abandon_waits)

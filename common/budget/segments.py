@@ -56,7 +56,6 @@ class LedgerSegments:
     and background-task set it uses)."""
 
     _give_backs: set[asyncio.Task[None]]
-    _longest_noted: dict[tuple[str, str], int]
 
     def _submit(
         self, ledger_id: str, op: str, reservation_id: str, n: int, deadline: float, nodes: tuple[str, ...] = ()
@@ -79,17 +78,3 @@ class LedgerSegments:
         task = asyncio.get_running_loop().create_task(note())
         self._give_backs.add(task)
         task.add_done_callback(self._give_backs.discard)
-
-    def note_longer_answer(self, ledger_id: str, tokens: int, kind: str = SUB_LLM) -> None:
-        """Note at once (:meth:`note_answer`, no answer id) an answer of ``kind`` that ended on its own
-        after ``tokens`` tokens when it is longer than any this process noted for the ledger: later
-        answers' first segments are sized from it without waiting for its settlement's round trip
-        (which notes the answer's end as well). Other answers' ends go with their settlements only."""
-        key = (ledger_id, kind)
-        if tokens <= self._longest_noted.get(key, 0):
-            return
-        if len(self._longest_noted) >= 10_000:  # bounded: forget the oldest half
-            for old in list(self._longest_noted)[:5_000]:
-                del self._longest_noted[old]
-        self._longest_noted[key] = tokens
-        self.note_answer(ledger_id, tokens, kind)

@@ -251,7 +251,6 @@ class LedgerTurn:
         call = self.call
         if final and call.settle_out is not None:
             answer, answered = self.take_answer()
-            call.ledger.note_longer_answer(call.ledger_id, answered)  # the estimate grows now, not after FINISH
             call.settle_out.append(Settle(call.ledger_id, self.reservation, used, answer, answered))
             call.released_tokens += max(0, grant.tokens - used)
             self.grant = None

@@ -198,8 +198,7 @@ async def test_an_answer_that_ends_with_its_call_is_noted_with_the_settlement_se
 ) -> None:
     """A one-segment answer whose last settlement rides with the worker's FINISH (``settle_out``) sends
     the ledger one operation of its own (the reservation): the note that it ended goes with that
-    settlement, in the same script call, and until then the answer counts as running. Only an answer
-    longer than any this process noted is also noted at once (later answers are sized from it)."""
+    settlement, in the same script call, and until then the answer counts as running."""
     ctx, ledger = await _ctx(redis, server)
     ops: list[str] = []
     submit = ledger._submit
@@ -213,15 +212,7 @@ async def test_an_answer_that_ends_with_its_call_is_noted_with_the_settlement_se
     result = await run_sub_llm(_request("Summarize. [[mock:tokens:120]]"), ctx, job_id="j1", settle_out=out)
     await asyncio.sleep(0.05)
     assert (result.status, result.completion_tokens, result.segments) == ("ok", 120, 1)
-    assert ops == ["g::0", "f::120"] and out == [Settle(ROLLOUT, "j1:1:1", 120, "j1:1:1", 120)]
-    ops.clear()
-    out_short: list[Settle] = []
-    await run_sub_llm(_request("Summarize. [[mock:tokens:90]]"), ctx, job_id="j0", settle_out=out_short)
-    await asyncio.sleep(0.05)
-    assert ops == ["g::0"] and out_short == [Settle(ROLLOUT, "j0:1:1", 90, "j0:1:1", 90)]
-    async with redis.pipeline(transaction=False) as pipe:
-        ledger.add_settles(pipe, out_short)
-        await pipe.execute()
+    assert ops == ["g::0"] and out == [Settle(ROLLOUT, "j1:1:1", 120, "j1:1:1", 120)]
     answers = LedgerKeys(ROLLOUT).answers
     assert await redis.hkeys(answers) == [b"j1:1:1"]  # running until the settlement goes out
     async with redis.pipeline(transaction=False) as pipe:
@@ -229,7 +220,7 @@ async def test_an_answer_that_ends_with_its_call_is_noted_with_the_settlement_se
         await pipe.execute()
     assert await redis.hkeys(answers) == []
     snap = await ledger.snapshot(ROLLOUT)
-    assert snap is not None and (snap.charged, snap.used) == (210, 210)
+    assert snap is not None and (snap.charged, snap.used) == (120, 120)
     assert await redis.hget(LedgerKeys(ROLLOUT).budget, "longest") == b"200"  # 120 < the longest so far
     ledger._submit = submit  # type: ignore[method-assign]
     await ledger.reserve(ROLLOUT, "x:1", 2048, time.time() + 30, segment=0)
