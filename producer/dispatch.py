@@ -89,7 +89,8 @@ class BatchSpec:
         parallelism: at most this many of the batch's sub-calls are queued or running at once.
         call: how the sub-LLM is called (model, system prompt, tools, turns, token cap, ...);
             every request of the batch carries these fields.
-        result_ttl / reply_ttl: seconds RQ keeps a finished job / a failed job and the reply list.
+        result_ttl / reply_ttl: seconds RQ keeps a finished job / a failed job and the reply list
+            (``result_ttl`` / ``rollout_key_ttl``).
         ledger_id: the budget ledger the batch's calls charge (every job carries it); ``None``:
             the rollout's own (a job without one charges the ledger named by its rollout id).
         nodes: the rollout's tree chain (top .. the rollout itself) for a child rollout's calls;
@@ -103,7 +104,7 @@ class BatchSpec:
     parallelism: int
     call: SubCallOptions
     result_ttl: int = setting_default("result_ttl")
-    reply_ttl: int = 3600
+    reply_ttl: int = setting_default("rollout_key_ttl")
     ledger_id: str | None = None
     nodes: tuple[str, ...] = ()
     kind: JobBuilder | None = None

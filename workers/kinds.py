@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlmq.common import keys as K
+from rlmq.common.budget.calls import Settle
 from rlmq.common.errors import PayloadError
 from rlmq.common.jobs.record import decode_job_data
 from rlmq.common.jobs.store import StartedJob
@@ -34,14 +35,14 @@ class Outcome:
         ok: recorded by RQ as finished (else failed).
         result_json: the result added to the job's reply stream.
         rq_payload: RQ's result record (see :func:`rlmq.common.jobs.record.rq_return_value`).
-        settles: budget settlements sent in the same round trip (ledger id, reservation id, tokens used).
+        settles: budget settlements sent in the same round trip (:class:`~rlmq.common.budget.calls.Settle`).
         spill_key: where its token payload was spilled (deleted when ``FINISH`` does not record it).
     """
 
     ok: bool
     result_json: str
     rq_payload: str
-    settles: list[tuple[str, str, int]] = field(default_factory=list)
+    settles: list[Settle] = field(default_factory=list)
     spill_key: str | None = None
 
 

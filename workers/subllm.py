@@ -54,7 +54,9 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from rlmq.common.budget.ledger import ALREADY_SETTLED, NO_LEDGER, UNLIMITED, WAITED_OUT, BudgetLedger, Grant
+from rlmq.common.budget.calls import Settle
+from rlmq.common.budget.ledger import WAITED_OUT, BudgetLedger, Grant
+from rlmq.common.budget.turn import BudgetStop, CallBudget, LedgerTurn
 from rlmq.common.errors import ModelError, PayloadError
 from rlmq.common.schemas import SubCallStatus, SubLLMRequest, SubLLMResult
 from rlmq.common.settings import setting_default
@@ -65,7 +67,7 @@ from rlmq.common.tool_wire import HostedTool, ToolCallRequest, request_id
 from rlmq.workers.continuation import Continuation
 from rlmq.workers.hosted_tools import ANSWER_GRACE, RolloutSlots, call_hosted
 from rlmq.workers.model import ChatClient, ChatResponse
-from rlmq.workers.subllm_segments import MAX_SEGMENTS, SegmentedTurns, segment_id
+from rlmq.workers.subllm_segments import SegmentedTurns
 from rlmq.workers.tools import ToolRegistry
 
 __all__ = ["SubLLMContext", "run_sub_llm"]
@@ -138,6 +140,19 @@ class _Stop(Exception):
         self.error = error or content
 
 
+class _NoBudget:
+    """The figures of an unbudgeted call's reservations: none."""
+
+    grants = granted_tokens = released_tokens = waits = 0
+    wait_seconds = 0.0
+
+    def answer_over(self) -> None:
+        pass
+
+
+_UNBUDGETED = _NoBudget()
+
+
 class _Run(SegmentedTurns):
     """The state of one sub-call (counters go into the result)."""
 
@@ -147,7 +162,7 @@ class _Run(SegmentedTurns):
         ctx: SubLLMContext,
         job_id: str,
         attempt: int,
-        settle_out: list[tuple[str, str, int]] | None = None,
+        settle_out: list[Settle] | None = None,
         gate: Awaitable[object] | None = None,
     ) -> None:
         self.request = request
@@ -160,17 +175,13 @@ class _Run(SegmentedTurns):
         self.completion_tokens = 0
         self.turns = 0
         self.tool_calls = 0
-        self.grants = 0
         self.segments = 0
-        self.granted_tokens = 0
-        self.released_tokens = 0
         self.overrun_tokens = 0
         self.underreported_tokens = 0
-        self.waits = 0
-        self.wait_seconds = 0.0
         self.truncated = False
         self.final_turn: Literal["answered", "skipped"] | None = None
-        self.seen_ledger = False
+        self.budget: CallBudget | None = None
+        """The call's reservations in its ledger (``None``: unbudgeted)."""
         self.messages: list[dict[str, Any]] = []
         self.encoder = TurnEncoder()
         self.turn_tokens: list[TurnTokens] = []
@@ -178,19 +189,9 @@ class _Run(SegmentedTurns):
         """The job's hosted tools this worker sends to the rollout, by the name the model sees."""
 
     async def run(self) -> tuple[SubCallStatus, str]:
-        request, ctx = self.request, self.ctx
+        request = self.request
         tools, offered = self._offered_tools()  # PayloadError before any model call
-        if request.must_be_budgeted and ctx.ledger is None:
-            raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
-        # Whether the call is budgeted, and its limit, is the ledger's to say, not the job's: a job
-        # claiming `budgeted: false` is checked against Redis unless its rollout is known to have
-        # no ledger (the producer opens a ledger before it enqueues any job of its rollout).
-        ledger = ctx.ledger
-        check = ledger is not None and (request.must_be_budgeted or not ledger.known_unbudgeted(request.charged_ledger))
-        if check and request.charged_ledger != request.rollout_id:
-            await self._check_membership()
-        if check and self.attempt > 1:
-            await self._retire_earlier_attempts()
+        await self._open_budget()
         if request.system_prompt:
             self.messages.append({"role": "system", "content": request.system_prompt})
         self.messages.append({"role": "user", "content": request.prompt})
@@ -198,88 +199,20 @@ class _Run(SegmentedTurns):
         last_turn = request.max_turns + (1 if request.final_answer_turn else 0)
         for turn in range(1, last_turn + 1):
             forced = turn > request.max_turns  # the final-answer turn, without tools
+            offered_now = [] if forced else tools
+            if time.time() >= request.deadline:
+                raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
             # a turn without tools is granted a segment and continued (workers/subllm_segments.py)
-            segmented = ctx.continuation != "none" and (forced or not tools)
-            while True:  # a grant whose lease was reclaimed before its call began is asked for again
-                if time.time() >= request.deadline:
-                    raise _Stop("deadline", "[error] sub-LLM call missed its deadline")
-                grant: Grant | None = None
-                reservation = f"{self.job_id}:{self.attempt}:{turn}"
-                max_tokens = request.max_completion_tokens
-                if check:
-                    grant = await self._reserve(
-                        reservation, leased=self.gate is not None, segment=0 if segmented else None
-                    )
-                    if grant is None:
-                        check = False  # no ledger, and the job said it has none: unbudgeted
-                    elif grant.code == UNLIMITED:
-                        grant = None  # a tree without a budget, alive: this turn runs ungranted
-                    elif grant.tree_refused:  # its tree ended (or the caller's branch did): nobody waits for it
-                        return "rejected", f"[rejected] sub-LLM call refused: {grant.refusal_message}"
-                    elif not grant.granted:
-                        spent = f"{grant.charged}/{grant.limit} completion tokens used"
-                        if grant.code == WAITED_OUT:
-                            spent = (
-                                f"waited {self.wait_seconds:.1f} s for tokens held by running calls until this "
-                                f"call's deadline; {spent}"
-                            )
-                        if forced:
-                            self.final_turn = "skipped"
-                            return "ok", last_text or (
-                                f"[sub-LLM used all {request.max_turns} turn(s) calling tools; its final-answer turn "
-                                f"was skipped: the sub-LLM token budget is spent ({spent})]"
-                            )
-                        if turn == 1:
-                            return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
-                        if last_text:
-                            return "ok", last_text
-                        return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
-                    else:
-                        max_tokens = grant.tokens
-                        self.running_answer = reservation if segmented else None
-                try:
-                    if self.gate is not None:
-                        if grant is not None:
-                            await self.gate  # the worker's START has not confirmed this job yet
-                        self.gate = None
-                    if grant is None or not grant.leased or await self._begin(reservation):
-                        break
-                except BaseException:  # cancelled (it lost its START), or Redis failed: never begun
-                    if grant is not None and grant.leased and ctx.ledger is not None:
-                        ctx.ledger.give_back_soon(request.charged_ledger, reservation)
-                    raise
-                assert grant is not None
-                self.grants -= 1  # reclaimed: it went back to the budget unused
-                self.granted_tokens -= grant.tokens
+            segmented = self.ctx.continuation != "none" and not offered_now
+            lt = await self.budget.turn(turn, segmented=segmented) if self.budget is not None else None
+            if lt is not None and lt.grant is not None and not lt.grant.granted:
+                return self._refused(lt.grant, turn, forced, last_text)
             if forced:
                 self.final_turn = "answered"
                 self.messages.append({"role": "user", "content": FINAL_ANSWER_PROMPT})
-            offered_now = [] if forced else tools
-            response = last = await self._call(turn, reservation, grant, max_tokens, offered_now)
-            if max_tokens is not None and response.completion_tokens > max_tokens:
-                self.overrun_tokens += response.completion_tokens - max_tokens  # charged, and recorded
-            if grant is not None and segmented:
-                response, reservation, grant, last, max_tokens = await self.continue_answer(
-                    turn, reservation, grant, response, offered_now
-                )
-            else:
-                self.segments += 1
-            if request.include_sub_llm_in_trajectory:
-                self._record_tokens(turn, response, max_tokens, offered_now)
-            if grant is not None:
-                used = last.completion_tokens if last.usage_reported else grant.tokens
-                used = max(used, last.completion_ids or 0)  # never below the ids it served
-                final = not response.tool_calls or turn == last_turn
-                if final and self.settle_out is not None:
-                    # The last settlement rides with the worker's FINISH round trip; until then
-                    # the grant stays charged in full (a few ms of over-charge, never under).
-                    self.settle_out.append((request.charged_ledger, reservation, used))
-                    self.released_tokens += max(0, grant.tokens - used)
-                else:
-                    await self._settle(reservation, used)
+            response = await self._turn(turn, lt, offered_now, last_turn)
             self.truncated = response.finish_reason == "length"
-            if response.content:
-                last_text = response.content
+            last_text = response.content or last_text
             assistant: dict[str, Any] = {"role": "assistant", "content": response.content}
             if response.tool_calls:
                 assistant["tool_calls"] = response.tool_calls
@@ -293,53 +226,80 @@ class _Run(SegmentedTurns):
             await self._run_tools(response.tool_calls, offered, turn)
         raise AssertionError("unreachable: the loop returns on its last turn")  # pragma: no cover
 
-    async def _reserve(self, reservation: str, *, leased: bool = False, segment: int | None = None) -> Grant | None:
-        """Reserve (waiting for releases) the grant of one model call; ``None``: unbudgeted.
-        ``leased``: the call waits for its ``START`` before the model (a lane entry's early call).
-        ``segment``: a segment of an answer that has spent this many tokens, not a whole cap."""
-        ledger = self.ctx.ledger
-        assert ledger is not None
-        request = self.request
-        margin = min(0.5, max(0.0, (request.deadline - request.enqueued_at) * 0.05))
-        try:
-            grant, waits, seconds = await ledger.acquire(
-                request.charged_ledger,
-                reservation,
-                request.max_completion_tokens,
-                request.deadline,
-                margin=margin,
-                nodes=request.nodes,
-                leased=leased,
-                segment=segment,
-            )
-        except RedisError as exc:
-            raise _Stop("redis", f"[error] sub-LLM budget could not be reserved: {exc}") from exc
-        self.waits += waits
-        self.wait_seconds += seconds
-        if grant.code == NO_LEDGER:
-            if not request.must_be_budgeted and not self.seen_ledger and not waits:  # a wait came from a ledger
-                return None
-            raise _Stop("budget_lost", "[error] sub-LLM budget ledger of this rollout is gone (expired or lost)")
-        if grant.code == ALREADY_SETTLED:
-            raise _Stop(
-                "duplicate",
-                "[error] sub-LLM call already ran: another copy of this job attempt settled its reservation",
-            )
-        self.seen_ledger = True  # a ledger that vanishes later is lost, never "unbudgeted"
-        if grant.granted:
-            self.grants += 1
-            self.granted_tokens += grant.tokens
-        return grant
+    async def _open_budget(self) -> None:
+        """The call's reservations (:attr:`budget`), unless its rollout is known to have no ledger.
 
-    async def _check_membership(self) -> None:
+        Whether the call is budgeted, and its limit, is the ledger's to say, not the job's: a job
+        claiming ``budgeted: false`` is checked against Redis unless its rollout is known to have no
+        ledger (the producer opens a ledger before it enqueues any job of its rollout)."""
+        request, ledger = self.request, self.ctx.ledger
+        if request.must_be_budgeted and ledger is None:
+            raise _Stop("internal", "[error] sub-LLM call is budgeted but this worker has no budget ledger")
+        if ledger is None or not (request.must_be_budgeted or not ledger.known_unbudgeted(request.charged_ledger)):
+            return
+        if request.charged_ledger != request.rollout_id:
+            self._check_membership()
+        margin = min(0.5, max(0.0, (request.deadline - request.enqueued_at) * 0.05))
+        self.budget = CallBudget(
+            ledger, request.charged_ledger, f"{self.job_id}:{self.attempt}", request.max_completion_tokens,
+            request.deadline, margin, nodes=request.nodes, must_be_budgeted=request.must_be_budgeted,
+            gate=self.gate, settle_out=self.settle_out,
+        )  # fmt: skip
+        if self.attempt > 1:  # the final-answer turn's reservations too
+            await self.budget.retire_earlier_attempts(self.job_id, self.attempt, request.max_turns + 1)
+
+    def _refused(self, grant: Grant, turn: int, forced: bool, last_text: str | None) -> tuple[SubCallStatus, str]:
+        """How the call ends when the ledger refused turn ``turn``'s grant."""
+        request = self.request
+        if grant.tree_refused:  # its tree ended (or the caller's branch did): nobody waits for it
+            return "rejected", f"[rejected] sub-LLM call refused: {grant.refusal_message}"
+        spent = f"{grant.charged}/{grant.limit} completion tokens used"
+        if grant.code == WAITED_OUT:
+            waited = self.budget.wait_seconds if self.budget is not None else 0.0
+            spent = f"waited {waited:.1f} s for tokens held by running calls until this call's deadline; {spent}"
+        if forced:
+            self.final_turn = "skipped"
+            return "ok", last_text or (
+                f"[sub-LLM used all {request.max_turns} turn(s) calling tools; its final-answer turn "
+                f"was skipped: the sub-LLM token budget is spent ({spent})]"
+            )
+        if turn == 1:
+            return "rejected", f"[rejected] sub-LLM token budget spent: {spent}"
+        if last_text:
+            return "ok", last_text
+        return "rejected", f"[rejected] sub-LLM token budget ran out before a final answer: {spent}"
+
+    async def _turn(
+        self, turn: int, lt: LedgerTurn | None, tools: list[dict[str, Any]], last_turn: int
+    ) -> ChatResponse:
+        """Turn ``turn``'s model call under its grant (continued segment by segment), its token record
+        and its settlement; returns the whole turn."""
+        grant = lt.grant if lt is not None else None
+        max_tokens = grant.tokens if grant is not None else self.request.max_completion_tokens
+        response = last = await self._call(turn, lt, max_tokens, tools)
+        if max_tokens is not None and response.completion_tokens > max_tokens:
+            self.overrun_tokens += response.completion_tokens - max_tokens  # charged, and recorded
+        if lt is not None and grant is not None and lt.answer:
+            response, last, max_tokens = await self.continue_answer(turn, lt, response, tools)
+        else:
+            self.segments += 1
+        if self.request.include_sub_llm_in_trajectory:
+            self._record_tokens(turn, response, max_tokens, tools)
+        if lt is not None and lt.grant is not None:
+            used = last.completion_tokens if last.usage_reported else lt.grant.tokens
+            used = max(used, last.completion_ids or 0)  # never below the ids it served
+            # The call's last settlement rides with the worker's FINISH round trip (settle_out).
+            await lt.settle_last(used, final=not response.tool_calls or turn == last_turn)
+        return response
+
+    def _check_membership(self) -> None:
         """A job naming a ledger other than its rollout's must be a call of a rollout of that ledger's
         tree: its ``nodes`` end with its own rollout id, and every reservation checks (atomically,
         in the ledger script) that this node is alive in that ledger. Else it would move the
         rollout's spending off its own budget (onto another tree's): such a job is an invalid
         payload (no reservation, no call). A rollout with a ledger of its own is no node of another
         tree (its node key is not in that ledger), so its forged jobs are refused too."""
-        ledger, request = self.ctx.ledger, self.request
-        assert ledger is not None
+        request = self.request
         if not request.nodes or request.nodes[-1] != request.rollout_id:
             raise _Stop(
                 "payload",
@@ -347,58 +307,19 @@ class _Run(SegmentedTurns):
                 f"rollout of that tree (its node chain must end with its rollout {request.rollout_id!r})",
             )
 
-    async def _retire_earlier_attempts(self) -> None:
-        """This job runs again because its earlier attempt's worker was declared dead: that attempt's
-        reservations stay charged, but calls of the rollout stop waiting for them."""
-        ledger = self.ctx.ledger
-        assert ledger is not None
-        turns = self.request.max_turns + 1  # the final-answer turn's reservation too
-        ids = [
-            segment_id(f"{self.job_id}:{a}:{t}", k)
-            for a in range(1, self.attempt)
-            for t in range(1, turns + 1)
-            for k in range(1, MAX_SEGMENTS + 1)
-        ]
-        try:
-            await ledger.retire(self.request.charged_ledger, ids)
-        except RedisError as exc:  # waiters then wait for the old reservations' deadline: slower, still safe
-            log.warning("could not retire the earlier attempts of %s (%s)", self.job_id, exc)
-
-    async def _begin(self, reservation: str) -> bool:
-        """Begin a leased grant right before its model call (see :meth:`BudgetLedger.begin`); False:
-        its lease was reclaimed while the call waited (for its ``START`` or a slot), reserve again."""
-        ledger = self.ctx.ledger
-        assert ledger is not None
-        try:
-            return await ledger.begin(self.request.charged_ledger, reservation)
-        except RedisError as exc:  # never call the model under a grant that may be reclaimed
-            raise _Stop("redis", f"[error] sub-LLM budget grant could not be confirmed: {exc}") from exc
-
-    async def _settle(self, reservation: str, used: int) -> None:
-        ledger = self.ctx.ledger
-        assert ledger is not None
-        try:
-            settlement = await ledger.settle(self.request.charged_ledger, reservation, used)
-        except RedisError as exc:
-            # The reservation stays open, i.e. charged in full: safe for the budget.
-            log.warning("could not settle reservation %s (%s); it stays charged in full", reservation, exc)
-            return
-        if settlement.released > 0:
-            self.released_tokens += settlement.released
-
     async def _call(
         self,
         turn: int,
-        reservation: str,
-        grant: Grant | None,
+        lt: LedgerTurn | None,
         max_tokens: int | None,
         tools: list[dict[str, Any]],
         *,
         messages: list[dict[str, Any]] | None = None,
         sampling: dict[str, Any] | None = None,
     ) -> ChatResponse:
-        """One model call of turn ``turn`` (``messages`` / ``sampling``: a continuation's, else the
-        conversation's and the request's); a failed call settles its grant (see the module docstring)."""
+        """One model call of turn ``turn`` under ``lt``'s grant (``messages`` / ``sampling``: a
+        continuation's, else the conversation's and the request's); a failed call settles its grant (see
+        the module docstring)."""
         request = self.request
         self.turns = turn
         tokens = tokens_asked(request.include_sub_llm_in_trajectory, self.ctx.frozen)
@@ -416,9 +337,9 @@ class _Run(SegmentedTurns):
                 tokens=tokens,
             )
         except ModelError as exc:
-            if grant is not None:
+            if lt is not None and lt.grant is not None:
                 answered_error = exc.status is not None and exc.status >= 400
-                await self._settle(reservation, 0 if answered_error else grant.tokens)
+                await lt.settle(0 if answered_error else lt.grant.tokens)
             raise
         if messages is None:  # a continuation's prompt is the same turn's
             self.prompt_tokens += response.prompt_tokens
@@ -509,7 +430,7 @@ async def run_sub_llm(
     job_id: str,
     attempt: int = 1,
     started_at: float | None = None,
-    settle_out: list[tuple[str, str, int]] | None = None,
+    settle_out: list[Settle] | None = None,
     gate: Awaitable[object] | None = None,
 ) -> SubLLMResult:
     """Run one sub-LLM call: budget reservations, model turns, sub-tools; return its result.
@@ -526,9 +447,10 @@ async def run_sub_llm(
         started_at: Unix time (seconds) the worker took the job; ``queue_wait_seconds`` is
             measured from ``request.enqueued_at`` to it (default: now).
         settle_out: when given, the final model call's settlement is not sent but appended
-            here as ``(ledger_id, reservation_id, completion tokens used)``, for the caller to
-            send with its own round trip (the worker's ``FINISH``); the grant stays charged in
-            full until then. ``None``: every settlement is sent at once.
+            here as a :class:`~rlmq.common.budget.calls.Settle` (with the note that its answer
+            ended, for an answer granted in segments), for the caller to send with its own round
+            trip (the worker's ``FINISH``); the grant stays charged in full, and the answer
+            running, until then. ``None``: every settlement is sent at once.
         gate: awaited once, after the first budget reservation and before the first model
             call: a worker that starts a job before its ``START`` answered passes that
             answer here, so a job it turns out not to own never calls the model (its
@@ -552,7 +474,7 @@ async def run_sub_llm(
     try:
         status, content = await run.run()
         content = boxed_answer(content)
-    except _Stop as stop:
+    except (_Stop, BudgetStop) as stop:
         status, content, error, error_kind = "error", stop.content, stop.error, stop.kind
     except PayloadError as exc:
         status, content, error, error_kind = "error", f"[error] {exc}", str(exc), "payload"
@@ -568,7 +490,8 @@ async def run_sub_llm(
         log.exception("sub-LLM job %s failed unexpectedly", job_id)
         text = f"{type(exc).__name__}: {exc}"
         status, content, error, error_kind = "error", f"[error] sub-LLM call failed: {text}", text, "internal"
-    run.answer_over()  # an answer that failed mid-way stops counting as running
+    budget = run.budget or _UNBUDGETED
+    budget.answer_over()  # an answer that failed mid-way stops counting as running
     return SubLLMResult(
         rollout_id=request.rollout_id,
         batch_id=request.batch_id,
@@ -582,14 +505,14 @@ async def run_sub_llm(
         completion_tokens=run.completion_tokens,
         turns=run.turns,
         tool_calls=run.tool_calls,
-        grants=run.grants,
+        grants=budget.grants,
         segments=run.segments,
-        granted_tokens=run.granted_tokens,
-        released_tokens=run.released_tokens,
+        granted_tokens=budget.granted_tokens,
+        released_tokens=budget.released_tokens,
         overrun_tokens=run.overrun_tokens,
         underreported_tokens=run.underreported_tokens,
-        budget_waits=run.waits,
-        budget_wait_seconds=round(run.wait_seconds, 4),
+        budget_waits=budget.waits,
+        budget_wait_seconds=round(budget.wait_seconds, 4),
         truncated=run.truncated,
         final_turn=run.final_turn,
         queue_wait_seconds=max(0.0, taken - request.enqueued_at),

@@ -11,6 +11,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from rlmq.common.budget.calls import Settle
 from rlmq.common.jobs.record import SUB_LLM_FUNC, rq_exc_string, rq_return_value
 from rlmq.common.jobs.spill import spill_key_of, spill_result
 from rlmq.common.jobs.store import ABANDONED_CONTENT, StartedJob, slot_of
@@ -87,7 +88,7 @@ class SubLLMKind:
         # being sent at once: it rides in the same pipeline as this job's FINISH (see
         # JobStore.finish), which saves a round trip per sub-call and means that when the
         # producer sees the result, the ledger has already released what the call did not use.
-        final_settlement: list[tuple[str, str, int]] = []
+        final_settlement: list[Settle] = []
         result = await run_sub_llm(
             request,
             self.w.ctx,
@@ -114,9 +115,9 @@ class SubLLMKind:
         return result.model_dump_json()
 
 
-def sub_llm_outcome(result: SubLLMResult, settles: list[tuple[str, str, int]]) -> Outcome:
+def sub_llm_outcome(result: SubLLMResult, settles: list[Settle]) -> Outcome:
     """What a sub-call delivers: its result on the reply stream, a summary (or its error) for RQ,
-    and its last budget settlement (``(ledger id, reservation id, tokens used)``), sent with ``FINISH``."""
+    and its last budget settlement (:class:`~rlmq.common.budget.calls.Settle`), sent with ``FINISH``."""
     ok = result.status != "error"
     summary = {
         "status": result.status,

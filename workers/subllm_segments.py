@@ -9,8 +9,8 @@ server (:mod:`rlmq.workers.continuation`), until the answer ends, reaches its ow
 is truly spent (then it is cut: the budget's last remainder). Every segment is reserved before it is
 generated, so the budget stays hard; each settles the server's own count.
 
-Reservation ids: the first segment keeps the turn's id (``<job>:<attempt>:<turn>``), the k-th
-(k >= 2) is ``<job>:<attempt>:<turn>:s<k>``; a turn has at most :data:`MAX_SEGMENTS`.
+The ledger's side of it (reservation ids, each segment's grant, settlements, the answer's end) is the
+turn's in the ledger (:class:`rlmq.common.budget.turn.LedgerTurn`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from rlmq.common.budget.ledger import Grant
+from rlmq.common.budget.turn import MAX_SEGMENTS, LedgerTurn, segment_id
+from rlmq.common.budget.wire import Grant
 from rlmq.workers.continuation import continuation_request, join_segments
 from rlmq.workers.model import ChatResponse
 
@@ -27,14 +28,6 @@ if TYPE_CHECKING:
     from rlmq.workers.subllm import SubLLMContext
 
 __all__ = ["MAX_SEGMENTS", "SegmentedTurns", "segment_id"]
-
-MAX_SEGMENTS = 64
-"""Segments one turn may take at most (then its answer is cut where it is)."""
-
-
-def segment_id(reservation: str, k: int) -> str:
-    """The reservation id of segment ``k`` (1-based) of the turn reserved as ``reservation``."""
-    return reservation if k == 1 else f"{reservation}:s{k}"
 
 
 class SegmentedTurns:
@@ -45,23 +38,11 @@ class SegmentedTurns:
     messages: list[dict[str, Any]]
     segments: int
     overrun_tokens: int
-    running_answer: str | None = None
-    """The first segment's reservation id of an answer granted in segments and not yet ended."""
-
-    async def _reserve(self, reservation: str, *, leased: bool = False, segment: int | None = None) -> Grant | None:
-        raise NotImplementedError  # pragma: no cover - _Run's
-
-    async def _begin(self, reservation: str) -> bool:
-        raise NotImplementedError  # pragma: no cover - _Run's
-
-    async def _settle(self, reservation: str, used: int) -> None:
-        raise NotImplementedError  # pragma: no cover - _Run's
 
     async def _call(
         self,
         turn: int,
-        reservation: str,
-        grant: Grant | None,
+        lt: LedgerTurn | None,
         max_tokens: int | None,
         tools: list[dict[str, Any]],
         *,
@@ -84,58 +65,38 @@ class SegmentedTurns:
             and time.time() < self.request.deadline
         )
 
-    async def _next_grant(self, reservation: str, spent: int) -> Grant | None:
-        """The next segment's grant, begun; ``None`` when the budget (or the tree) has none for it."""
-        while True:
-            grant = await self._reserve(reservation, segment=spent)
-            if grant is None or not grant.granted:
-                return None
-            if not grant.leased or await self._begin(reservation):
-                return grant
-
     async def continue_answer(
-        self, turn: int, reservation: str, grant: Grant, response: ChatResponse, tools: list[dict[str, Any]]
-    ) -> tuple[ChatResponse, str, Grant | None, ChatResponse, int]:
+        self, turn: int, lt: LedgerTurn, response: ChatResponse, tools: list[dict[str, Any]]
+    ) -> tuple[ChatResponse, ChatResponse, int]:
         """Continue the turn's answer segment by segment (see the module docstring).
 
         Args:
             turn: the turn (1-based).
-            reservation / grant / response: the first segment's reservation id, grant and reply.
+            lt: the turn in the ledger, holding its first segment's grant (its last segment's, after).
+            response: the first segment's reply.
             tools: the tools the turn offered (a turn that offers tools is never continued).
 
         Returns:
-            ``(turn, reservation, grant, last, granted)``: the whole turn (:func:`join_segments`), the
-            last segment's reservation id and grant (``None`` when it is settled already), its own
-            reply (whose count settles it), and the tokens granted over all segments.
+            ``(turn, last, granted)``: the whole turn (:func:`join_segments`), its last segment's own
+            reply (whose count settles it; the answer's end goes with that settlement), and the tokens
+            granted over all segments.
         """
-        joined, last, k, spent, granted = response, response, 1, response.completion_tokens, grant.tokens
-        ledger, base = self.ctx.ledger, reservation
-        self.running_answer = base
-        while not tools and self._continues(last, grant, spent, k):
-            await self._settle(reservation, last.completion_tokens)
-            nxt_id = segment_id(base, k + 1)
-            nxt = await self._next_grant(nxt_id, spent)
+        assert lt.grant is not None
+        joined, last, k, spent, granted = response, response, 1, response.completion_tokens, lt.grant.tokens
+        while not tools and self._continues(last, lt.grant, spent, k):
+            await lt.settle(last.completion_tokens)
+            nxt = await lt.next_segment(k + 1, spent)
             if nxt is None:  # the budget's true end (or the tree's): the answer is cut here
                 self.segments += k
-                self.answer_over(base, 0)
-                return joined, reservation, None, last, granted
+                return joined, last, granted
             messages, sampling = continuation_request(
                 self.messages, joined.content or "", dict(self.request.sampling), self.ctx.continuation
             )
-            last = await self._call(turn, nxt_id, nxt, nxt.tokens, [], messages=messages, sampling=sampling)
+            last = await self._call(turn, lt, nxt.tokens, [], messages=messages, sampling=sampling)
             if last.completion_tokens > nxt.tokens:
                 self.overrun_tokens += last.completion_tokens - nxt.tokens  # charged, and recorded
-            joined, reservation, grant = join_segments(joined, last), nxt_id, nxt
+            joined = join_segments(joined, last)
             spent, granted, k = spent + last.completion_tokens, granted + nxt.tokens, k + 1
         self.segments += k
-        whole = ledger is not None and joined.finish_reason != "length" and joined.usage_reported
-        self.answer_over(base, spent if whole else 0)
-        return joined, reservation, grant, last, granted
-
-    def answer_over(self, answer: str | None = None, tokens: int = 0) -> None:
-        """Tell the ledger the running answer ``answer`` (default: the one granted last, if still
-        running) ended after ``tokens`` (0: not on its own); it stops counting as running."""
-        answer = answer or self.running_answer
-        self.running_answer = None
-        if answer and self.ctx.ledger is not None:
-            self.ctx.ledger.note_answer(self.request.charged_ledger, tokens, answer=answer)
+        lt.ended(spent if joined.finish_reason != "length" and joined.usage_reported else 0)
+        return joined, last, granted

@@ -21,24 +21,45 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 
 from rlmq.common.budget import replica_acks
-from rlmq.common.budget.script import LEDGER_LUA
-from rlmq.common.budget.wire import HEAD_ARGS, SCRIPT_KEYS, BeginCode, Code, Op, Reply
+from rlmq.common.budget.script import CLOSE_LEDGER_LUA, COUNT_REJECTIONS_LUA, LEDGER_LUA, OPEN_UNLIMITED_LUA
+from rlmq.common.budget.wire import HEAD_ARGS, SCRIPT_KEYS, BeginCode, Code, Op, Reply, answered_op
 from rlmq.common.errors import ReplicaAckMissing
 from rlmq.common.keys import REPLICA_ACK_MARK, LedgerKeys
 from rlmq.common.scripts import run_pipeline
 
-__all__ = ["LedgerCalls"]
+__all__ = ["LedgerCalls", "Settle"]
 
 _Op = tuple[str, str, int, float, "asyncio.Future[Reply]"]
 """One coalesced ledger operation: op (an :class:`~rlmq.common.budget.wire.Op`, ``r:<kind>``,
 ``L:<kind>``), reservation id, cap or used, deadline, its waiter."""
 _Group = tuple[str, tuple[str, ...]]
 """What one script call serves: a ledger id and the node chain its reservations name."""
+
+
+class Settle(NamedTuple):
+    """A settlement a caller sends with its own round trip (:meth:`LedgerCalls.add_settles`).
+
+    Attributes:
+        ledger_id: the ledger charged.
+        reservation_id: the reservation settled.
+        used: completion tokens the server reported (tokens, >= 0).
+        answer: the running answer this settlement ends (its first segment's reservation id), noted
+            in the same script call as the settlement (:attr:`~rlmq.common.budget.wire.Op.ANSWERED`);
+            ``""``: none.
+        answered: the tokens of that answer when it ended on its own (sizes later answers' first
+            segments); 0: it did not (cut, failed).
+    """
+
+    ledger_id: str
+    reservation_id: str
+    used: int
+    answer: str = ""
+    answered: int = 0
 
 
 GRANTING_OPS: tuple[str, ...] = (Op.RESERVE.value, Op.LEASED.value, Op.SEGMENT.value, Op.SEGMENT_LEASED.value)
@@ -58,6 +79,9 @@ class LedgerCalls:
         self._redis = redis
         self._lease = grant_lease
         self._script = redis.register_script(LEDGER_LUA)
+        self._count_script = redis.register_script(COUNT_REJECTIONS_LUA)  # the small scripts, on the same client
+        self._close_script = redis.register_script(CLOSE_LEDGER_LUA)
+        self._open_unlimited_script = redis.register_script(OPEN_UNLIMITED_LUA)
         self._pending: dict[_Group, list[_Op]] = {}
         self._flush_scheduled = False
         self._flushes: set[asyncio.Task[None]] = set()
@@ -145,18 +169,23 @@ class LedgerCalls:
 
         return await run_pipeline(self._redis, build, [LEDGER_LUA], raise_on_error=False)
 
-    def add_settles(self, pipe: Any, settles: Sequence[tuple[str, str, int]]) -> None:
+    def add_settles(self, pipe: Any, settles: Sequence[Settle | tuple[str, str, int]]) -> None:
         """Queue settlements on ``pipe`` (one ``EVALSHA`` per ledger), for a caller that sends
-        them in one round trip with its own commands (the worker's ``FINISH``).
+        them in one round trip with its own commands (the worker's ``FINISH``). A settlement that
+        ends a running answer (:attr:`Settle.answer`) notes it in the same script call, after it.
 
         Args:
             pipe: a redis-py asyncio pipeline; the caller executes it and, on ``NOSCRIPT``,
-                loads :data:`LEDGER_LUA` and sends it again (settling is idempotent).
-            settles: ``(ledger_id, reservation_id, completion tokens used)`` each.
+                loads :data:`LEDGER_LUA` and sends it again (settling and noting are idempotent).
+            settles: :class:`Settle` each (a plain ``(ledger_id, reservation_id, used)`` too).
         """
         by_ledger: dict[str, list[Any]] = {}
-        for ledger_id, reservation_id, used in settles:
-            by_ledger.setdefault(ledger_id, []).extend([Op.SETTLE.value, reservation_id, max(0, int(used)), 0])
+        for entry in settles:
+            s = Settle(*entry)
+            ops = by_ledger.setdefault(s.ledger_id, [])
+            ops += [Op.SETTLE.value, s.reservation_id, max(0, int(s.used)), 0]
+            if s.answer:
+                ops += [answered_op(s.answered), s.answer, 0, 0]
         for ledger_id, ops in by_ledger.items():
             keys = self._keys((ledger_id, ()))
             pipe.evalsha(self._script.sha, len(keys), *keys, *self._head_args(), *ops)

@@ -84,11 +84,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential, wait_random
 
 from rlmq.common.budget.calls import LedgerCalls
-from rlmq.common.budget.script import COUNT_REJECTIONS_LUA, LEDGER_LUA
+from rlmq.common.budget.script import LEDGER_LUA
 from rlmq.common.budget.segments import ROOT, SUB_LLM, LedgerSegments, reserve_op
 from rlmq.common.budget.tree import NODE_TTL, LedgerTree, node_ttl
 from rlmq.common.budget.wait import ReleaseWaits
-from rlmq.common.budget.wire import BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
+from rlmq.common.budget.wire import COUNT_REJECTIONS_WIRE, BeginCode, BudgetSnapshot, Code, Grant, Op, Settlement
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.settings import setting_default
 
@@ -137,7 +137,8 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     Args:
         redis: an asyncio Redis client (``decode_responses`` either way).
         ttl: seconds the keys of a ledger *this process opens* live after a refresh (stored in
-            the ledger by :meth:`open`; the owner refreshes them while its rollout lives).
+            the ledger by :meth:`open`; the owner refreshes them while its rollout lives;
+            ``rollout_key_ttl``).
             Nothing else uses it: a worker's scripts use the TTL stored in each ledger.
         grant_lease: seconds a leased grant of this process may wait for its :meth:`begin` before
             the ledger's next reservation reclaims it (``sub_llm_budget_grant_lease``; > 0).
@@ -156,7 +157,10 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
     """
 
     def __init__(
-        self, redis: Redis, ttl: int = 3600, grant_lease: float = setting_default("sub_llm_budget_grant_lease")
+        self,
+        redis: Redis,
+        ttl: int = setting_default("rollout_key_ttl"),
+        grant_lease: float = setting_default("sub_llm_budget_grant_lease"),
     ) -> None:
         if grant_lease <= 0:
             raise ValueError("grant lease must be > 0 seconds")
@@ -538,7 +542,8 @@ class BudgetLedger(LedgerTree, LedgerCalls, LedgerSegments):
         batch on a spent budget, a waiter giving up) to the ledger's ``rejections``, so it counts
         every refusal. A missing ledger is not re-created, and the ledger's TTL is left as its
         owner set it (a worker's own TTL never touches it)."""
-        await self._redis.eval(COUNT_REJECTIONS_LUA, 1, LedgerKeys(ledger_id).budget, n)
+        keys, args = COUNT_REJECTIONS_WIRE.layout(LedgerKeys(ledger_id), n=n)
+        await self._count_script(keys=keys, args=args)
 
     @property
     def abandoning(self) -> bool:

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from string import Template
 
-from rlmq.common.budget.wire import lua_names
+from rlmq.common.budget.wire import CLOSE_WIRE, COUNT_REJECTIONS_WIRE, OPEN_UNLIMITED_WIRE, ScriptWire, lua_names
 
 
 def _lua(text: str) -> str:
     """A script with the ledger's wire names spliced in (:func:`rlmq.common.budget.wire.lua_names`)."""
     return Template(text).substitute(lua_names())
+
+
+def _small(wire: ScriptWire, body: str) -> str:
+    """A small script on its named wire: its keys and arguments read into their Lua locals first."""
+    head = "local $KEY_LOCALS = unpack(KEYS, 1, $KEY_COUNT)\nlocal $ARG_LOCALS = unpack(ARGV, 1, $ARG_COUNT)\n"
+    return Template(head + body).substitute(wire.lua_names())
 
 
 # KEYS: the script's own keys (wire.SCRIPT_KEYS): the budget hash, the reservations hash,
@@ -40,7 +46,8 @@ def _lua(text: str) -> str:
 # and deadline the call's deadline (Unix seconds); for a settle n is the completion tokens the
 # server reported (>= 0) and deadline is unused.
 # The operations are applied in order, each exactly as if it ran alone; the script reads the
-# ledger once (HMGET) and writes it once (HSET). Returns one reply (wire.REPLY_FIELDS) per
+# ledger once (HMGET) and writes it once (HSET), and so the running answers (the answers hash: read
+# with the first segment that needs them, written once at the end). Returns one reply (wire.REPLY_FIELDS) per
 # operation, read by wire.Reply.of:
 # * reserve: value = grant. GRANTED (grant > 0); REJECTED (grant 0: nothing free and no live
 #   reservation that could give tokens back); NO_LEDGER (budget hash missing: expired, lost, or
@@ -161,16 +168,31 @@ local added, settled, first_grant, leased = false, false, false, false
 local function answer_of(id)  -- an answer's id: its first segment's reservation id
   return (string.gsub(id, ':s%d+$$', ''))
 end
-local running = nil  -- the running answers: {spent, reach, whole, kind} each, read once
-local longest = {}  -- per kind: the longest answer, ended or running
+local running = nil  -- answer id -> {spent, reach, whole, kind}: the running answers, read once
+local answer_writes, answer_order = {}, {}  -- answer id -> its new entry, or false (ended): written once, at the end
+local ended_longest = {}  -- per kind: the longest answer that ended (tokens; the hash's, read once)
+ended_longest[''] = tonumber(h_longest or '0') or 0
+local longest_changed = {}  -- kinds whose longest answer that ended changed (written with the counters)
+local longest = {}  -- per kind: the longest answer, ended or running (derived: reset by every change)
+local pledge = nil  -- what the running answers are estimated to need past what they hold (derived, as longest)
+local function parse_answer(value)  -- a running answer's entry, or nil when its call's deadline passed
+  local dl, sp, rc, wh, k = string.match(value, '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
+  if dl and tonumber(dl) > now then return {tonumber(sp), tonumber(rc), tonumber(wh), k} end
+  return nil
+end
+local function answer_put(aid, value, keep)  -- value false: the answer ended (or will not go on)
+  if answer_writes[aid] == nil then answer_order[#answer_order + 1] = aid end
+  answer_writes[aid] = value
+  if running ~= nil then running[aid] = value and parse_answer(value) or nil end
+  if not keep then longest, pledge = {}, nil end  -- keep: the caller updates pledge itself
+end
 local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
   f.charged = f.charged - grant
   f.reclaimed = f.reclaimed + grant
   changed.charged, changed.reclaimed = true, true
   put(id, false)
   redis.call('ZREM', live_set, id)
-  redis.call('HDEL', answers, answer_of(id))  -- its answer does not go on under it
-  running, longest = nil, {}
+  answer_put(answer_of(id), false)  -- its answer does not go on under it
   live = nil
   settled = true
 end
@@ -195,26 +217,31 @@ local function first_score(key)  -- the lowest score of a sorted set, or nil whe
 end
 local function running_answers()
   if running == nil then
-    running = {}
     local flat, stale = redis.call('HGETALL', answers), {}
+    running = {}
     for j = 1, #flat, 2 do
-      local dl, sp, rc, wh, k = string.match(flat[j + 1], '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
-      if dl and tonumber(dl) > now then
-        running[#running + 1] = {tonumber(sp), tonumber(rc), tonumber(wh), k}
-      else
-        stale[#stale + 1] = flat[j]
+      if answer_writes[flat[j]] == nil then  -- (one this script wrote is taken below)
+        running[flat[j]] = parse_answer(flat[j + 1])
+        if running[flat[j]] == nil then stale[#stale + 1] = flat[j] end
       end
     end
-    if #stale > 0 then redis.call('HDEL', answers, unpack(stale)) end
+    for _, aid in ipairs(stale) do answer_put(aid, false) end
+    for aid, value in pairs(answer_writes) do
+      if value then running[aid] = parse_answer(value) end
+    end
   end
   return running
 end
+local function longest_ended(k)  -- the longest answer of kind k that ended (tokens; the hash's, read once)
+  if ended_longest[k] == nil then
+    ended_longest[k] = tonumber(redis.call('HGET', budget, 'longest:' .. k) or '0') or 0
+  end
+  return ended_longest[k]
+end
 local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
   if longest[k] == nil then
-    local field = 'longest'
-    if k ~= '' then field = 'longest:' .. k end
-    longest[k] = tonumber(redis.call('HGET', budget, field) or '0') or 0
-    for _, a in ipairs(running_answers()) do  -- an answer still running grows the estimate as it goes
+    longest[k] = longest_ended(k)
+    for _, a in pairs(running_answers()) do  -- an answer still running grows the estimate as it goes
       if a[4] == k and a[1] > longest[k] then longest[k] = a[1] end
     end
   end
@@ -222,13 +249,16 @@ local function estimate(k, whole)  -- the segment an answer of kind k starts wit
   return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
 end
 local function pledged()  -- what the running answers are estimated to need past what they hold
-  local sum = 0
-  for _, a in ipairs(running_answers()) do
-    local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
-    if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
-    if goal > a[2] then sum = sum + goal - a[2] end
+  if pledge == nil then
+    local sum = 0
+    for _, a in pairs(running_answers()) do
+      local goal = estimate(a[4], a[3])  -- an answer within its first segment: an estimate of an answer
+      if a[1] > 0 then goal = a[3] end  -- one that outran its first segment: up to its whole cap
+      if goal > a[2] then sum = sum + goal - a[2] end
+    end
+    pledge = sum
   end
-  return sum
+  return pledge
 end
 local out = {}
 for i = 1, nops do
@@ -317,10 +347,11 @@ for i = 1, nops do
           f.segments = f.segments + 1
           changed.segments = true
           if need > 0 and dl > now then
-            redis.call('HSET', answers, answer_of(id), dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' '
-              .. whole .. ' ' .. kname)
-            running = nil
-            if ttl > 0 then redis.call('EXPIRE', answers, ttl) end
+            local aid = answer_of(id)
+            -- a new answer within its first segment changes no estimate: its own pledge is added
+            local fresh = spent == 0 and pledge ~= nil and longest[kname] ~= nil and running[aid] == nil
+            answer_put(aid, dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' ' .. whole .. ' ' .. kname, fresh)
+            if fresh and estimate(kname, whole) > grant then pledge = pledge + estimate(kname, whole) - grant end
           end
         end
         if dl > now then
@@ -344,20 +375,16 @@ for i = 1, nops do
   elseif op == '$OP_ANSWERED' then
     local k, total = string.match(kind, '^.:([a-z_]*):(%d+)')
     total, k = tonumber(total or '0'), k or ''
-    local field = 'longest'
-    if k ~= '' then field = 'longest:' .. k end
-    if limit and total > (tonumber(redis.call('HGET', budget, field) or '0') or 0) then
-      redis.call('HSET', budget, field, total)
-      longest[k] = nil
+    if limit and total > longest_ended(k) then
+      ended_longest[k] = total
+      longest_changed[k] = true
+      longest[k], pledge = nil, nil
     end
-    if id ~= '' and redis.call('HDEL', answers, id) > 0 then  -- the answer ended: it pledges no more
-      running, longest = nil, {}
-    end
+    if id ~= '' then answer_put(id, false) end  -- the answer ended: it pledges no more
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
   elseif kind == '$OP_RETIRE' then
     local removed = redis.call('ZREM', live_set, id)
-    redis.call('HDEL', answers, answer_of(id))  -- a dead worker's answer will not go on
-    running, longest = nil, {}
+    answer_put(answer_of(id), false)  -- a dead worker's answer will not go on
     if removed > 0 then
       live = nil
       settled = true
@@ -419,7 +446,27 @@ for _, name in ipairs(names) do
     hset[#hset + 1] = f[name]
   end
 end
+for k in pairs(longest_changed) do
+  hset[#hset + 1] = k == '' and 'longest' or 'longest:' .. k
+  hset[#hset + 1] = ended_longest[k]
+end
 if #hset > 0 and limit then redis.call('HSET', budget, unpack(hset)) end  -- never re-create a lost ledger
+local aset, adel = {}, {}
+for _, aid in ipairs(answer_order) do
+  if answer_writes[aid] then
+    aset[#aset + 1] = aid
+    aset[#aset + 1] = answer_writes[aid]
+  else
+    adel[#adel + 1] = aid
+  end
+end
+for i = 1, #adel, 1000 do
+  redis.call('HDEL', answers, unpack(adel, i, math.min(i + 999, #adel)))
+end
+for i = 1, #aset, 1000 do
+  redis.call('HSET', answers, unpack(aset, i, math.min(i + 999, #aset)))
+end
+if #aset > 0 and ttl > 0 then redis.call('EXPIRE', answers, ttl) end
 local rargs, forget = {}, {}
 for _, id in ipairs(order) do
   if writes[id] then
@@ -448,38 +495,48 @@ return out
 """)
 
 # Count calls refused outside the script (the producer's up-front refusal, a waiter giving up):
-# KEYS[1] budget hash, ARGV[1] how many. Only an existing ledger is counted (never re-created), and
-# its TTL is left as its owner set it. Returns 1 when counted.
-COUNT_REJECTIONS_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[1], 'rejections', ARGV[1])
+# wire.COUNT_REJECTIONS_WIRE (the budget hash; n, how many). Only an existing ledger is counted (never
+# re-created), and its TTL is left as its owner set it. Returns 1 when counted.
+COUNT_REJECTIONS_LUA = _small(
+    COUNT_REJECTIONS_WIRE,
+    """
+if redis.call('EXISTS', budget) == 0 then return 0 end
+redis.call('HINCRBY', budget, 'rejections', n)
 return 1
-"""
+""",
+)
 
 # Close a ledger (its top rollout ended, timed out or was cancelled) or end some of its nodes:
-# KEYS[1] the budget hash, KEYS[2] its release channel, KEYS[3..] node keys to delete; ARGV[1] '1' to
-# close the ledger, '0' to only delete the nodes. Closing sets 'closed' on an existing ledger (never
+# wire.CLOSE_WIRE (the budget hash, its release channel, then the node keys to delete; close '1' to
+# close the ledger, '0' to only delete the nodes). Closing sets 'closed' on an existing ledger (never
 # re-creates a lost one; its TTL is left as it is) so every later reservation is refused, whatever
 # chain it names. Publishes 'closed' on the channel (not a '<free> <live>' pair: every parked call of
 # the ledger wakes and asks again, so calls under what ended are refused now, not at their
 # deadline). Returns 1 when a ledger was closed.
-CLOSE_LEDGER_LUA = """
-for k = 3, #KEYS do redis.call('DEL', KEYS[k]) end
+CLOSE_LEDGER_LUA = _small(
+    CLOSE_WIRE,
+    """
+local nodes = {unpack(KEYS, $KEY_COUNT + 1)}
+if #nodes > 0 then redis.call('DEL', unpack(nodes)) end
 local closed = 0
-if ARGV[1] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'closed', 1)
+if close == '1' and redis.call('EXISTS', budget) == 1 then
+  redis.call('HSET', budget, 'closed', 1)
   closed = 1
 end
-redis.call('PUBLISH', KEYS[2], 'closed')
+redis.call('PUBLISH', channel, 'closed')
 return closed
-"""
+""",
+)
 
-# Open a liveness-only ledger (a tree without a sub-LLM budget): KEYS[1] the budget hash, ARGV[1]
-# its TTL (seconds). Keeps an existing ledger (budgeted or not) as it is, only pushing its TTL.
-OPEN_UNLIMITED_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('HSET', KEYS[1], 'unlimited', 1, 'ttl', ARGV[1])
+# Open a liveness-only ledger (a tree without a sub-LLM budget): wire.OPEN_UNLIMITED_WIRE (the budget
+# hash; ttl, seconds). Keeps an existing ledger (budgeted or not) as it is, only pushing its TTL.
+OPEN_UNLIMITED_LUA = _small(
+    OPEN_UNLIMITED_WIRE,
+    """
+if redis.call('EXISTS', budget) == 0 then
+  redis.call('HSET', budget, 'unlimited', 1, 'ttl', ttl)
 end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', budget, ttl)
 return 1
-"""
+""",
+)

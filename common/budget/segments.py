@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from rlmq.common.budget.wire import Op
+from rlmq.common.budget.wire import Op, answered_op
 
 __all__ = ["ROOT", "SUB_LLM", "LedgerSegments", "reserve_op"]
 
@@ -68,7 +68,7 @@ class LedgerSegments:
         from the longest, and the answer ``answer`` (its first segment's reservation id) stops
         counting as running (``docs/budget.md``). A note that fails (Redis away) only leaves the
         estimate as it was; the running answer then stops counting at its call's deadline."""
-        op = f"{Op.ANSWERED.value}:{'' if kind == SUB_LLM else kind}:{max(0, int(tokens))}"
+        op = answered_op(tokens, "" if kind == SUB_LLM else kind)
         reserve_op(kind)  # ValueError for an invalid kind, now
 
         async def note() -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
-from rlmq.common.budget.script import CLOSE_LEDGER_LUA, OPEN_UNLIMITED_LUA
+from rlmq.common.budget.wire import CLOSE_WIRE, OPEN_UNLIMITED_WIRE
 from rlmq.common.keys import LedgerKeys
 
 __all__ = ["NODE_TTL", "LedgerTree", "node_ttl"]
@@ -33,10 +34,13 @@ def node_ttl(rollout_key_ttl: int) -> int:
 
 class LedgerTree:
     """Tree nodes and closing of ledgers addressed by their own ids (a part of
-    :class:`~rlmq.common.budget.ledger.BudgetLedger`, which sets ``_redis`` and ``_ttl``)."""
+    :class:`~rlmq.common.budget.ledger.BudgetLedger`, which sets ``_redis``, ``_ttl`` and the small
+    scripts, registered on ``_redis``)."""
 
     _redis: Redis
     _ttl: int
+    _close_script: AsyncScript
+    _open_unlimited_script: AsyncScript
 
     async def open_unlimited(self, ledger_id: str, ttl: int | None = None) -> None:
         """Open a liveness-only ledger ``ledger_id``: no budget, but closable and with tree nodes,
@@ -53,7 +57,8 @@ class LedgerTree:
         ttl = self._ttl if ttl is None else ttl
         if ttl < 1:
             raise ValueError("ledger ttl must be >= 1 second")
-        await self._redis.eval(OPEN_UNLIMITED_LUA, 1, LedgerKeys(ledger_id).budget, ttl)
+        keys, args = OPEN_UNLIMITED_WIRE.layout(LedgerKeys(ledger_id), ttl=ttl)
+        await self._open_unlimited_script(keys=keys, args=args)
 
     async def open_node(self, ledger_id: str, node_id: str, ttl: int = NODE_TTL) -> None:
         """Mark the tree node ``node_id`` alive in ledger ``ledger_id`` for ``ttl`` seconds (its host
@@ -95,7 +100,8 @@ class LedgerTree:
             redis.RedisError: Redis refused or is gone.
         """
         keys = LedgerKeys(ledger_id)
-        await self._redis.eval(CLOSE_LEDGER_LUA, 3, keys.budget, keys.released, keys.node(node_id), 0)
+        names, args = CLOSE_WIRE.layout(keys, [keys.node(node_id)], close=0)
+        await self._close_script(keys=names, args=args)
 
     async def close(self, ledger_id: str, top_node: str | None = None) -> bool:
         """Close the ledger ``ledger_id`` (its top rollout ended, timed out or was cancelled): every
@@ -108,5 +114,5 @@ class LedgerTree:
             redis.RedisError: Redis refused or is gone.
         """
         keys = LedgerKeys(ledger_id)
-        extra = [keys.node(top_node)] if top_node is not None else []
-        return bool(await self._redis.eval(CLOSE_LEDGER_LUA, 2 + len(extra), keys.budget, keys.released, *extra, 1))
+        names, args = CLOSE_WIRE.layout(keys, [keys.node(top_node)] if top_node is not None else [], close=1)
+        return bool(await self._close_script(keys=names, args=args))

@@ -19,13 +19,14 @@ upgrade producers and workers together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 
 __all__ = [
-    "COUNTERS", "HASH_FIELDS", "HEAD_ARGS", "SCRIPT_KEYS", "BeginCode", "BudgetSnapshot", "Code", "Grant", "Op",
-    "Release", "Reply", "SettleCode", "lua_names",
+    "CLOSE_WIRE", "COUNTERS", "COUNT_REJECTIONS_WIRE", "HASH_FIELDS", "HEAD_ARGS", "OPEN_UNLIMITED_WIRE",
+    "SCRIPT_KEYS", "BeginCode", "BudgetSnapshot", "Code", "Grant", "Op", "Release", "Reply", "ScriptWire",
+    "SettleCode", "answered_op", "lua_names",
 ]  # fmt: skip
 
 
@@ -101,9 +102,15 @@ class Op(StrEnum):
     the ledger keeps the longest (``longest`` / ``longest:<kind>``), from which later segments are sized."""
 
 
+def answered_op(tokens: int, kind: str = "") -> str:
+    """The op that notes an answer of reservation kind ``kind`` (``""``: the sub-LLM's) ended after
+    ``tokens`` completion tokens (0: not on its own): ``f:<kind>:<tokens>`` (:attr:`Op.ANSWERED`)."""
+    return f"{Op.ANSWERED.value}:{kind}:{max(0, int(tokens))}"
+
+
 HASH_FIELDS = (
     "limit", "charged", "grants", "used", "released", "overrun", "rejections", "waits", "cap", "ttl", "closed",
-    "unlimited", "reclaimed", "segments",
+    "unlimited", "reclaimed", "segments", "longest",
 )  # fmt: skip
 """The fields of a ledger's budget hash (``LedgerKeys.budget``) the script reads, each into the Lua
 local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open reservations), ``grants``,
@@ -111,8 +118,9 @@ local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open re
 ``rejections``, ``waits`` ("wait" answers), ``cap`` (0: none; the cap of sub-LLM reservations), ``ttl``
 (seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger),
 ``reclaimed`` (tokens of leased grants that went back unbegun: given back or reclaimed), ``segments``
-(segment grants: :attr:`Op.SEGMENT`). A reservation kind's own cap is ``cap:<kind>``, and the longest
-answer of the kind that ended is ``longest`` / ``longest:<kind>``, read only when a segment of that kind comes."""
+(segment grants: :attr:`Op.SEGMENT`), ``longest`` (the longest sub-LLM answer that ended, tokens). A
+reservation kind's own cap is ``cap:<kind>``, and the longest answer of the kind that ended
+``longest:<kind>``, read only when a segment or an answer's end of that kind comes."""
 COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits", "reclaimed", "segments")
 """The fields the script counts (integers, written back once per call when changed)."""
 
@@ -141,6 +149,52 @@ takes what is free from this size up; below it, it waits), and the least an answ
 RELEASE_FIELDS = ("free", "live", "lease_end")
 """The release message the script publishes, space-separated (see :class:`Release`); the last is
 sent only while a grant lease is open."""
+
+
+@dataclass(frozen=True)
+class ScriptWire:
+    """The named wire of one of the ledger's small scripts (:mod:`rlmq.common.budget.script`): the
+    script reads its keys and arguments into Lua locals of these names, and Python lays them out by
+    name (:meth:`layout`), never by position.
+
+    Attributes:
+        keys: the script's own keys in ``KEYS`` order: its Lua local -> the
+            :class:`rlmq.common.keys.LedgerKeys` attribute; keys a call adds (node keys) follow them.
+        args: its arguments' Lua locals, in ``ARGV`` order.
+    """
+
+    keys: Mapping[str, str]
+    args: tuple[str, ...]
+
+    def lua_names(self) -> dict[str, str]:
+        """What :func:`string.Template` splices into the script: its keys' locals (``KEY_LOCALS``) and
+        count (``KEY_COUNT``), its arguments' locals (``ARG_LOCALS``) and count (``ARG_COUNT``)."""
+        return {
+            "KEY_LOCALS": ", ".join(self.keys), "KEY_COUNT": str(len(self.keys)),
+            "ARG_LOCALS": ", ".join(self.args), "ARG_COUNT": str(len(self.args)),
+        }  # fmt: skip
+
+    def layout(
+        self, ledger_keys: object, more_keys: Sequence[str] = (), **args: str | int | float
+    ) -> tuple[list[str], list[str | int | float]]:
+        """``(KEYS, ARGV)`` of one call: the keys named by ``ledger_keys`` (a
+        :class:`~rlmq.common.keys.LedgerKeys`), then ``more_keys``; the arguments by name.
+
+        Raises:
+            ValueError: ``args`` does not name exactly the script's arguments.
+        """
+        if set(args) != set(self.args):
+            raise ValueError(f"script arguments {sorted(args)} are not {sorted(self.args)}")
+        return [*(getattr(ledger_keys, attr) for attr in self.keys.values()), *more_keys], [args[a] for a in self.args]
+
+
+COUNT_REJECTIONS_WIRE = ScriptWire({"budget": "budget"}, ("n",))
+"""Count calls refused outside the ledger script: the budget hash; ``n`` how many."""
+CLOSE_WIRE = ScriptWire({"budget": "budget", "channel": "released"}, ("close",))
+"""Close a ledger or end some of its nodes: the budget hash and its release channel, then the node keys
+to delete; ``close`` ``1`` to close the ledger, ``0`` to only delete the nodes."""
+OPEN_UNLIMITED_WIRE = ScriptWire({"budget": "budget"}, ("ttl",))
+"""Open a liveness-only ledger: the budget hash; ``ttl`` its TTL (seconds)."""
 
 
 def lua_names() -> dict[str, str]:

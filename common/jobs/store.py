@@ -32,6 +32,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from rlmq.common import keys as K
+from rlmq.common.budget.calls import Settle
 from rlmq.common.budget.ledger import LEDGER_LUA, BudgetLedger
 from rlmq.common.fleet_checks import redis_time
 from rlmq.common.jobs.lua import ENQUEUE_LUA, FINISH_LUA, REAP_LUA, START_LUA
@@ -64,7 +65,7 @@ def sub_llm_abandoned(jid: str, meta_raw: bytes | None) -> str:
 
 
 _PER_JOB_FIELDS = ("data", "description", F_META)
-DEFAULT_REPLY_TTL = 3600
+DEFAULT_REPLY_TTL: int = setting_default("rollout_key_ttl")
 """Seconds a reply stream lives after a result when its job hash names no ``rlmq_reply_ttl`` (a
 job enqueued by an older producer): the default of ``RolloutOptions.rollout_key_ttl``."""
 ENQUEUE_SHA = sha1(ENQUEUE_LUA)
@@ -132,8 +133,8 @@ class FinishedJob:
     result_json: str
     rq_payload: str
     """:func:`rq_return_value` of a summary when ok, :func:`rq_exc_string` otherwise."""
-    settles: list[tuple[str, str, int]] = field(default_factory=list)
-    """Budget settlements sent in the same round trip as ``FINISH`` (rollout, reservation, used)."""
+    settles: list[Settle] = field(default_factory=list)
+    """Budget settlements sent in the same round trip as ``FINISH`` (each with the answer it ends, if any)."""
     spill_key: str | None = None
     """Where the result's token payload was spilled (:mod:`rlmq.common.jobs.spill`), if it was."""
 

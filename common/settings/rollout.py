@@ -240,8 +240,9 @@ class RolloutOptions(BaseModel):
         "(--sub-llm-per-call-max-tokens overrides max_tokens)",
         json_schema_extra=meta(group="sampling", metavar="JSON", default_text="{}"),
     )
-    rollout_key_ttl: int = Field(default=3600, ge=10, description="how long a rollout's Redis keys live without "
-        "a refresh (refreshed while it runs)", json_schema_extra=meta(unit="seconds"))  # fmt: skip
+    rollout_key_ttl: int = Field(default=3600, ge=10, description="how long a rollout's Redis keys (its budget "
+        "ledger, its batches' reply streams) live without a refresh (refreshed while it runs)",
+        json_schema_extra=meta(unit="seconds"))  # fmt: skip
     max_batch_prompts: int = Field(
         default=10_000, ge=1, description="prompts in one llm_batch call", json_schema_extra=meta(unit="prompts")
     )

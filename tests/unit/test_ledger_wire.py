@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.budget.script import LEDGER_LUA
 from rlmq.common.budget.wire import (
+    CLOSE_WIRE,
     COUNTERS,
     HASH_FIELDS,
     RELEASE_FIELDS,
@@ -120,3 +121,23 @@ def test_the_head_arguments_carry_the_lease_and_the_lease_is_the_declared_settin
 def test_a_release_message_is_read_by_name(data: str | bytes, expected: Release | None) -> None:
     assert Release.of(data) == expected
     assert tuple(Release.__dataclass_fields__) == RELEASE_FIELDS
+
+
+@pytest.mark.parametrize("name", ["COUNT_REJECTIONS_LUA", "CLOSE_LEDGER_LUA", "OPEN_UNLIMITED_LUA"])
+def test_the_small_scripts_read_their_keys_and_arguments_by_name(name: str) -> None:
+    """The ledger's small scripts read ``KEYS`` / ``ARGV`` only into their wire's named locals (no
+    ``KEYS[n]`` / ``ARGV[n]`` in their text) and go out by ``EVALSHA``."""
+    start = SOURCE.index(f"{name} = _small(")
+    body = SOURCE[start : SOURCE.index('""",', start)]
+    assert "KEYS[" not in body and "ARGV[" not in body
+    assert "redis.eval(" not in SOURCE
+    for module in ("ledger.py", "tree.py"):
+        text = (Path(__file__).resolve().parents[2] / "common" / "budget" / module).read_text(encoding="utf-8")
+        assert ".eval(" not in text, module
+
+
+def test_a_small_scripts_layout_is_by_name() -> None:
+    keys, args = CLOSE_WIRE.layout(LedgerKeys("r1"), ["n1"], close=1)
+    assert keys == [LedgerKeys("r1").budget, LedgerKeys("r1").released, "n1"] and args == [1]
+    with pytest.raises(ValueError):
+        CLOSE_WIRE.layout(LedgerKeys("r1"), closed=1)

@@ -14,8 +14,10 @@ from typing import Any
 import fakeredis.aioredis
 import pytest
 
+from rlmq.common.budget.calls import Settle
 from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.budget.wire import SEGMENT_MIN
+from rlmq.common.keys import LedgerKeys
 from rlmq.common.schemas import SubLLMRequest
 from rlmq.common.token_wire import TurnDecoder
 from rlmq.scripted.server import ScriptedModelServer
@@ -191,6 +193,47 @@ async def test_a_long_answer_is_continued_whole_and_trainable_id_for_id(
     assert [p.get("add_generation_prompt") for p in sent] == [None, False, False]
     # 1.25 x the longest answer that ended (200), then 1.25 x what this answer has spent
     assert [p["max_tokens"] for p in sent] == [250, 313, 704]
+
+
+async def test_an_answer_that_ends_with_its_call_is_noted_with_the_settlement_sent_with_finish(
+    redis: Any, server: ScriptedModelServer
+) -> None:
+    """A one-segment answer whose last settlement rides with the worker's FINISH (``settle_out``) sends
+    the ledger one operation of its own (the reservation): the note that it ended goes with that
+    settlement, in the same script call, and until then the answer counts as running."""
+    ctx, ledger = await _ctx(redis, server)
+    ops: list[str] = []
+    submit = ledger._submit
+
+    def counted(ledger_id: str, op: str, *args: Any, **kw: Any) -> Any:
+        ops.append(op)
+        return submit(ledger_id, op, *args, **kw)
+
+    ledger._submit = counted  # type: ignore[method-assign]
+    out: list[Settle] = []
+    result = await run_sub_llm(_request("Summarize. [[mock:tokens:120]]"), ctx, job_id="j1", settle_out=out)
+    await asyncio.sleep(0.05)
+    assert (result.status, result.completion_tokens, result.segments) == ("ok", 120, 1)
+    assert ops == ["g::0"] and out == [Settle(ROLLOUT, "j1:1:1", 120, "j1:1:1", 120)]
+    answers = LedgerKeys(ROLLOUT).answers
+    assert await redis.hkeys(answers) == [b"j1:1:1"]  # running until the settlement goes out
+    async with redis.pipeline(transaction=False) as pipe:
+        ledger.add_settles(pipe, out)
+        await pipe.execute()
+    assert await redis.hkeys(answers) == []
+    snap = await ledger.snapshot(ROLLOUT)
+    assert snap is not None and (snap.charged, snap.used) == (120, 120)
+    assert await redis.hget(LedgerKeys(ROLLOUT).budget, "longest") == b"200"  # 120 < the longest so far
+    ledger._submit = submit  # type: ignore[method-assign]
+    await ledger.reserve(ROLLOUT, "x:1", 2048, time.time() + 30, segment=0)
+    out2: list[Settle] = []
+    await run_sub_llm(_request("Summarize. [[mock:tokens:300]]"), ctx, job_id="j2", settle_out=out2)
+    assert out2 == [Settle(ROLLOUT, "j2:1:1:s2", 50, "j2:1:1", 300)]  # 250, then the next segment's 50
+    async with redis.pipeline(transaction=False) as pipe:
+        ledger.add_settles(pipe, out2)
+        await pipe.execute()
+    assert await redis.hget(LedgerKeys(ROLLOUT).budget, "longest") == b"300"
+    assert await redis.hkeys(answers) == [b"x:1"]
 
 
 async def test_a_retokenized_boundary_marks_the_turn_untrainable(redis: Any, server: ScriptedModelServer) -> None:

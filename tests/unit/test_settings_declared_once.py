@@ -105,6 +105,28 @@ def test_no_parameter_named_like_a_setting_has_a_literal_default() -> None:
     )
 
 
+UNDER_OTHER_NAMES = {
+    ("common/budget/ledger.py", "BudgetLedger.__init__", "ttl"): "rollout_key_ttl",
+    ("producer/dispatch.py", "BatchSpec", "reply_ttl"): "rollout_key_ttl",
+    ("common/jobs/store.py", "", "DEFAULT_REPLY_TTL"): "rollout_key_ttl",
+}
+"""Defaults of a setting under another name (the keys of a rollout's ledger and its batches' reply
+streams live ``rollout_key_ttl``), with the setting each refers to."""
+
+
+def test_a_setting_under_another_name_refers_to_its_declaration() -> None:
+    for (rel, owner, name), setting in UNDER_OTHER_NAMES.items():
+        tree = ast.parse((ROOT / rel).read_text(encoding="utf-8"))
+        found = [d for o, n, d in _defaults(tree) if (o, n) == (owner, name)]
+        found += [
+            st.value
+            for st in tree.body
+            if not owner and isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+            and st.target.id == name and st.value is not None
+        ]  # fmt: skip
+        assert [ast.unparse(d) for d in found] == [f"setting_default('{setting}')"], (rel, owner, name)
+
+
 def test_the_literal_guard_catches_a_retyped_default() -> None:
     """The guard itself: the bug's kind of line is found, a reference and ``None`` are not."""
     tree = ast.parse(

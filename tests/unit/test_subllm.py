@@ -20,6 +20,7 @@ from typing import Any
 import fakeredis.aioredis
 import pytest
 
+from rlmq.common.budget.calls import Settle
 from rlmq.common.budget.ledger import BudgetLedger
 from rlmq.common.errors import ConfigError, ModelError, PayloadError
 from rlmq.common.keys import RolloutKeys
@@ -345,14 +346,14 @@ async def test_final_settlement_can_be_deferred_to_the_caller(
     req = make_request(
         budgeted=True, max_completion_tokens=40, sub_tools=["rlmq.workers.tools.count_words"], max_turns=3
     )
-    out: list[tuple[str, str, int]] = []
+    out: list[Settle] = []
     result = await run_sub_llm(req, ctx, job_id="j", settle_out=out)
     assert result.status == "ok" and result.content == "done"
-    assert out == [(ROLLOUT, "j:1:2", 7)]
+    assert out == [Settle(ROLLOUT, "j:1:2", 7)]  # a turn offering tools is no answer in segments
     assert (result.granted_tokens, result.released_tokens) == (80, 35 + 33)
     snap = await ledger.snapshot(ROLLOUT)
     assert snap is not None and (snap.charged, snap.used) == (5 + 40, 5)  # turn 1 settled, turn 2 held in full
-    settled = await ledger.settle(*out[0])
+    settled = await ledger.settle(*out[0][:3])
     assert settled.released == 33
     snap = await ledger.snapshot(ROLLOUT)
     assert snap is not None and (snap.charged, snap.used) == (12, 12)
