@@ -173,6 +173,9 @@ local answer_writes, answer_order = {}, {}  -- answer id -> its new entry, or fa
 local ended_longest = {}  -- per kind: the longest answer that ended (tokens; the hash's, read once)
 ended_longest[''] = tonumber(h_longest or '0') or 0
 local longest_changed = {}  -- kinds whose longest answer that ended changed (written with the counters)
+local answered = {}  -- per kind: the answers that ended on their own (the hash's, read once)
+answered[''] = tonumber(h_answered or '0') or 0
+local answered_changed = {}  -- kinds whose count of ended answers changed (written with the counters)
 local longest = {}  -- per kind: the longest answer, ended or running (derived: reset by every change)
 local pledge = nil  -- what the running answers are estimated to need past what they hold (derived, as longest)
 local function parse_answer(value)  -- a running answer's entry, or nil when its call's deadline passed
@@ -238,7 +241,13 @@ local function longest_ended(k)  -- the longest answer of kind k that ended (tok
   end
   return ended_longest[k]
 end
-local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
+local function answered_count(k)  -- the answers of kind k that ended on their own
+  if answered[k] == nil then
+    answered[k] = tonumber(redis.call('HGET', budget, 'answered:' .. k) or '0') or 0
+  end
+  return answered[k]
+end
+local function learned(k, whole)  -- an estimate of an answer of kind k from the longest so far (tokens)
   if longest[k] == nil then
     longest[k] = longest_ended(k)
     for _, a in pairs(running_answers()) do  -- an answer still running grows the estimate as it goes
@@ -247,6 +256,11 @@ local function estimate(k, whole)  -- the segment an answer of kind k starts wit
   end
   if longest[k] <= 0 then return whole end  -- no answer has ended yet: a whole cap, as without segments
   return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
+end
+local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
+  -- the first answers to end are the shortest: a whole cap until enough of them tell the longest
+  if answered_count(k) < $ESTIMATE_SAMPLES then return whole end
+  return learned(k, whole)
 end
 local function pledged()  -- what the running answers are estimated to need past what they hold
   if pledge == nil then
@@ -335,7 +349,7 @@ for i = 1, nops do
         grant = free
         -- a child root turn's last remainder is usable down to an estimate of a root turn (1.25 x
         -- the longest that ended; a whole cap before any ended), not only down to its whole cap
-        if kname == 'root' then full = math.min(full, estimate(kname, full)) end
+        if kname == 'root' then full = math.min(full, learned(kname, full)) end
       end
       if grant > 0 then
         if f.grants == 0 then first_grant = true end
@@ -379,6 +393,11 @@ for i = 1, nops do
       ended_longest[k] = total
       longest_changed[k] = true
       longest[k], pledge = nil, nil
+    end
+    if limit and total > 0 then
+      answered[k] = answered_count(k) + 1
+      answered_changed[k] = true
+      if answered[k] == $ESTIMATE_SAMPLES then pledge = nil end  -- the estimate is learned from now on
     end
     if id ~= '' then answer_put(id, false) end  -- the answer ended: it pledges no more
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)
@@ -449,6 +468,10 @@ end
 for k in pairs(longest_changed) do
   hset[#hset + 1] = k == '' and 'longest' or 'longest:' .. k
   hset[#hset + 1] = ended_longest[k]
+end
+for k in pairs(answered_changed) do
+  hset[#hset + 1] = k == '' and 'answered' or 'answered:' .. k
+  hset[#hset + 1] = answered[k]
 end
 if #hset > 0 and limit then redis.call('HSET', budget, unpack(hset)) end  -- never re-create a lost ledger
 local aset, adel = {}, {}

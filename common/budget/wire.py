@@ -110,7 +110,7 @@ def answered_op(tokens: int, kind: str = "") -> str:
 
 HASH_FIELDS = (
     "limit", "charged", "grants", "used", "released", "overrun", "rejections", "waits", "cap", "ttl", "closed",
-    "unlimited", "reclaimed", "segments", "longest",
+    "unlimited", "reclaimed", "segments", "longest", "answered",
 )  # fmt: skip
 """The fields of a ledger's budget hash (``LedgerKeys.budget``) the script reads, each into the Lua
 local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open reservations), ``grants``,
@@ -118,9 +118,10 @@ local ``h_<field>``: ``limit`` (tokens), ``charged`` (reported + held by open re
 ``rejections``, ``waits`` ("wait" answers), ``cap`` (0: none; the cap of sub-LLM reservations), ``ttl``
 (seconds, the owner's), ``closed`` (the top rollout ended), ``unlimited`` (a liveness-only ledger),
 ``reclaimed`` (tokens of leased grants that went back unbegun: given back or reclaimed), ``segments``
-(segment grants: :attr:`Op.SEGMENT`), ``longest`` (the longest sub-LLM answer that ended, tokens). A
-reservation kind's own cap is ``cap:<kind>``, and the longest answer of the kind that ended
-``longest:<kind>``, read only when a segment or an answer's end of that kind comes."""
+(segment grants: :attr:`Op.SEGMENT`), ``longest`` (the longest sub-LLM answer that ended, tokens),
+``answered`` (sub-LLM answers that ended on their own). A reservation kind's own cap is ``cap:<kind>``,
+and the longest answer of the kind that ended ``longest:<kind>`` (their count ``answered:<kind>``),
+read only when a segment or an answer's end of that kind comes."""
 COUNTERS = ("charged", "grants", "used", "released", "overrun", "rejections", "waits", "reclaimed", "segments")
 """The fields the script counts (integers, written back once per call when changed)."""
 
@@ -145,6 +146,13 @@ OP_ARGS = ("op", "id", "n", "deadline")
 SEGMENT_MIN = 64
 """Tokens: the smallest segment the ledger grants while live calls may give tokens back (a continuation
 takes what is free from this size up; below it, it waits), and the least an answer's estimate is."""
+
+ESTIMATE_SAMPLES = 8
+"""Answers of a kind that must have ended on their own in a ledger before the longest of them sizes a
+new answer's first segment and what a running answer within its first segment pledges: until then
+both are the whole cap. The first answers to end are the shortest; an estimate taken from them let
+the ledger start many answers on small first segments that then outran it together at the budget's
+end (half the answers of a binding batch cut)."""
 
 RELEASE_FIELDS = ("free", "live", "lease_end")
 """The release message the script publishes, space-separated (see :class:`Release`); the last is
@@ -218,6 +226,7 @@ def lua_names() -> dict[str, str]:
     names["REPLY_FIELDS"] = ", ".join(REPLY_FIELDS)
     names["OP_ARGS"] = str(len(OP_ARGS))
     names["SEGMENT_MIN"] = str(SEGMENT_MIN)
+    names["ESTIMATE_SAMPLES"] = str(ESTIMATE_SAMPLES)
     return names
 
 

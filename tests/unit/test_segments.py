@@ -16,7 +16,7 @@ import pytest
 
 from rlmq.common.budget.calls import Settle
 from rlmq.common.budget.ledger import BudgetLedger
-from rlmq.common.budget.wire import SEGMENT_MIN
+from rlmq.common.budget.wire import ESTIMATE_SAMPLES, SEGMENT_MIN
 from rlmq.common.keys import LedgerKeys
 from rlmq.common.schemas import SubLLMRequest
 from rlmq.common.token_wire import TurnDecoder
@@ -49,11 +49,19 @@ async def _ctx(
     so far is ``longest`` (later answers start with a segment of 1.25 x that)."""
     ledger = BudgetLedger(redis)
     await ledger.open(ROLLOUT, 2000, cap=2048)
-    ledger.note_answer(ROLLOUT, longest)
+    learn(ledger, longest)
     await asyncio.sleep(0.02)
     client = ChatClient(server.url, "key", retries=0)
     ctx = SubLLMContext(client=client, ledger=ledger, tools=ToolRegistry(), worker_name="w", continuation=continuation)
     return ctx, ledger
+
+
+def learn(ledger: BudgetLedger, longest: int) -> None:
+    """Note :data:`ESTIMATE_SAMPLES` answers that ended on their own, the longest of ``longest``
+    tokens: later answers start with 1.25 x that."""
+    for _ in range(ESTIMATE_SAMPLES - 1):
+        ledger.note_answer(ROLLOUT, 1)
+    ledger.note_answer(ROLLOUT, longest)
 
 
 def _request(prompt: str, index: int = 0, **kw: Any) -> SubLLMRequest:
@@ -76,7 +84,7 @@ async def test_a_first_segment_is_an_answer_estimate_and_a_running_answer_goes_o
     alone = await ledger.reserve(ROLLOUT, "z:1", 2048, dl, segment=0)
     assert alone.tokens == 2000  # before any answer ended: a whole cap, as without segments
     await ledger.settle(ROLLOUT, "z:1", 0)
-    ledger.note_answer(ROLLOUT, 200)  # the longest answer so far: later answers start with 1.25 x 200
+    learn(ledger, 200)  # the longest answer so far: later answers start with 1.25 x 200
     await asyncio.sleep(0.05)
     first = await ledger.reserve(ROLLOUT, "a:1", 2048, dl, segment=0)
     assert (first.tokens, first.need) == (250, 250)
@@ -93,11 +101,32 @@ async def test_a_first_segment_is_an_answer_estimate_and_a_running_answer_goes_o
     assert snap is not None and snap.charged == 1853 and snap.rejections == 0
 
 
+async def test_new_answers_start_whole_until_enough_answers_ended_to_tell_the_longest(redis: Any) -> None:
+    """The first answers to end are the shortest: until :data:`ESTIMATE_SAMPLES` answers ended on
+    their own, a new answer's first segment is its whole cap, so a burst of answers is not started on
+    the shortest one's length (they outran it together and were cut at the budget's end); answers
+    cut or failed (noted 0) do not count."""
+    ledger = BudgetLedger(redis)
+    await ledger.open(ROLLOUT, 20_000, cap=2048)
+    dl = time.time() + 30
+    for _ in range(ESTIMATE_SAMPLES - 1):
+        ledger.note_answer(ROLLOUT, 100)
+    ledger.note_answer(ROLLOUT, 0)  # not on its own: no sample
+    await asyncio.sleep(0.05)
+    early = await ledger.reserve(ROLLOUT, "a:1", 2048, dl, segment=0)
+    assert early.tokens == 2048  # seven short answers tell nothing of the longest: a whole cap
+    ledger.note_answer(ROLLOUT, 160)
+    await asyncio.sleep(0.05)
+    learned = await ledger.reserve(ROLLOUT, "b:1", 2048, dl, segment=0)
+    assert learned.tokens == 200  # the eighth: 1.25 x the longest of them
+    assert await redis.hget(LedgerKeys(ROLLOUT).budget, "answered") == str(ESTIMATE_SAMPLES).encode()
+
+
 async def test_answers_start_with_the_longest_answer_so_far_and_continue_before_new_ones(redis: Any) -> None:
     ledger = BudgetLedger(redis)
     await ledger.open(ROLLOUT, 3600, cap=2048)
     dl = time.time() + 30
-    ledger.note_answer(ROLLOUT, 720)  # the longest answer so far: later answers start with 1.25 x 720
+    learn(ledger, 720)  # the longest answer so far: later answers start with 1.25 x 720
     await asyncio.sleep(0.05)
     small = await ledger.reserve(ROLLOUT, "x:1", 300, dl, segment=0)  # a job capped at 300
     assert small.tokens == 300
@@ -124,7 +153,7 @@ async def test_a_new_answer_waits_while_free_tokens_do_not_cover_what_running_an
     ledger = BudgetLedger(redis)
     await ledger.open(ROLLOUT, 5000, cap=2048)
     dl = time.time() + 30
-    ledger.note_answer(ROLLOUT, 400)  # the longest answer so far: an estimate of 500
+    learn(ledger, 400)  # the longest answer so far: an estimate of 500
     await asyncio.sleep(0.05)
     a = await ledger.reserve(ROLLOUT, "a:1", 2048, dl, segment=0)
     assert a.tokens == 500
