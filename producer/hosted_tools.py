@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,7 +127,7 @@ class HostedToolServer:
     async def serve(self) -> None:
         """Read requests until cancelled or stopped (:meth:`stop`); each new id runs in a task of
         its own, at most :data:`~rlmq.common.tool_wire.CALLS_PER_ROLLOUT` at once, and while another
-        rollout of the same :class:`HostedTools` runs calls, no more than it runs
+        rollout of the same :class:`HostedTools` runs calls, no more young calls than it runs
         (:class:`~rlmq.common.tool_turns.FairTurns`; the rest wait in the rollout's stream). A
         Redis error is retried (the stream is read again from the last entry seen). Every read
         blocks at most 1 s, and each turn checks both the stop flag and a swallowed cancellation:
@@ -137,8 +138,9 @@ class HostedToolServer:
                 raise_if_cancelling()
                 room = min(CALLS_PER_ROLLOUT - len(self._running), self.tools.turns.room(self.keys.rollout_id))
                 if room <= 0:  # its calls wait in its stream: a flood runs its fair share at once, no more
-                    if self._running:
-                        await asyncio.wait(self._running, timeout=_READ_BLOCK_MS / 1000, return_when="FIRST_COMPLETED")
+                    if self._running:  # (or until its young calls grow old: its share counts those)
+                        timeout = min(_READ_BLOCK_MS / 1000, self.tools.turns.young)
+                        await asyncio.wait(self._running, timeout=timeout, return_when="FIRST_COMPLETED")
                     else:  # (none of its own: the turns' state changes with other rollouts' calls)
                         await asyncio.sleep(_RETRY_PAUSE)
                     continue
@@ -180,12 +182,11 @@ class HostedToolServer:
         self._seen.add(request.id)
         task = asyncio.create_task(self._answer(request), name=f"rlmq-hosted-tool-{request.id}")
         self._running.add(task)
-        self.tools.turns.hold(self.keys.rollout_id)
-        task.add_done_callback(self._ended)
+        task.add_done_callback(functools.partial(self._ended, self.tools.turns.hold(self.keys.rollout_id)))
 
-    def _ended(self, task: asyncio.Task[None]) -> None:
+    def _ended(self, turn: float, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
-        self.tools.turns.release(self.keys.rollout_id)
+        self.tools.turns.release(self.keys.rollout_id, turn)
 
     async def _answer(self, request: ToolCallRequest) -> None:
         self.calls += 1

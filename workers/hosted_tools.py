@@ -57,12 +57,13 @@ class RolloutSlots:
     async def run(self, rollout_id: str, deadline: float, call: Callable[[], Awaitable[str]]) -> str | None:
         """``call()`` in one of ``rollout_id``'s slots; ``None`` when none freed up before ``deadline``
         (Unix seconds)."""
-        if not await self.turns.acquire(rollout_id, deadline - time.time()):
+        turn = await self.turns.acquire(rollout_id, deadline - time.time())
+        if turn is None:
             return None
         try:
             return await call()
         finally:
-            self.turns.release(rollout_id)
+            self.turns.release(rollout_id, turn)
 
 
 async def call_hosted(

@@ -58,10 +58,8 @@ async def test_a_running_call_of_one_rollout_holds_anothers_flood_to_one_call(re
     VICTIM_IN, VICTIM_GO = asyncio.Event(), asyncio.Event()  # of this test's loop
     STATE.update(hog_now=0, hog_most_beside=0, hog_most=0, hog_runs=0)
     producer, worker = async_client(redis_url), async_client(redis_url)
-    tools = HostedTools(
-        [(f"{__name__}.hold", hold), (f"{__name__}.work", work)], timeout=30, max_args_bytes=1024
-    )
-    tools.turns.linger = 0.05
+    tools = HostedTools([(f"{__name__}.hold", hold), (f"{__name__}.work", work)], timeout=30, max_args_bytes=1024)
+    tools.turns.linger, tools.turns.young = 0.05, 60.0  # no call of the hog's ages past its share
     hog, victim = f"hog-{uuid.uuid4().hex[:6]}", f"victim-{uuid.uuid4().hex[:6]}"
     servers = [HostedToolServer(producer, rid, tools, answer_ttl=60) for rid in (hog, victim)]
     serving = [asyncio.create_task(s.serve()) for s in servers]

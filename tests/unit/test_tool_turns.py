@@ -24,21 +24,38 @@ def test_a_rollout_alone_has_the_whole_cap_and_the_rest_wait() -> None:
     assert turns.room("hog") == 4
     for _ in range(4):
         turns.hold("hog")
-    assert turns.room("hog") == 0 and turns.limit("hog") == 4
+    assert turns.room("hog") == 0 and turns.held("hog") == 4
 
 
-def test_another_rollouts_single_call_holds_a_flood_to_one() -> None:
+def test_another_rollouts_single_call_holds_a_flood_of_young_calls_to_one() -> None:
     clock = Clock()
-    turns = FairTurns(16, linger=0.1, clock=clock)
-    for _ in range(16):
-        turns.hold("hog")
+    turns = FairTurns(16, linger=0.1, young=0.05, clock=clock)
+    hog = [turns.hold("hog") for _ in range(16)]
     assert turns.room("victim") == 16  # never waits behind the flood
-    turns.hold("victim")
-    assert turns.limit("hog") == 1 and turns.room("hog") == 0
-    turns.release("victim")
-    assert turns.limit("hog") == 1  # the victim calls again soon: it still counts between its calls
+    victim = turns.hold("victim")
+    for turn in hog[:15]:
+        turns.release("hog", turn)
+    assert turns.room("hog") == 0  # one young call: its share beside the victim's one call
+    clock.now += 0.05
+    assert turns.room("hog") == 1  # that call waits on a slow tool now: one more may start
+    turns.hold("hog")
+    assert turns.room("hog") == 0
+    turns.release("victim", victim)
+    assert turns.room("hog") == 0  # the victim calls again soon: it still counts between its calls
     clock.now += 0.1
-    assert turns.limit("hog") == 16  # gone quiet: the hog has its whole cap back
+    assert turns.room("hog") == 14  # gone quiet: the hog has its whole cap back (2 in flight)
+
+
+def test_a_slow_flood_fills_its_cap_one_young_call_at_a_time() -> None:
+    clock = Clock()
+    turns = FairTurns(4, linger=0.1, young=0.05, clock=clock)
+    turns.hold("victim")
+    for _ in range(4):
+        assert turns.room("hog") == 1
+        turns.hold("hog")
+        assert turns.room("hog") == 0
+        clock.now += 0.05
+    assert turns.room("hog") == 0 and turns.held("hog") == 4  # the cap holds
 
 
 def test_two_floods_keep_the_whole_cap_each() -> None:
@@ -48,7 +65,8 @@ def test_two_floods_keep_the_whole_cap_each() -> None:
     for _ in range(8):
         assert turns.room("b") > 0
         turns.hold("b")
-    assert turns.limit("a") == turns.limit("b") == 8
+    assert turns.held("a") == turns.held("b") == 8
+    assert turns.room("a") == turns.room("b") == 0
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -56,6 +74,8 @@ def test_bad_arguments_are_refused() -> None:
         FairTurns(0)
     with pytest.raises(ValueError):
         FairTurns(4, linger=-1)
+    with pytest.raises(ValueError):
+        FairTurns(4, young=0)
 
 
 async def test_a_rollouts_waiting_calls_start_in_the_order_they_asked() -> None:
@@ -63,10 +83,11 @@ async def test_a_rollouts_waiting_calls_start_in_the_order_they_asked() -> None:
     started: list[int] = []
 
     async def call(i: int) -> None:
-        assert await turns.acquire("r", 10)
+        turn = await turns.acquire("r", 10)
+        assert turn is not None
         started.append(i)
         await asyncio.sleep(0)
-        turns.release("r")
+        turns.release("r", turn)
 
     await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(20))), 10)
     assert started == list(range(20))
@@ -76,30 +97,32 @@ async def test_a_flood_beside_a_sequential_rollout_gets_one_turn_at_a_time() -> 
     """The hog (2,000 calls queued, cap 16) beside a victim that makes 50 calls one after another:
     once the victim calls, every hog call starts with no other hog call in flight, until the
     victim is done; the hog's calls all run, each once."""
-    turns = FairTurns(16, linger=60.0)  # the victim counts as active for the whole test
+    turns = FairTurns(16, linger=60.0, young=60.0)  # the victim counts for the whole test; no call ages
     hog_in_flight: list[int] = []
     victim_on = asyncio.Event()
     victim_done = asyncio.Event()
     ran: list[int] = []
 
     async def hog_call(i: int) -> None:
-        assert await turns.acquire("hog", 30)
+        turn = await turns.acquire("hog", 30)
+        assert turn is not None
         try:
             if victim_on.is_set() and not victim_done.is_set():
                 hog_in_flight.append(turns.held("hog"))
             ran.append(i)
             await asyncio.sleep(0)
         finally:
-            turns.release("hog")
+            turns.release("hog", turn)
 
     async def victim() -> None:
         while turns.held("hog") < 16:  # the flood under way first
             await asyncio.sleep(0)
         victim_on.set()
         for _ in range(50):
-            assert await turns.acquire("victim", 30)
+            turn = await turns.acquire("victim", 30)
+            assert turn is not None
             await asyncio.sleep(0)
-            turns.release("victim")
+            turns.release("victim", turn)
         victim_done.set()
 
     await asyncio.wait_for(asyncio.gather(victim(), *(hog_call(i) for i in range(2000))), 60)
@@ -108,27 +131,27 @@ async def test_a_flood_beside_a_sequential_rollout_gets_one_turn_at_a_time() -> 
 
 
 async def test_a_lingering_rollout_lets_the_waiting_flood_back_in_when_it_stops_counting() -> None:
-    turns = FairTurns(4, linger=0.05)
-    turns.hold("victim")
+    turns = FairTurns(4, linger=0.05, young=0.05)
+    victim = turns.hold("victim")
     turns.hold("hog")
     waiting = [asyncio.create_task(turns.acquire("hog", 10)) for _ in range(3)]
     await asyncio.sleep(0)
     assert turns.waiting("hog") == 3
-    turns.release("victim")  # the hog still holds 1 while the victim lingers
+    turns.release("victim", victim)  # the hog still holds 1 while the victim lingers
     assert turns.held("hog") == 1
     done, _ = await asyncio.wait(waiting, timeout=10)  # then its cap comes back on its own
-    assert len(done) == 3 and all(t.result() for t in done)
+    assert len(done) == 3 and all(t.result() is not None for t in done)
     assert turns.held("hog") == 4
 
 
 async def test_a_turn_that_never_comes_is_refused_and_a_cancelled_waiter_takes_none() -> None:
     turns = FairTurns(1)
-    turns.hold("r")
-    assert not await turns.acquire("r", 0.01)
+    held = turns.hold("r")
+    assert await turns.acquire("r", 0.01) is None
     assert turns.waiting("r") == 0
     waiter = asyncio.create_task(turns.acquire("r", 10))
     await asyncio.sleep(0)
-    turns.release("r")  # the turn is handed to the waiter...
+    turns.release("r", held)  # the turn is handed to the waiter...
     waiter.cancel()  # ...which is cancelled before it runs: the turn is given back
     with pytest.raises(asyncio.CancelledError):
         await waiter
