@@ -39,7 +39,7 @@ class RolloutSlots:
     """A worker's hosted-tool calls in flight, at most ``per_rollout`` per rollout at once, fair
     between rollouts (:class:`~rlmq.common.tool_turns.FairTurns`): one rollout's flood waits for its
     own slots, never queues other rollouts' calls, and while another rollout calls tools it keeps no
-    more calls in flight than that one does.
+    more young calls in flight than that one has calls.
 
     Args:
         per_rollout: calls of one rollout in flight at once (:data:`CALLS_PER_ROLLOUT`).
