@@ -103,6 +103,7 @@ class FairTurns:
         now = self._clock()
         self._held.setdefault(key, []).append(now)
         self._ended.pop(key, None)
+        self._prune(now)
         return now
 
     def release(self, key: str, turn: float) -> None:
@@ -154,15 +155,20 @@ class FairTurns:
         self._wake()  # a rollout that stopped waiting may let the next one in
 
     def _lingering(self, key: str) -> bool:
-        now = self._clock()
-        for k, ended in list(self._ended.items()):
-            if now - ended >= self.linger:
-                del self._ended[k]
+        self._prune(self._clock())
         return any(k != key for k in self._ended)
+
+    def _prune(self, now: float) -> None:
+        """Forget the rollouts that stopped lingering (oldest first: the dict is in ending order)."""
+        for k, ended in list(self._ended.items()):
+            if now - ended < self.linger:
+                break
+            del self._ended[k]
 
     def _wake(self) -> None:
         """Hand turns to waiting calls, a rollout at a time in rotation, while any has room; when
         some still wait, look again once a call grows old or a rollout stops lingering."""
+        self._prune(self._clock())
         granted = True
         while granted:
             granted = False

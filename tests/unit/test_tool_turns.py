@@ -58,6 +58,16 @@ def test_a_slow_flood_fills_its_cap_one_young_call_at_a_time() -> None:
     assert turns.room("hog") == 0 and turns.held("hog") == 4  # the cap holds
 
 
+def test_rollouts_that_stopped_lingering_are_forgotten_while_another_stays_busy() -> None:
+    clock = Clock()
+    turns = FairTurns(4, linger=0.1, clock=clock)
+    turns.hold("busy")
+    for i in range(1000):
+        turns.release(f"r{i}", turns.hold(f"r{i}"))
+        clock.now += 0.01
+    assert len(turns._ended) <= 11  # those that ended in the last 0.1 s, not every one seen
+
+
 def test_two_floods_keep_the_whole_cap_each() -> None:
     turns = FairTurns(8, clock=Clock())
     for _ in range(8):
