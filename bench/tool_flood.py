@@ -112,8 +112,7 @@ async def _flood_started(slots: RolloutSlots, hog: str, calls: int, settle: floa
     (the flood's first calls sent, read and run: it is under way)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < 30:
-        sem = slots._slots.get(hog)  # a bench reads the cap's state
-        if sem is not None and sem[0].locked():
+        if slots.in_flight(hog) >= slots.per_rollout:
             await asyncio.sleep(settle)
             return
         await asyncio.sleep(0.01)

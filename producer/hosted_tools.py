@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from rlmq.common.errors import ConfigError
 from rlmq.common.keys import RolloutKeys
 from rlmq.common.metrics import Metrics
 from rlmq.common.tool_registry import MAX_OUTPUT_CHARS, ToolRegistry, canonical_tool_path
+from rlmq.common.tool_turns import FairTurns
 from rlmq.common.tool_wire import CALLS_PER_ROLLOUT, FIELD, TOOL_ERROR, HostedTool, ToolCallAnswer, ToolCallRequest
 
 __all__ = ["HostedToolServer", "HostedTools"]
@@ -75,6 +77,9 @@ class HostedTools:
         self.specs = tuple(HostedTool(path=p, tool_schema=self.registry.schemas([p])[0]) for p, _ in canonical)
         self.timeout = timeout
         self.max_args_bytes = max_args_bytes
+        self.turns = FairTurns(CALLS_PER_ROLLOUT)
+        """The calls run at once per rollout, fair between the rollouts this process serves (each
+        :class:`HostedToolServer` of these tools takes its turns here)."""
 
     async def run(self, request: ToolCallRequest, owner: str = "") -> ToolCallAnswer:
         """Run one request; never raises (except cancellation): an error is a one-line answer.
@@ -121,8 +126,9 @@ class HostedToolServer:
 
     async def serve(self) -> None:
         """Read requests until cancelled or stopped (:meth:`stop`); each new id runs in a task of
-        its own, at most :data:`~rlmq.common.tool_wire.CALLS_PER_ROLLOUT` at once (the rest wait in
-        the rollout's stream: its flood costs the process's other rollouts nothing measurable). A
+        its own, at most :data:`~rlmq.common.tool_wire.CALLS_PER_ROLLOUT` at once, and while another
+        rollout of the same :class:`HostedTools` runs calls, no more young calls than it runs
+        (:class:`~rlmq.common.tool_turns.FairTurns`; the rest wait in the rollout's stream). A
         Redis error is retried (the stream is read again from the last entry seen). Every read
         blocks at most 1 s, and each turn checks both the stop flag and a swallowed cancellation:
         a cancelled server ends within about a second, never reads on."""
@@ -130,9 +136,13 @@ class HostedToolServer:
         try:
             while not self._stopped:
                 raise_if_cancelling()
-                room = CALLS_PER_ROLLOUT - len(self._running)
-                if room <= 0:  # its calls wait in its stream: a flood runs this many at once, no more
-                    await asyncio.wait(self._running, timeout=_READ_BLOCK_MS / 1000, return_when="FIRST_COMPLETED")
+                room = min(CALLS_PER_ROLLOUT - len(self._running), self.tools.turns.room(self.keys.rollout_id))
+                if room <= 0:  # its calls wait in its stream: a flood runs its fair share at once, no more
+                    if self._running:  # (or until its young calls grow old: its share counts those)
+                        timeout = min(_READ_BLOCK_MS / 1000, self.tools.turns.young)
+                        await asyncio.wait(self._running, timeout=timeout, return_when="FIRST_COMPLETED")
+                    else:  # (none of its own: the turns' state changes with other rollouts' calls)
+                        await asyncio.sleep(_RETRY_PAUSE)
                     continue
                 try:
                     got: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self.redis.xread(
@@ -172,7 +182,11 @@ class HostedToolServer:
         self._seen.add(request.id)
         task = asyncio.create_task(self._answer(request), name=f"rlmq-hosted-tool-{request.id}")
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        task.add_done_callback(functools.partial(self._ended, self.tools.turns.hold(self.keys.rollout_id)))
+
+    def _ended(self, turn: float, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self.tools.turns.release(self.keys.rollout_id, turn)
 
     async def _answer(self, request: ToolCallRequest) -> None:
         self.calls += 1

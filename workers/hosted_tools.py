@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlmq.common.aio import raise_if_cancelling
 from rlmq.common.keys import RolloutKeys
+from rlmq.common.tool_turns import LINGER, FairTurns
 from rlmq.common.tool_wire import CALLS_PER_ROLLOUT, FIELD, TOOL_ERROR, ToolCallAnswer, ToolCallRequest
 
 __all__ = ["ANSWER_GRACE", "REQUESTS_TTL_MARGIN", "RolloutSlots", "call_hosted"]
@@ -35,35 +36,34 @@ _READ_BLOCK = 2.0
 
 
 class RolloutSlots:
-    """A worker's hosted-tool calls in flight, at most ``per_rollout`` per rollout at once (one
-    rollout's flood waits for its own slots; other rollouts' calls never queue behind it).
+    """A worker's hosted-tool calls in flight, at most ``per_rollout`` per rollout at once, fair
+    between rollouts (:class:`~rlmq.common.tool_turns.FairTurns`): one rollout's flood waits for its
+    own slots, never queues other rollouts' calls, and while another rollout calls tools it keeps no
+    more young calls in flight than that one has calls.
 
     Args:
         per_rollout: calls of one rollout in flight at once (:data:`CALLS_PER_ROLLOUT`).
+        linger: seconds a rollout still counts as calling tools after its last call ended.
     """
 
-    def __init__(self, per_rollout: int = CALLS_PER_ROLLOUT) -> None:
+    def __init__(self, per_rollout: int = CALLS_PER_ROLLOUT, *, linger: float = LINGER) -> None:
         self.per_rollout = per_rollout
-        self._slots: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+        self.turns = FairTurns(per_rollout, linger=linger)
+
+    def in_flight(self, rollout_id: str) -> int:
+        """Calls of ``rollout_id`` in flight now."""
+        return self.turns.held(rollout_id)
 
     async def run(self, rollout_id: str, deadline: float, call: Callable[[], Awaitable[str]]) -> str | None:
         """``call()`` in one of ``rollout_id``'s slots; ``None`` when none freed up before ``deadline``
         (Unix seconds)."""
-        sem, users = self._slots.setdefault(rollout_id, (asyncio.Semaphore(self.per_rollout), [0]))
-        users[0] += 1
+        turn = await self.turns.acquire(rollout_id, deadline - time.time())
+        if turn is None:
+            return None
         try:
-            try:
-                await asyncio.wait_for(sem.acquire(), max(0.0, deadline - time.time()))
-            except TimeoutError:
-                return None
-            try:
-                return await call()
-            finally:
-                sem.release()
+            return await call()
         finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._slots[rollout_id]
+            self.turns.release(rollout_id, turn)
 
 
 async def call_hosted(
