@@ -178,6 +178,7 @@ answered[''] = tonumber(h_answered or '0') or 0
 local answered_changed = {}  -- kinds whose count of ended answers changed (written with the counters)
 local longest = {}  -- per kind: the longest answer, ended or running (derived: reset by every change)
 local pledge = nil  -- what the running answers are estimated to need past what they hold (derived, as longest)
+local on_estimate = {}  -- per kind: running answers that started below their cap (derived, as longest)
 local function parse_answer(value)  -- a running answer's entry, or nil when its call's deadline passed
   local dl, sp, rc, wh, k = string.match(value, '^(%S+) (%d+) (%d+) (%d+) ?([a-z_]*)$$')
   if dl and tonumber(dl) > now then return {tonumber(sp), tonumber(rc), tonumber(wh), k} end
@@ -187,7 +188,7 @@ local function answer_put(aid, value, keep)  -- value false: the answer ended (o
   if answer_writes[aid] == nil then answer_order[#answer_order + 1] = aid end
   answer_writes[aid] = value
   if running ~= nil then running[aid] = value and parse_answer(value) or nil end
-  if not keep then longest, pledge = {}, nil end  -- keep: the caller updates pledge itself
+  if not keep then longest, pledge, on_estimate = {}, nil, {} end  -- keep: the caller updates pledge itself
 end
 local function give_back(id, grant)  -- a leased grant never begun: back to the budget, id forgotten
   f.charged = f.charged - grant
@@ -257,9 +258,21 @@ local function learned(k, whole)  -- an estimate of an answer of kind k from the
   if longest[k] <= 0 then return whole end  -- no answer has ended yet: a whole cap, as without segments
   return math.min(whole, math.max($SEGMENT_MIN, math.ceil(longest[k] * 1.25)))
 end
+local function started_on_estimate(k)  -- running answers of kind k that started below their cap
+  if on_estimate[k] == nil then
+    local n = 0
+    for _, a in pairs(running_answers()) do  -- (one that goes on outran a first segment below its cap)
+      if a[4] == k and (a[1] > 0 or a[2] < a[3]) then n = n + 1 end
+    end
+    on_estimate[k] = n
+  end
+  return on_estimate[k]
+end
 local function estimate(k, whole)  -- the segment an answer of kind k starts with (tokens)
-  -- the first answers to end are the shortest: a whole cap until enough of them tell the longest
-  if answered_count(k) < $ESTIMATE_SAMPLES then return whole end
+  -- the first answers to end are the shortest: until enough of them tell the longest, no more
+  -- answers run on an estimate than answers have ended; the others start with (and pledge) a whole cap
+  local n = answered_count(k)
+  if n < $ESTIMATE_SAMPLES and started_on_estimate(k) >= n then return whole end
   return learned(k, whole)
 end
 local function pledged()  -- what the running answers are estimated to need past what they hold
@@ -364,6 +377,7 @@ for i = 1, nops do
             local aid = answer_of(id)
             -- a new answer within its first segment changes no estimate: its own pledge is added
             local fresh = spent == 0 and pledge ~= nil and longest[kname] ~= nil and running[aid] == nil
+            fresh = fresh and answered_count(kname) >= $ESTIMATE_SAMPLES  -- (below it, the estimate may change)
             answer_put(aid, dl .. ' ' .. spent .. ' ' .. (spent + grant) .. ' ' .. whole .. ' ' .. kname, fresh)
             if fresh and estimate(kname, whole) > grant then pledge = pledge + estimate(kname, whole) - grant end
           end
@@ -397,7 +411,7 @@ for i = 1, nops do
     if limit and total > 0 then
       answered[k] = answered_count(k) + 1
       answered_changed[k] = true
-      if answered[k] == $ESTIMATE_SAMPLES then pledge = nil end  -- the estimate is learned from now on
+      if answered[k] <= $ESTIMATE_SAMPLES then pledge = nil end  -- more answers may run on the estimate
     end
     if id ~= '' then answer_put(id, false) end  -- the answer ended: it pledges no more
     out[i] = reply(0, f.charged, limit or 0, $SETTLE_SETTLED, 0, 0)

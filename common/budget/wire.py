@@ -148,11 +148,12 @@ SEGMENT_MIN = 64
 takes what is free from this size up; below it, it waits), and the least an answer's estimate is."""
 
 ESTIMATE_SAMPLES = 8
-"""Answers of a kind that must have ended on their own in a ledger before the longest of them sizes a
-new answer's first segment and what a running answer within its first segment pledges: until then
-both are the whole cap. The first answers to end are the shortest; an estimate taken from them let
-the ledger start many answers on small first segments that then outran it together at the budget's
-end (half the answers of a binding batch cut)."""
+"""Answers of a kind that must have ended on their own in a ledger before any number of answers may
+run on an estimate (a first segment of 1.25 x the longest so far, below the cap). With ``n`` fewer
+ended, at most ``n`` answers of the kind run on an estimate at once; the others start with, and
+pledge, the whole cap. The first answers to end are the shortest: an estimate taken from one of
+them let the ledger start a burst of answers on small first segments that outran it together at
+the budget's end (half the answers of a binding batch cut)."""
 
 RELEASE_FIELDS = ("free", "live", "lease_end")
 """The release message the script publishes, space-separated (see :class:`Release`); the last is

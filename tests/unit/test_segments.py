@@ -101,25 +101,32 @@ async def test_a_first_segment_is_an_answer_estimate_and_a_running_answer_goes_o
     assert snap is not None and snap.charged == 1853 and snap.rejections == 0
 
 
-async def test_new_answers_start_whole_until_enough_answers_ended_to_tell_the_longest(redis: Any) -> None:
+async def test_no_more_answers_run_on_an_estimate_than_answers_have_ended(redis: Any) -> None:
     """The first answers to end are the shortest: until :data:`ESTIMATE_SAMPLES` answers ended on
-    their own, a new answer's first segment is its whole cap, so a burst of answers is not started on
-    the shortest one's length (they outran it together and were cut at the budget's end); answers
-    cut or failed (noted 0) do not count."""
+    their own, at most as many answers run on an estimate as have ended, and the next starts with its
+    whole cap (a burst started on the shortest answer's length outran it together and was cut at the
+    budget's end); answers cut or failed (noted 0) do not count."""
     ledger = BudgetLedger(redis)
     await ledger.open(ROLLOUT, 20_000, cap=2048)
     dl = time.time() + 30
-    for _ in range(ESTIMATE_SAMPLES - 1):
-        ledger.note_answer(ROLLOUT, 100)
+    ledger.note_answer(ROLLOUT, 100)
+    ledger.note_answer(ROLLOUT, 100)
     ledger.note_answer(ROLLOUT, 0)  # not on its own: no sample
     await asyncio.sleep(0.05)
-    early = await ledger.reserve(ROLLOUT, "a:1", 2048, dl, segment=0)
-    assert early.tokens == 2048  # seven short answers tell nothing of the longest: a whole cap
+    on_estimate = [await ledger.reserve(ROLLOUT, f"a{i}:1", 2048, dl, segment=0) for i in range(2)]
+    assert [g.tokens for g in on_estimate] == [125, 125]  # two answers ended: two run on 1.25 x 100
+    whole = await ledger.reserve(ROLLOUT, "b:1", 2048, dl, segment=0)
+    assert whole.tokens == 2048  # a third starts with its whole cap
     ledger.note_answer(ROLLOUT, 160)
     await asyncio.sleep(0.05)
-    learned = await ledger.reserve(ROLLOUT, "b:1", 2048, dl, segment=0)
-    assert learned.tokens == 200  # the eighth: 1.25 x the longest of them
-    assert await redis.hget(LedgerKeys(ROLLOUT).budget, "answered") == str(ESTIMATE_SAMPLES).encode()
+    third = await ledger.reserve(ROLLOUT, "c:1", 2048, dl, segment=0)
+    assert third.tokens == 200  # three ended: a third runs on 1.25 x the longest
+    assert await redis.hget(LedgerKeys(ROLLOUT).budget, "answered") == b"3"
+    for i in range(ESTIMATE_SAMPLES - 3):
+        ledger.note_answer(ROLLOUT, 100)
+    await asyncio.sleep(0.05)
+    many = [await ledger.reserve(ROLLOUT, f"d{i}:1", 2048, dl, segment=0) for i in range(10)]
+    assert [g.tokens for g in many] == [200] * 10  # eight ended: any number run on the estimate
 
 
 async def test_answers_start_with_the_longest_answer_so_far_and_continue_before_new_ones(redis: Any) -> None:
