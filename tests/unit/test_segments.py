@@ -122,7 +122,7 @@ async def test_no_more_answers_run_on_an_estimate_than_answers_have_ended(redis:
     third = await ledger.reserve(ROLLOUT, "c:1", 2048, dl, segment=0)
     assert third.tokens == 200  # three ended: a third runs on 1.25 x the longest
     assert await redis.hget(LedgerKeys(ROLLOUT).budget, "answered") == b"3"
-    for i in range(ESTIMATE_SAMPLES - 3):
+    for _ in range(ESTIMATE_SAMPLES - 3):
         ledger.note_answer(ROLLOUT, 100)
     await asyncio.sleep(0.05)
     many = [await ledger.reserve(ROLLOUT, f"d{i}:1", 2048, dl, segment=0) for i in range(10)]
