@@ -236,17 +236,15 @@ local function running_answers()
   end
   return running
 end
-local function longest_ended(k)  -- the longest answer of kind k that ended (tokens; the hash's, read once)
-  if ended_longest[k] == nil then
-    ended_longest[k] = tonumber(redis.call('HGET', budget, 'longest:' .. k) or '0') or 0
-  end
-  return ended_longest[k]
+local function per_kind(cache, field, k)  -- the budget hash's <field>:<k> (a number; read once)
+  if cache[k] == nil then cache[k] = tonumber(redis.call('HGET', budget, field .. ':' .. k) or '0') or 0 end
+  return cache[k]
+end
+local function longest_ended(k)  -- the longest answer of kind k that ended (tokens)
+  return per_kind(ended_longest, 'longest', k)
 end
 local function answered_count(k)  -- the answers of kind k that ended on their own
-  if answered[k] == nil then
-    answered[k] = tonumber(redis.call('HGET', budget, 'answered:' .. k) or '0') or 0
-  end
-  return answered[k]
+  return per_kind(answered, 'answered', k)
 end
 local function learned(k, whole)  -- an estimate of an answer of kind k from the longest so far (tokens)
   if longest[k] == nil then
@@ -479,46 +477,29 @@ for _, name in ipairs(names) do
     hset[#hset + 1] = f[name]
   end
 end
-for k in pairs(longest_changed) do
-  hset[#hset + 1] = k == '' and 'longest' or 'longest:' .. k
-  hset[#hset + 1] = ended_longest[k]
-end
-for k in pairs(answered_changed) do
-  hset[#hset + 1] = k == '' and 'answered' or 'answered:' .. k
-  hset[#hset + 1] = answered[k]
+for field, kinds in pairs({longest = {longest_changed, ended_longest}, answered = {answered_changed, answered}}) do
+  for k in pairs(kinds[1]) do  -- the per-kind fields that changed: <field> (the sub-LLM's), <field>:<kind>
+    hset[#hset + 1] = k == '' and field or field .. ':' .. k
+    hset[#hset + 1] = kinds[2][k]
+  end
 end
 if #hset > 0 and limit then redis.call('HSET', budget, unpack(hset)) end  -- never re-create a lost ledger
-local aset, adel = {}, {}
-for _, aid in ipairs(answer_order) do
-  if answer_writes[aid] then
-    aset[#aset + 1] = aid
-    aset[#aset + 1] = answer_writes[aid]
-  else
-    adel[#adel + 1] = aid
+local function write_hash(key, ids, values)  -- each id's value, or HDEL where false; 1,000 args a call
+  local set, del = {}, {}
+  for _, id in ipairs(ids) do
+    if values[id] then
+      set[#set + 1] = id
+      set[#set + 1] = values[id]
+    else
+      del[#del + 1] = id
+    end
   end
+  for i = 1, #del, 1000 do redis.call('HDEL', key, unpack(del, i, math.min(i + 999, #del))) end
+  for i = 1, #set, 1000 do redis.call('HSET', key, unpack(set, i, math.min(i + 999, #set))) end
+  return #set
 end
-for i = 1, #adel, 1000 do
-  redis.call('HDEL', answers, unpack(adel, i, math.min(i + 999, #adel)))
-end
-for i = 1, #aset, 1000 do
-  redis.call('HSET', answers, unpack(aset, i, math.min(i + 999, #aset)))
-end
-if #aset > 0 and ttl > 0 then redis.call('EXPIRE', answers, ttl) end
-local rargs, forget = {}, {}
-for _, id in ipairs(order) do
-  if writes[id] then
-    rargs[#rargs + 1] = id
-    rargs[#rargs + 1] = writes[id]
-  else
-    forget[#forget + 1] = id
-  end
-end
-for i = 1, #rargs, 1000 do
-  redis.call('HSET', reservations, unpack(rargs, i, math.min(i + 999, #rargs)))
-end
-for i = 1, #forget, 1000 do
-  redis.call('HDEL', reservations, unpack(forget, i, math.min(i + 999, #forget)))
-end
+if write_hash(answers, answer_order, answer_writes) > 0 and ttl > 0 then redis.call('EXPIRE', answers, ttl) end
+write_hash(reservations, order, writes)
 if first_grant and ttl > 0 then redis.call('EXPIRE', reservations, ttl) end
 if added and ttl > 0 then redis.call('EXPIRE', live_set, ttl) end
 if leased and ttl > 0 then redis.call('EXPIRE', leases, ttl) end
